@@ -1,0 +1,301 @@
+"""Slot memory for each backend, behind one small interface the link uses.
+
+The link (``cudalink.link``) runs the ring protocol; a backend only says where slot ``i`` lives,
+how data gets in, and how readiness and release are ordered (nothing, for host memory; IPC events
+on the GPU). Host and CUDA links therefore share every line of protocol code.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _cuda
+from .errors import FormatError, LinkError
+from .frames.frame import Frame, ReleaseCallback
+from .frames.spec import FrameSpec
+from .transport import wire
+
+SLOT_ALIGN = 4096
+
+
+def align(n: int, a: int = SLOT_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+# ======================================================================================= producer side
+
+
+class HostSlots:
+    """Slots in the transport's shared data region."""
+
+    backend = wire.BACKEND_HOST
+    device = -1
+    device_uuid = b"\0" * 16
+
+    def __init__(self, nslots: int, capacity: int) -> None:
+        self.nslots = nslots
+        self.stride = align(capacity)
+        self.data_size = self.stride * nslots
+        self._region: Any = None
+
+    def bind(self, region: Any) -> None:
+        self._region = region
+
+    def handles(self) -> list[wire.SlotHandle]:
+        return [wire.SlotHandle(b"", i * self.stride, b"", 0) for i in range(self.nslots)]
+
+    def fds(self) -> list[int]:
+        return []
+
+    def _array(self, slot: int, spec: FrameSpec) -> np.ndarray[Any, Any]:
+        buf = self._region.buf
+        return np.ndarray(spec.shape, spec.dtype, buffer=buf, offset=slot * self.stride, strides=spec.strides)
+
+    def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
+        info = _cuda.describe_array(src)
+        if info.device_id >= 0:
+            raise FormatError(
+                "cudalink: this link carries CPU frames but got a CUDA array; send x.cpu()/cupy.asnumpy(x), "
+                "or create the Sender with device=0"
+            )
+        spec.check_array(info.shape, info.dtype)
+        np.copyto(self._array(slot, spec), info.owner, casting="no")  # type: ignore[arg-type]
+
+    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame:
+        return Frame(spec, self._region.address + slot * self.stride, self._region, seq=seq, timestamp_ns=ts,
+                     writable=True)  # fmt: skip
+
+    def commit(self, slot: int, streams: list[int], stream: Any) -> None:
+        pass
+
+    def wait_release(self, slot: int, fences: list[Any]) -> None:
+        pass
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+class _ProducerSync:
+    """A reserved slot's frame: whoever writes it must first wait on the consumers' release fences."""
+
+    def __init__(self, fences: list[Any]) -> None:
+        self.fences = fences
+
+    def wait(self, stream: int) -> None:
+        for ev in self.fences:
+            _cuda.wait(stream, ev)
+
+    def cai_stream(self) -> int | None:
+        return None
+
+
+class CudaSlots:
+    """Slots on the GPU: a cuda.core IPC pool (or legacy cuIpc handles), one IPC ready-event per slot."""
+
+    data_size = 0
+
+    def __init__(self, ordinal: int, nslots: int, capacity: int, handles: str) -> None:
+        self.dev = _cuda.device(ordinal)
+        self.device = ordinal
+        self.device_uuid = _cuda.uuid_of(self.dev)
+        self.stream = self.dev.create_stream()
+        self.stream_int = _cuda.stream_handle(self.stream)
+        self.nslots = nslots
+        exporter = _cuda.LegacyExporter if handles == "legacy" else _cuda.PoolExporter
+        self.mem = exporter(self.dev, nslots, capacity, self.stream)
+        self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
+        self.ready = [_cuda.new_ipc_event(self.stream) for _ in range(nslots)]
+        self._sources: list[Any] = [None] * nslots
+
+    def bind(self, region: Any) -> None:
+        pass
+
+    def handles(self) -> list[wire.SlotHandle]:
+        out = []
+        for s, ev in zip(self.mem.slots, self.ready):
+            raw, flag = _cuda.event_handle(ev)
+            out.append(wire.SlotHandle(s.handle, s.size, raw, flag))
+        return out
+
+    def fds(self) -> list[int]:
+        return self.mem.fds()
+
+    def _stream(self, stream: Any) -> int:
+        return self.stream_int if stream is None else _cuda.stream_handle(stream)
+
+    def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
+        s = self._stream(stream)
+        self.dev.set_current()
+        info = _cuda.describe_array(src, stream_ptr=s)
+        spec.check_array(info.shape, info.dtype)
+        if info.device_id < 0:
+            raise FormatError(
+                f"cudalink: this link carries frames on cuda:{self.device} but got a host array; move it to the "
+                f"GPU first (torch: x.cuda(); cupy: cupy.asarray(x)), or use a device='cpu' link"
+            )
+        if info.device_id != self.device:
+            raise FormatError(f"cudalink: array is on cuda:{info.device_id}, the link on cuda:{self.device}")
+        if info.strides is not None and info.strides != spec.byte_strides:
+            raise FormatError("cudalink: array is not contiguous; call .contiguous() (torch) or ascontiguousarray")
+        for ev in fences:
+            _cuda.wait(s, ev)
+        self._settle(slot)
+        _cuda.memcpy_dtod(self.mem.slots[slot].ptr, info.ptr, spec.nbytes, s)
+        _cuda.record(self.ready[slot], s)
+        self._sources[slot] = info.owner  # keep the source alive until the copy has run
+
+    def _settle(self, slot: int) -> None:
+        """Before re-arming a slot's event, the previous copy out of a user's array must have finished."""
+        if self._sources[slot] is not None:
+            if not self.ready[slot].is_done:
+                self.ready[slot].sync()
+            self._sources[slot] = None
+
+    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame:
+        self._settle(slot)
+        s = self.mem.slots[slot]
+        return Frame(spec, s.ptr, s.keep, device=self.device, seq=seq, timestamp_ns=ts, writable=True,
+                     sync=_ProducerSync(fences))  # fmt: skip
+
+    def wait_release(self, slot: int, fences: list[Any]) -> None:
+        pass
+
+    def commit(self, slot: int, streams: list[int], stream: Any) -> None:
+        s = self._stream(stream)
+        _cuda.join_streams(s, streams)
+        _cuda.record(self.ready[slot], s)
+
+    def close(self, timeout: float) -> None:
+        self.dev.set_current()
+        self.stream.sync()
+        self._sources = [None] * self.nslots
+        self.mem.close(self.stream)
+
+
+# ======================================================================================= consumer side
+
+
+class HostView:
+    def __init__(self, fixed: wire.Fixed, client: Any, fds: list[int]) -> None:
+        self.data = client.map_data(fixed.generation, fixed.data_size)
+        self.region = client.data_segment
+        self.handles = fixed
+
+    def setup(self, header: Any, layout: wire.Layout, index: int) -> None:
+        pass
+
+    def frame(self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback,
+              gen: int) -> Frame:  # fmt: skip
+        return Frame(rec.spec, self.region.address + handle.size, self.region, seq=rec.seq,
+                     timestamp_ns=rec.timestamp_ns, meta=rec.meta, on_release=on_release, generation=gen)  # fmt: skip
+
+    def fence(self, slot: int, streams: list[int]) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class _ConsumerSync:
+    def __init__(self, view: CudaView, ready: Any) -> None:
+        self.view = view
+        self.ready = ready
+
+    def wait(self, stream: int) -> None:
+        _cuda.wait(stream, self.ready)
+
+    def cai_stream(self) -> int | None:
+        _cuda.wait(self.view.stream_int, self.ready)
+        return self.view.stream_int
+
+
+class CudaView:
+    """The consumer's imports: the pool (once), each slot buffer and ready event (once, lazily)."""
+
+    def __init__(self, fixed: wire.Fixed, client: Any, fds: list[int]) -> None:
+        self.dev = _cuda.device_by_uuid(fixed.device_uuid, fixed.device)
+        self.device = int(self.dev.device_id)
+        self.stream = self.dev.create_stream()
+        self.stream_int = _cuda.stream_handle(self.stream)
+        importer = _cuda.LegacyImporter if fixed.backend == wire.BACKEND_CUDA_LEGACY else _cuda.PoolImporter
+        self.mem = importer(self.dev, fds)
+        n = fixed.nslots
+        self._bufs: list[tuple[int, Any] | None] = [None] * n
+        self._ready: list[Any] = [None] * n
+        self.release_events: list[Any] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def setup(self, header: Any, layout: wire.Layout, index: int) -> None:
+        """Create this consumer's per-slot release events and publish their handles for the producer."""
+        self.release_events = [_cuda.new_ipc_event(self.stream) for _ in range(layout.nslots)]
+        for slot, ev in enumerate(self.release_events):
+            raw, flag = _cuda.event_handle(ev)
+            wire.RELEASE.pack_into(header, layout.release_handle(index, slot), raw, flag)
+
+    def frame(self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback,
+              gen: int) -> Frame:  # fmt: skip
+        got = self._bufs[slot]
+        if got is None:
+            with self._lock:
+                got = self._bufs[slot]
+                if got is None:
+                    got = self.mem.open(handle.memory, handle.size, self.stream)
+                    self._bufs[slot] = got
+                    self._ready[slot] = _cuda.import_event(handle.event, handle.event_flags)
+        ptr, keep = got
+        return Frame(rec.spec, ptr, (self, keep), device=self.device, seq=rec.seq, timestamp_ns=rec.timestamp_ns,
+                     meta=rec.meta, sync=_ConsumerSync(self, self._ready[slot]), on_release=on_release,
+                     generation=gen)  # fmt: skip
+
+    def fence(self, slot: int, streams: list[int]) -> bool:
+        """Record this slot's release event after the work the consumer queued on every stream it used."""
+        if not streams or self._closed:
+            return False
+        self.dev.set_current()
+        target = streams[0]
+        _cuda.join_streams(target, streams[1:])
+        _cuda.record(self.release_events[slot], target)
+        return True
+
+    def close(self) -> None:
+        """Unmap what we imported, before the producer frees it (the driver's rule)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.dev.set_current()
+            self.stream.sync()
+            for got in self._bufs:
+                if got is not None:
+                    self.mem.close_one(got[1], self.stream)
+            self._bufs = [None] * len(self._bufs)
+            self.mem.close()
+        except Exception:
+            pass
+
+
+def make_producer_slots(device: int | str, nslots: int, capacity: int, handles: str) -> HostSlots | CudaSlots:
+    if device == "cpu":
+        return HostSlots(nslots, capacity)
+    if handles not in ("auto", "pool", "legacy"):
+        raise LinkError(f"cudalink: handles must be 'auto', 'pool' or 'legacy', got {handles!r}")
+    ordinal = _cuda.parse_device(device)
+    if handles == "auto":
+        from ._platform import IS_LINUX
+
+        handles = "pool" if IS_LINUX else "legacy"
+    return CudaSlots(ordinal, nslots, capacity, handles)
+
+
+def make_consumer_view(fixed: wire.Fixed, client: Any, fds: list[int]) -> HostView | CudaView:
+    if fixed.backend == wire.BACKEND_HOST:
+        return HostView(fixed, client, fds)
+    return CudaView(fixed, client, fds)
+
+
+ReleaseHook = Callable[[int, int, list[int]], None]

@@ -1,0 +1,411 @@
+"""All cuda.core / cuda.bindings glue, including every import of their private modules.
+
+Nothing here runs at ``import cudalink``: CUDA is touched the first time a CUDA link, frame or
+diagnosis needs it, so a machine with no driver imports cudalink fine and gets a clear
+:class:`~cudalink.CudaUnavailable` only when it asks for the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import CudaUnavailable, FormatError, LinkError
+from .frames.spec import FrameSpec
+
+NO_GPU_HINT = "use device='cpu' for the host backend (same API, numpy frames)"
+
+
+class ArrayInfo(NamedTuple):
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    strides: tuple[int, ...] | None  # bytes; None = C-contiguous
+    device_id: int  # -1 = host
+    readonly: bool
+    owner: object
+
+
+def _drv() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _core() -> Any:
+    import cuda.core
+
+    return cuda.core
+
+
+def check(ret: Any, what: str) -> Any:
+    """Unwrap a cuda.bindings ``(CUresult, *values)`` tuple, raising a LinkError that names the call."""
+    err = ret[0]
+    if int(err) != 0:
+        drv = _drv()
+        try:
+            name = drv.cuGetErrorName(err)[1].decode()
+        except Exception:
+            name = str(int(err))
+        raise LinkError(f"cudalink: {what} failed with {name}")
+    return ret[1] if len(ret) == 2 else ret[1:]
+
+
+# -- arrays ----------------------------------------------------------------------------------------------
+
+
+def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
+    """Pointer, layout and device of any numpy / DLPack / CUDA-array-interface object, with no copy.
+
+    ``stream_ptr`` is handed to the exporter (DLPack ``stream=``), so its pending work is ordered before
+    ours on that stream; -1 means no ordering.
+    """
+    if isinstance(obj, np.ndarray) or (
+        not hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "__array_interface__")
+    ):
+        return _host_info(np.asarray(obj))
+    dl_dev = getattr(obj, "__dlpack_device__", None)
+    if dl_dev is not None and int(dl_dev()[0]) in (1, 3):
+        return _host_info(np.from_dlpack(obj))
+    if dl_dev is None and not hasattr(obj, "__cuda_array_interface__"):
+        try:
+            return _host_info(np.asarray(obj))
+        except Exception as exc:
+            raise FormatError(f"cudalink: cannot read {type(obj).__name__} as an array: {exc}") from None
+    from cuda.core.utils import StridedMemoryView
+
+    try:
+        view = StridedMemoryView.from_any_interface(obj, stream_ptr=stream_ptr)
+    except Exception as exc:
+        raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from None
+    dtype = np.dtype(view.dtype)
+    strides = None if view.strides is None else tuple(int(s) * dtype.itemsize for s in view.strides)
+    if not view.is_device_accessible:
+        raise FormatError("cudalink: array is neither host nor device memory")
+    return ArrayInfo(int(view.ptr), tuple(view.shape), dtype, strides, int(view.device_id), bool(view.readonly),
+                     (obj, view))  # fmt: skip
+
+
+def _host_info(arr: np.ndarray[Any, Any]) -> ArrayInfo:
+    strides = None if arr.flags.c_contiguous else tuple(arr.strides)
+    return ArrayInfo(int(arr.ctypes.data), tuple(arr.shape), arr.dtype, strides, -1, not arr.flags.writeable, arr)
+
+
+def typed_view(ptr: int, spec: FrameSpec, device_id: int, owner: object, readonly: bool) -> Any:
+    """A cuda.core StridedMemoryView over device memory: the object that speaks DLPack for CUDA frames."""
+    core = _core()
+    from cuda.core.utils import StridedMemoryView
+
+    buf = core.Buffer.from_handle(ptr, spec.nbytes, owner=owner)
+    strides = None if spec.strides is None else tuple(s // spec.itemsize for s in spec.strides)
+    return StridedMemoryView.from_buffer(buf, spec.shape, strides, dtype=spec.dtype, is_readonly=readonly)
+
+
+def copy_to_host(ptr: int, spec: FrameSpec, device_id: int, stream: int | None) -> np.ndarray[Any, Any]:
+    """Blocking device-to-host copy (for ``Frame.to_numpy``, tests and demos; not a hot path)."""
+    drv = _drv()
+    device(device_id)
+    if stream is not None:
+        check(drv.cuStreamSynchronize(drv.CUstream(stream)), "cuStreamSynchronize")
+    out = np.empty(spec.nbytes, np.uint8)
+    check(drv.cuMemcpyDtoH(out.ctypes.data, ptr, spec.nbytes), "cuMemcpyDtoH")
+    return np.lib.stride_tricks.as_strided(out.view(spec.dtype), spec.shape, spec.byte_strides).copy()
+
+
+def memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
+    drv = _drv()
+    check(drv.cuMemcpyDtoDAsync(dst, src, nbytes, drv.CUstream(stream)), "cuMemcpyDtoDAsync")
+
+
+def memcpy_htod(dst: int, src: int, nbytes: int, stream: int) -> None:
+    drv = _drv()
+    check(drv.cuMemcpyHtoDAsync(dst, src, nbytes, drv.CUstream(stream)), "cuMemcpyHtoDAsync")
+
+
+# -- devices -----------------------------------------------------------------------------------------------
+
+
+def parse_device(device: object) -> int:
+    """``0``, ``"cuda"``, ``"cuda:1"`` -> ordinal; anything else is a clear error."""
+    if isinstance(device, (int, np.integer)) and not isinstance(device, bool) and int(device) >= 0:
+        return int(device)
+    if isinstance(device, str):
+        text = device.strip().lower()
+        if text == "cuda":
+            return 0
+        if text.startswith("cuda:") and text[5:].isdigit():
+            return int(text[5:])
+    raise LinkError(f"cudalink: device must be 'cpu', a CUDA ordinal like 0, or 'cuda:N'; got {device!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_count() -> int:
+    try:
+        from cuda.core import system
+
+        return int(system.get_num_devices())
+    except Exception:
+        return 0
+
+
+def device(ordinal: int) -> Any:
+    """The cuda.core Device, made current; CudaUnavailable (with the way out) when there is none."""
+    core = _core()
+    try:
+        dev = core.Device(ordinal)
+        dev.set_current()
+    except RuntimeError as exc:  # includes cuda.pathfinder's DynamicLibNotFoundError (no driver)
+        raise CudaUnavailable(f"cudalink: no usable CUDA driver ({exc}); {NO_GPU_HINT}") from None
+    except (ValueError, IndexError) as exc:
+        raise CudaUnavailable(f"cudalink: no CUDA device {ordinal} ({exc}); {NO_GPU_HINT}") from None
+    return dev
+
+
+def device_by_uuid(uuid: bytes, fallback: int) -> Any:
+    """Open the producer's GPU by UUID, so differing CUDA_VISIBLE_DEVICES still meet on the same chip."""
+    core = _core()
+    try:
+        count = int(core.system.get_num_devices())
+    except Exception:
+        count = 0
+    if any(uuid):
+        for i in range(count):
+            dev = core.Device(i)
+            if _uuid_bytes(dev) == uuid:
+                dev.set_current()
+                return dev
+        raise CudaUnavailable("cudalink: the producer's GPU is not visible here; check CUDA_VISIBLE_DEVICES")
+    return device(fallback)
+
+
+def _uuid_bytes(dev: Any) -> bytes:
+    import uuid as _uuid
+
+    try:
+        return _uuid.UUID(str(dev.uuid)).bytes
+    except Exception:
+        return b"\0" * 16
+
+
+def uuid_of(dev: Any) -> bytes:
+    return _uuid_bytes(dev)
+
+
+def ipc_support(dev: Any) -> dict[str, bool]:
+    props = dev.properties
+    out = {}
+    for key in ("memory_pools_supported", "handle_type_posix_file_descriptor_supported"):
+        try:
+            out[key] = bool(getattr(props, key))
+        except Exception:
+            out[key] = False
+    out["linux"] = sys.platform.startswith("linux")
+    return out
+
+
+def require_pool_ipc(dev: Any) -> None:
+    sup = ipc_support(dev)
+    missing = [k for k, v in sup.items() if not v]
+    if missing:
+        raise CudaUnavailable(
+            f"cudalink: this GPU/OS cannot share cuda.core IPC memory pools (missing: {', '.join(missing)}); "
+            f"pass handles='legacy' (cuIpc handles, also on Windows/WSL) or {NO_GPU_HINT}"
+        )
+
+
+def stream_handle(stream: Any) -> int:
+    """Raw CUstream value of a cuda.core Stream, a torch/cupy stream, or an int."""
+    if stream is None:
+        raise LinkError("cudalink: no stream")
+    if hasattr(stream, "handle") and not isinstance(stream, int):
+        return int(stream.handle)
+    if hasattr(stream, "cuda_stream"):
+        return int(stream.cuda_stream) or 1
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1]) or 1
+    if isinstance(stream, (int, np.integer)):
+        return int(stream) or 1
+    raise LinkError(f"cudalink: {stream!r} is not a stream (pass a cuda.core/torch/cupy stream or an int handle)")
+
+
+# -- events ------------------------------------------------------------------------------------------------
+
+
+def new_ipc_event(stream: Any) -> Any:
+    core = _core()
+    return stream.record(options=core.EventOptions(ipc_enabled=True))
+
+
+def event_handle(ev: Any) -> tuple[bytes, int]:
+    """The 64-byte CUipcEventHandle plus its flag, for the header."""
+    args = ev.ipc_descriptor.__reduce__()[1]
+    return bytes(args[0]), int(bool(args[1]))
+
+
+def import_event(raw: bytes, flag: int) -> Any:
+    from cuda.core import Event
+    from cuda.core._event import IPCEventDescriptor
+
+    try:
+        return Event.from_ipc_descriptor(IPCEventDescriptor._init(raw, bool(flag)))
+    except Exception as exc:
+        raise LinkError(f"cudalink: could not open the producer's IPC event: {exc}") from None
+
+
+def record(ev: Any, stream: int) -> None:
+    """cuEventRecord directly: cuda.core refuses to re-record IPC events, and we reuse one per slot."""
+    drv = _drv()
+    check(drv.cuEventRecord(ev.handle, drv.CUstream(stream)), "cuEventRecord")
+
+
+def wait(stream: int, ev: Any) -> None:
+    drv = _drv()
+    check(drv.cuStreamWaitEvent(drv.CUstream(stream), ev.handle, 0), "cuStreamWaitEvent")
+
+
+def new_event() -> Any:
+    drv = _drv()
+    return check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+
+def join_streams(target: int, others: list[int]) -> None:
+    """Make ``target`` wait for everything queued on ``others`` (GPU-side)."""
+    drv = _drv()
+    for s in others:
+        if s == target:
+            continue
+        ev = new_event()
+        check(drv.cuEventRecord(ev, drv.CUstream(s)), "cuEventRecord")
+        check(drv.cuStreamWaitEvent(drv.CUstream(target), ev, 0), "cuStreamWaitEvent")
+        check(drv.cuEventDestroy(ev), "cuEventDestroy")
+
+
+# -- slot memory: cuda.core IPC pool, or legacy cuIpc handles ---------------------------------------------
+
+
+@dataclass
+class ExportedSlot:
+    ptr: int
+    handle: bytes  # 64 bytes
+    size: int
+    keep: Any
+
+
+class PoolExporter:
+    """Slots from one IPC-enabled DeviceMemoryResource: one fd per pool, 64 plain bytes per buffer."""
+
+    kind = "pool"
+
+    def __init__(self, dev: Any, nslots: int, size: int, stream: Any) -> None:
+        core = _core()
+        require_pool_ipc(dev)
+        gran = 2 << 20
+        per = (size + gran - 1) // gran * gran
+        opts = core.DeviceMemoryResourceOptions(ipc_enabled=True, max_size=per * nslots + gran)
+        self.mr = core.DeviceMemoryResource(dev, opts)
+        self.slots: list[ExportedSlot] = []
+        for _ in range(nslots):
+            buf = self.mr.allocate(size, stream=stream)
+            payload, bsize = buf.ipc_descriptor.__reduce__()[1][:2]
+            self.slots.append(ExportedSlot(int(buf.handle), bytes(payload), int(bsize), buf))
+        stream.sync()
+
+    def fds(self) -> list[int]:
+        return [int(self.mr.allocation_handle.handle)]
+
+    def close(self, stream: Any) -> None:
+        for s in self.slots:
+            s.keep.close(stream)
+        self.slots.clear()
+        stream.sync()
+        self.mr.close()
+
+
+class LegacyExporter:
+    """Slots from cuMemAlloc, shared with cuIpcGetMemHandle: no fds, works on Windows and WSL."""
+
+    kind = "legacy"
+
+    def __init__(self, dev: Any, nslots: int, size: int, stream: Any) -> None:
+        drv = _drv()
+        self.slots = []
+        for _ in range(nslots):
+            ptr = check(drv.cuMemAlloc(size), "cuMemAlloc")
+            h = check(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+            self.slots.append(ExportedSlot(int(ptr), bytes(h.reserved), size, ptr))
+
+    def fds(self) -> list[int]:
+        return []
+
+    def close(self, stream: Any) -> None:
+        drv = _drv()
+        stream.sync()
+        for s in self.slots:
+            drv.cuMemFree(s.keep)
+        self.slots.clear()
+
+
+class PoolImporter:
+    kind = "pool"
+
+    def __init__(self, dev: Any, fds: list[int]) -> None:
+        core = _core()
+        if not fds:
+            raise LinkError("cudalink: the producer sent no pool descriptor")
+        try:
+            self.mr = core.DeviceMemoryResource.from_allocation_handle(dev, fds[0])
+        finally:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def open(self, handle: bytes, size: int, stream: Any) -> tuple[int, Any]:
+        from cuda.core import Buffer
+        from cuda.core._memory._ipc import IPCBufferDescriptor
+
+        try:
+            buf = Buffer.from_ipc_descriptor(self.mr, IPCBufferDescriptor._init(handle, size), stream=stream)
+        except Exception as exc:
+            raise LinkError(f"cudalink: could not map the producer's slot: {exc}") from None
+        return int(buf.handle), buf
+
+    def close_one(self, keep: Any, stream: Any) -> None:
+        keep.close(stream)
+
+    def close(self) -> None:
+        self.mr.close()
+
+
+class LegacyImporter:
+    kind = "legacy"
+
+    def __init__(self, dev: Any, fds: list[int]) -> None:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def open(self, handle: bytes, size: int, stream: Any) -> tuple[int, Any]:
+        drv = _drv()
+        h = drv.CUipcMemHandle()
+        h.reserved = handle
+        ptr = check(
+            drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle"
+        )
+        return int(ptr), ptr
+
+    def close_one(self, keep: Any, stream: Any) -> None:
+        drv = _drv()
+        stream.sync()
+        drv.cuIpcCloseMemHandle(keep)
+
+    def close(self) -> None:
+        pass

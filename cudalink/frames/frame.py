@@ -1,0 +1,393 @@
+"""The typed frame every user touches: one class for host and CUDA memory, exported through DLPack.
+
+A frame never copies and never blocks the CPU. Its memory stays valid until the frame *and every
+array or tensor made from it* are gone: each export holds a reference to a small ``_Hold`` object,
+and the owner's ``on_release`` callback runs when the last one dies. For CUDA frames the callback
+learns which consumer streams the frame was exported to, so the owner can fence the memory on
+the GPU instead of trusting the CPU-side release.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import FormatError, LinkClosed
+from .spec import FrameSpec, PixelFormat, RowOrigin
+
+__all__ = ["DLDeviceType", "Frame", "FrameSync"]
+
+
+class DLDeviceType:
+    CPU = 1
+    CUDA = 2
+    CUDA_HOST = 3
+    CUDA_MANAGED = 13
+
+
+class FrameSync(Protocol):
+    """GPU-side ordering for a CUDA frame, supplied by whoever made the frame (a backend, the TD bridge)."""
+
+    def wait(self, stream: int) -> None:
+        """Make ``stream`` (a raw CUstream value; 1 = legacy default) wait until the frame may be touched."""
+
+    def cai_stream(self) -> int | None:
+        """A stream of this process on which the data is ready, for ``__cuda_array_interface__``."""
+
+
+ReleaseCallback = Callable[[list[int]], None]
+
+
+class _Hold:
+    """Keeps the memory's owner alive; every export references it. Its death is the frame's true release."""
+
+    __slots__ = ("__weakref__", "owner", "ptr", "streams")
+
+    def __init__(self, owner: object, ptr: int) -> None:
+        self.owner = owner
+        self.ptr = ptr
+        self.streams: list[int] = []
+
+
+class _HostArrayRef:
+    """Array-interface shim so numpy arrays over a frame keep the frame's ``_Hold`` as their base."""
+
+    __slots__ = ("__array_interface__", "hold")
+
+    def __init__(self, hold: _Hold, spec: FrameSpec, readonly: bool) -> None:
+        self.hold = hold
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": spec.shape,
+            "typestr": spec.dtype.str,
+            "strides": spec.strides,
+            "data": (hold.ptr, readonly),
+        }
+
+
+def _fire(cb: ReleaseCallback, streams: list[int]) -> None:
+    try:
+        cb(streams)
+    except Exception:  # a finalizer must never raise; the owner logs what matters
+        pass
+
+
+class Frame:
+    """One frame of a link: typed, zero-copy, and exportable to numpy, torch, cupy and jax.
+
+    Use :meth:`from_array` to wrap memory you own; links hand out frames from ``recv()`` and ``reserve()``.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_cai_exported",
+        "_device_id",
+        "_finalizer",
+        "_hold",
+        "_is_cuda",
+        "_lock",
+        "_meta",
+        "_released",
+        "_seq",
+        "_spec",
+        "_sync",
+        "_timestamp_ns",
+        "_view",
+        "_writable",
+        "generation",
+    )
+
+    def __init__(
+        self,
+        spec: FrameSpec,
+        ptr: int,
+        owner: object,
+        *,
+        device: str | int = "cpu",
+        seq: int = 0,
+        timestamp_ns: int = 0,
+        meta: bytes = b"",
+        writable: bool = False,
+        sync: FrameSync | None = None,
+        on_release: ReleaseCallback | None = None,
+        generation: int = 0,
+    ) -> None:
+        self._spec = spec
+        self._is_cuda = device != "cpu"
+        self._device_id = -1 if device == "cpu" else int(device)
+        self._seq = int(seq)
+        self._timestamp_ns = int(timestamp_ns)
+        self._meta = bytes(meta)
+        self._writable = writable
+        self._sync = sync
+        self._hold: _Hold | None = _Hold(owner, int(ptr))
+        self._released = False
+        self._cai_exported = False
+        self._finalizer = (
+            weakref.finalize(self._hold, _fire, on_release, self._hold.streams) if on_release else None
+        )
+        self._view: Any = None
+        self._lock = threading.Lock()
+        self.generation = generation
+
+    # -- construction from memory you own ---------------------------------------------------------
+
+    @classmethod
+    def from_array(
+        cls,
+        obj: Any,
+        *,
+        pixel_format: PixelFormat | str | None = None,
+        origin: RowOrigin | str = RowOrigin.TOP,
+        seq: int = 0,
+        timestamp_ns: int | None = None,
+        meta: bytes = b"",
+        sync: FrameSync | None = None,
+    ) -> Frame:
+        """Wrap any DLPack / array-interface object (numpy, torch, cupy, ...) as a Frame, without a copy.
+
+        The frame keeps ``obj`` alive. CUDA objects are read through ``__cuda_array_interface__`` or DLPack.
+        """
+        from .. import _cuda
+
+        ts = time.time_ns() if timestamp_ns is None else timestamp_ns
+        info = _cuda.describe_array(obj)
+        spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)
+        device: str | int = "cpu" if info.device_id < 0 else info.device_id
+        return cls(
+            spec,
+            info.ptr,
+            info.owner,
+            device=device,
+            seq=seq,
+            timestamp_ns=ts,
+            meta=meta,
+            writable=not info.readonly,
+            sync=sync,
+        )
+
+    # -- metadata -----------------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> FrameSpec:
+        return self._spec
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._spec.shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._spec.dtype
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Numpy-style strides in bytes."""
+        return self._spec.byte_strides
+
+    @property
+    def nbytes(self) -> int:
+        return self._spec.nbytes
+
+    @property
+    def ndim(self) -> int:
+        return self._spec.ndim
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``."""
+        return f"cuda:{self._device_id}" if self._is_cuda else "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._is_cuda
+
+    @property
+    def seq(self) -> int:
+        """Producer sequence number: 1, 2, 3... within one producer generation."""
+        return self._seq
+
+    @property
+    def timestamp_ns(self) -> int:
+        """``time.time_ns()`` on the producer when the frame was published."""
+        return self._timestamp_ns
+
+    @property
+    def pixel_format(self) -> PixelFormat | None:
+        return self._spec.pixel_format
+
+    @property
+    def origin(self) -> RowOrigin:
+        return self._spec.origin
+
+    @property
+    def meta(self) -> bytes:
+        """Small user bytes that travel with the frame."""
+        return self._meta
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def ptr(self) -> int:
+        """Address of element 0 (host or device). Valid while the frame is held."""
+        return self._live().ptr
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else self.device
+        return f"<cudalink.Frame seq={self._seq} {self._spec.label} {self.shape} {state}>"
+
+    # -- lifetime ---------------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Drop this frame's hold. Arrays/tensors made from it keep the memory until they die too."""
+        with self._lock:
+            self._released = True
+            self._view = None
+            if not self._cai_exported:
+                self._hold = None
+
+    def __enter__(self) -> Frame:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _export_streams(self) -> list[int]:
+        """Streams this frame was handed to through DLPack/CAI (for fences and commits)."""
+        hold = self._hold
+        return list(hold.streams) if hold is not None else []
+
+    def _live(self) -> _Hold:
+        hold = self._hold
+        if hold is None or self._released:
+            raise LinkClosed("cudalink: this frame was released; receive a new one (or keep it until you are done)")
+        return hold
+
+    # -- DLPack -----------------------------------------------------------------------------------------
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (DLDeviceType.CUDA, self._device_id) if self._is_cuda else (DLDeviceType.CPU, 0)
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | Any | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        if self._released:
+            raise BufferError("cudalink: this frame was released; cannot export it")
+        if not self._is_cuda:
+            if stream is not None:
+                raise BufferError("cudalink: a CPU frame takes no stream (DLPack requires stream=None on CPU)")
+            arr = self.numpy()
+            if dl_device is not None and tuple(dl_device) != (DLDeviceType.CPU, 0):
+                raise BufferError(f"cudalink: a CPU frame cannot be exported to device {dl_device}")
+            if copy:
+                arr = arr.copy()
+            if max_version is None:
+                return arr.__dlpack__()
+            return arr.__dlpack__(max_version=max_version, copy=False)
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(
+                f"cudalink: frame lives on {self.device}; it cannot be exported to DLPack device {tuple(dl_device)}"
+                " without a copy. Use frame.to_numpy() for a host copy."
+            )
+        if copy:
+            raise BufferError("cudalink: copy=True is not supported for CUDA frames; copy in your framework")
+        s = _stream_value(stream)
+        hold = self._live()
+        if s != -1:
+            if self._sync is not None:
+                self._sync.wait(s)
+            with self._lock:
+                if s not in hold.streams:
+                    hold.streams.append(s)
+        return self._cuda_view().__dlpack__(stream=None, max_version=max_version)
+
+    def _cuda_view(self) -> Any:
+        view = self._view
+        if view is None:
+            from .. import _cuda
+
+            hold = self._live()
+            view = _cuda.typed_view(hold.ptr, self._spec, self._device_id, hold, readonly=False)
+            self._view = view
+        return view
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CAI v3 fast path (torch.as_tensor, cupy.asarray). ``stream`` is one of ours on which data is ready."""
+        if not self._is_cuda:
+            raise AttributeError("__cuda_array_interface__ exists only on CUDA frames")
+        hold = self._live()
+        # CAI consumers keep the *frame* alive, not our hold: so release() must not drop the hold now.
+        self._cai_exported = True
+        stream = self._sync.cai_stream() if self._sync is not None else None
+        if stream is not None:
+            with self._lock:
+                if stream not in hold.streams:
+                    hold.streams.append(stream)
+        return {
+            "version": 3,
+            "shape": self._spec.shape,
+            "typestr": self._spec.dtype.str,
+            "strides": self._spec.strides,
+            "data": (hold.ptr, not self._writable),
+            "stream": stream,
+        }
+
+    # -- host access ----------------------------------------------------------------------------------
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """Zero-copy numpy view of a CPU frame (read-only unless the frame is writable, as in ``reserve``)."""
+        if self._is_cuda:
+            raise FormatError("cudalink: this frame is on the GPU; use frame.to_numpy() for a host copy")
+        hold = self._live()
+        return np.asarray(_HostArrayRef(hold, self._spec, readonly=not self._writable))
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        if self._is_cuda:
+            raise TypeError("cudalink: a CUDA frame is not host memory; use frame.to_numpy() or a GPU framework")
+        arr = self.numpy()
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
+
+    def to_numpy(self) -> np.ndarray[Any, Any]:
+        """A host copy. For CUDA frames this waits (CPU-side) for the frame's data: avoid it on hot paths."""
+        if not self._is_cuda:
+            return self.numpy().copy()
+        from .. import _cuda
+
+        hold = self._live()
+        if self._sync is not None:
+            stream = self._sync.cai_stream()
+        else:
+            stream = None
+        return _cuda.copy_to_host(hold.ptr, self._spec, self._device_id, stream)
+
+
+def _stream_value(stream: Any) -> int:
+    """Map a DLPack ``stream`` argument to a raw CUstream value (None means the legacy default stream)."""
+    if stream is None:
+        return 1
+    if hasattr(stream, "handle"):  # a cuda.core Stream
+        stream = int(stream.handle)
+    elif hasattr(stream, "cuda_stream"):  # torch / cupy stream objects
+        stream = int(stream.cuda_stream)
+    elif not isinstance(stream, int):
+        raise BufferError(f"cudalink: stream must be an int stream handle, got {stream!r}")
+    if stream == 0:
+        raise BufferError("cudalink: DLPack forbids stream=0; pass 1 for the legacy default stream")
+    if stream < -1:
+        raise BufferError(f"cudalink: invalid DLPack stream {stream}")
+    return int(stream)

@@ -1,0 +1,223 @@
+"""What a frame looks like: shape, dtype, strides and pixel layout, validated once, up front."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError
+
+__all__ = ["MAX_NDIM", "SUPPORTED_DTYPES", "FrameSpec", "PixelFormat", "RowOrigin", "as_dtype"]
+
+MAX_NDIM = 8
+#: Frames larger than this are refused: no real image is, and it keeps every size a safe u64.
+MAX_NBYTES = 1 << 40
+
+#: The element types every consumer framework (numpy, torch, cupy, jax) can take through DLPack.
+SUPPORTED_DTYPES: tuple[str, ...] = (
+    "bool",
+    "uint8",
+    "int8",
+    "uint16",
+    "int16",
+    "uint32",
+    "int32",
+    "uint64",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+)
+
+
+class PixelFormat(enum.Enum):
+    """Channel order of the last axis; bit depth comes from the dtype (RGBA + uint8 = RGBA8)."""
+
+    GRAY = "GRAY"
+    RG = "RG"
+    RGB = "RGB"
+    BGR = "BGR"
+    RGBA = "RGBA"
+    BGRA = "BGRA"
+
+    @property
+    def channels(self) -> int:
+        return 1 if self is PixelFormat.GRAY else len(self.value)
+
+
+class RowOrigin(enum.Enum):
+    """Where row 0 is. TouchDesigner (OpenGL) hands out bottom-up images."""
+
+    TOP = "top"
+    BOTTOM = "bottom"
+
+
+_DEPTH_SUFFIX = {"uint8": "8", "uint16": "16", "float16": "16F", "float32": "32F", "uint32": "32", "float64": "64F"}
+
+
+def as_dtype(dtype: Any) -> np.dtype[Any]:
+    """Normalise anything numpy understands (``"float32"``, ``np.float32``, a dtype) and check it is supported."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise FormatError(f"cudalink: {dtype!r} is not a dtype; use one of {', '.join(SUPPORTED_DTYPES)}") from exc
+    if dt.byteorder == ">" or dt.name not in SUPPORTED_DTYPES:
+        raise FormatError(
+            f"cudalink: dtype {dt.str} is not supported; use a native-endian one of {', '.join(SUPPORTED_DTYPES)}"
+        )
+    return dt.newbyteorder("=")
+
+
+def _check_int(value: Any, what: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise FormatError(f"cudalink: {what} must be an integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class FrameSpec:
+    """An immutable, validated frame description. Build it with keywords; it checks itself on creation.
+
+    ``strides`` are numpy-style byte strides; ``None`` means C-contiguous. ``nbytes`` is the span the
+    strides touch, which is what a slot must hold.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    strides: tuple[int, ...] | None = None
+    pixel_format: PixelFormat | None = None
+    origin: RowOrigin = RowOrigin.TOP
+
+    def __init__(
+        self,
+        shape: Sequence[int] | int,
+        dtype: Any = "uint8",
+        strides: Sequence[int] | None = None,
+        pixel_format: PixelFormat | str | None = None,
+        origin: RowOrigin | str = RowOrigin.TOP,
+    ) -> None:
+        if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+            shape = (int(shape),)
+        if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)):
+            raise FormatError(f"cudalink: shape must be a tuple of ints, got {shape!r}")
+        dims = tuple(_check_int(d, "every shape entry") for d in shape)
+        if not 1 <= len(dims) <= MAX_NDIM:
+            raise FormatError(f"cudalink: a frame has 1 to {MAX_NDIM} dimensions, got shape {dims}")
+        if any(d < 1 for d in dims):
+            raise FormatError(f"cudalink: every dimension must be >= 1, got shape {dims}")
+        dt = as_dtype(dtype)
+        if math.prod(dims) * dt.itemsize > MAX_NBYTES:
+            raise FormatError(f"cudalink: shape {dims} of {dt.name} exceeds the {MAX_NBYTES >> 30} GiB frame limit")
+        st: tuple[int, ...] | None = None
+        if strides is not None:
+            st = tuple(_check_int(s, "every stride") for s in strides)
+            if len(st) != len(dims):
+                raise FormatError(f"cudalink: strides {st} do not match the {len(dims)} dimensions of {dims}")
+            if any(s < 0 or s % dt.itemsize for s in st):
+                raise FormatError(
+                    f"cudalink: strides {st} must be non-negative multiples of the itemsize {dt.itemsize}"
+                )
+            if st == _c_strides(dims, dt.itemsize):
+                st = None
+            else:
+                _check_no_overlap(dims, st, dt.itemsize)
+        pf = _pixel_format(pixel_format)
+        if pf is not None:
+            channels = dims[-1] if len(dims) >= 3 else 1
+            if channels != pf.channels:
+                raise FormatError(
+                    f"cudalink: pixel format {pf.value} has {pf.channels} channel(s) but shape {dims} has {channels}"
+                    f" (the last axis of a 3-D shape counts channels)"
+                )
+        try:
+            org = RowOrigin(origin.value if isinstance(origin, RowOrigin) else str(origin).lower())
+        except ValueError:
+            raise FormatError(f"cudalink: origin must be 'top' or 'bottom', got {origin!r}") from None
+        object.__setattr__(self, "shape", dims)
+        object.__setattr__(self, "dtype", dt)
+        object.__setattr__(self, "strides", st)
+        object.__setattr__(self, "pixel_format", pf)
+        object.__setattr__(self, "origin", org)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.dtype.itemsize)
+
+    @property
+    def byte_strides(self) -> tuple[int, ...]:
+        """Strides in bytes, filled in for contiguous specs."""
+        return self.strides if self.strides is not None else _c_strides(self.shape, self.itemsize)
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.strides is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the frame spans: what a slot must hold."""
+        return sum((d - 1) * s for d, s in zip(self.shape, self.byte_strides)) + self.itemsize
+
+    @property
+    def label(self) -> str:
+        """Short human name such as ``RGBA8`` or ``BGRA8 bottom-up``; shape and dtype when no pixel format."""
+        if self.pixel_format is None:
+            return f"{'x'.join(map(str, self.shape))} {self.dtype.name}"
+        text = self.pixel_format.value + _DEPTH_SUFFIX.get(self.dtype.name, f" {self.dtype.name}")
+        return text + (" bottom-up" if self.origin is RowOrigin.BOTTOM else "")
+
+    def with_shape(self, shape: Sequence[int]) -> FrameSpec:
+        return FrameSpec(shape, self.dtype, None, self.pixel_format, self.origin)
+
+    def check_array(self, shape: Sequence[int], dtype: Any, what: str = "array") -> None:
+        """Raise a :class:`FormatError` that says exactly what differs, for ``send``."""
+        got = tuple(int(d) for d in shape)
+        dt = np.dtype(dtype)
+        if got != self.shape or dt != self.dtype:
+            raise FormatError(
+                f"cudalink: {what} is {got} {dt.name} but the link carries {self.shape} {self.dtype.name}; "
+                f"call reconfigure(shape=..., dtype=...) first to change the format"
+            )
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    out = []
+    acc = itemsize
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+def _check_no_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> None:
+    """Frames are written by copy; overlapping elements would make that ill-defined."""
+    span = itemsize
+    for d, s in sorted(zip(shape, strides), key=lambda t: t[1]):
+        if d > 1 and s < span:
+            raise FormatError(f"cudalink: strides {strides} make elements of shape {shape} overlap")
+        span = max(span, s * d) if d > 1 else span
+
+
+def _pixel_format(value: PixelFormat | str | None) -> PixelFormat | None:
+    if value is None or isinstance(value, PixelFormat):
+        return value
+    text = str(value).upper()
+    for suffix in ("32F", "16F", "64F", "8", "16", "32"):
+        if text.endswith(suffix) and text[: -len(suffix)] in PixelFormat.__members__:
+            text = text[: -len(suffix)]
+            break
+    try:
+        return PixelFormat[text]
+    except KeyError:
+        names = ", ".join(PixelFormat.__members__)
+        raise FormatError(f"cudalink: unknown pixel format {value!r}; use one of {names} (e.g. 'RGBA8')") from None

@@ -1,0 +1,721 @@
+"""``Sender`` and ``Receiver``: the thin facade users hold. Protocol in ``_ring``, memory in ``_backends``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Literal
+
+from . import _backends, _cuda, _platform
+from ._ring import ConsumerRing, ProducerRing
+from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
+from .frames.frame import Frame
+from .frames.spec import FrameSpec, PixelFormat, RowOrigin
+from .transport import wire
+from .transport.base import NoProducer, Peer, Reply, ServerHandler, Transport
+from .transport.shm import SharedMemoryTransport
+
+__all__ = ["Receiver", "Sender"]
+
+Policy = Literal["drop", "block"]
+WaitMode = Literal["spin", "block", "hybrid"]
+
+_default_transport: Transport | None = None
+
+
+def default_transport() -> Transport:
+    global _default_transport
+    if _default_transport is None:
+        _default_transport = SharedMemoryTransport()
+    return _default_transport
+
+
+# ============================================================================================ Sender
+
+
+class _Handler(ServerHandler):
+    """Runs on the transport's control thread: admits consumers, reclaims the leases of those who leave."""
+
+    def __init__(self, sender: Sender) -> None:
+        self.sender = sender
+        self.conns: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def on_hello(self, conn: int, message: bytes, peer: Peer) -> Reply:
+        s = self.sender
+        try:
+            hello = wire.unpack_hello(message)
+        except ProtocolError as exc:
+            return Reply(wire.pack_reject(wire.REJECT_BAD_HELLO, str(exc)), accepted=False)
+        if peer.uid != _platform.uid():
+            return Reply(wire.pack_reject(wire.REJECT_UID, "links are private to the user that created them"),
+                         accepted=False)  # fmt: skip
+        if hello.generation != s.generation:
+            return Reply(wire.pack_reject(wire.REJECT_GENERATION, "stale header; re-read it"), accepted=False)
+        if s._closing:
+            return Reply(wire.pack_reject(wire.REJECT_CLOSING, "producer is closing"), accepted=False)
+        with self.lock:
+            index = s._ring.free_index()
+            if index is None:
+                return Reply(wire.pack_reject(wire.REJECT_FULL, f"all {s._layout.nconsumers} consumer places taken; "
+                                              "create the Sender with a larger max_consumers"), accepted=False)  # fmt: skip
+            s._ring.join(index, peer.pid or hello.pid, hello.token)
+            self.conns[conn] = index
+        fds = tuple(s._slots.fds())
+        return Reply(wire.pack_welcome(wire.Welcome(index, s.generation, len(fds))), fds)
+
+    def on_leave(self, conn: int) -> None:
+        with self.lock:
+            index = self.conns.pop(conn, None)
+            if index is not None:
+                self.sender._forget_consumer(index)
+        self.sender._released.set()
+
+    def on_hint(self) -> None:
+        self.sender._released.set()
+
+
+class Sender:
+    """Publishes frames of one spec (changeable with :meth:`reconfigure`) to any number of Receivers.
+
+    ``device="cpu"`` keeps frames in shared host memory; ``device=0`` (or ``"cuda:0"``) allocates the slots
+    from a cuda.core IPC memory pool and orders everything with IPC events, never blocking the CPU.
+    ``policy`` says what ``send`` does when consumers hold every slot: ``"drop"`` the frame (counted) or
+    ``"block"`` up to ``timeout`` seconds.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        shape: tuple[int, ...] | list[int],
+        dtype: Any = "uint8",
+        slots: int = 4,
+        device: int | str = "cpu",
+        pixel_format: PixelFormat | str | None = None,
+        origin: RowOrigin | str = RowOrigin.TOP,
+        strides: tuple[int, ...] | None = None,
+        capacity: int | None = None,
+        policy: Policy = "drop",
+        timeout: float = 1.0,
+        max_consumers: int = 16,
+        handles: str = "auto",
+        transport: Transport | None = None,
+    ) -> None:
+        self.name = _platform.check_name(name)
+        self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
+        if policy not in ("drop", "block"):
+            raise LinkError(f"cudalink: policy must be 'drop' or 'block', got {policy!r}")
+        if not isinstance(slots, int) or not 1 <= slots <= wire.MAX_SLOTS:
+            raise LinkError(f"cudalink: slots must be 1..{wire.MAX_SLOTS}, got {slots!r}")
+        if not isinstance(max_consumers, int) or not 1 <= max_consumers <= wire.MAX_CONSUMERS:
+            raise LinkError(f"cudalink: max_consumers must be 1..{wire.MAX_CONSUMERS}, got {max_consumers!r}")
+        cap = self._spec.nbytes if capacity is None else int(capacity)
+        if cap < self._spec.nbytes:
+            raise FormatError(f"cudalink: capacity {cap} is smaller than one frame ({self._spec.nbytes} bytes)")
+        self.policy: Policy = policy
+        self.timeout = timeout
+        self.capacity = cap
+        self.generation = secrets.randbits(63) | 1
+        self._layout = wire.Layout(slots, max_consumers)
+        self._seq = 0
+        self._closing = False
+        self._closed = False
+        self._lock = threading.RLock()
+        self._released = threading.Event()
+        self._release_events: dict[tuple[int, int, int], Any] = {}
+        self._slots = _backends.make_producer_slots(device, slots, cap, handles)
+        self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
+        self._transport = transport or default_transport()
+        try:
+            self._server = self._transport.serve(self.name, self._layout.size, self._slots.data_size, self.generation)
+        except BaseException:
+            self._slots.close(0)
+            raise
+        self._slots.bind(self._server.data_segment)
+        buf = self._server.header
+        for slot, h in enumerate(self._slots.handles()):
+            wire.pack_handle(buf, self._layout.handle(slot), h)
+        now = time.time_ns()
+        wire.write_fixed(buf, wire.Fixed(
+            self._slots.backend, self._layout.size, self.generation, os.getpid(), wire.FLAG_READY, slots,
+            max_consumers, self._slots.device, cap, 0, 0, 0, now, self._slots.device_uuid, self._slots.data_size,
+        ))  # fmt: skip
+        self._ring = ProducerRing(buf, self._layout)
+        self._handler = _Handler(self)
+        self._server.start(self._handler)
+
+    # -- properties -----------------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> FrameSpec:
+        return self._spec
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._spec.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self._spec.dtype
+
+    @property
+    def slots(self) -> int:
+        return self._layout.nslots
+
+    @property
+    def seq(self) -> int:
+        """Sequence number of the last published frame."""
+        return self._seq
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def stream(self) -> Any:
+        """The link's own CUDA stream (cuda.core ``Stream``), or None on CPU links."""
+        return getattr(self._slots, "stream", None)
+
+    def stats(self) -> dict[str, int]:
+        buf = self._server.header
+        return {
+            "published": wire.read_u64(buf, wire.OFF_PUBLISHED),
+            "dropped": wire.read_u64(buf, wire.OFF_DROPPED),
+            "consumers": self._server.connection_count(),
+        }
+
+    def __repr__(self) -> str:
+        return f"<cudalink.Sender {self.name!r} {self._spec.label} slots={self.slots} {self.device}>"
+
+    # -- publishing -------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LinkClosed(f"cudalink: Sender {self.name!r} is closed; create a new one")
+
+    def _claim(self, timeout: float | None) -> int | None:
+        slot = self._ring.claim(self._seq + 1)
+        if slot is not None or self.policy == "drop":
+            return slot
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, True)
+        try:
+            while True:
+                self._released.clear()
+                slot = self._ring.claim(self._seq + 1)
+                if slot is not None:
+                    return slot
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LinkTimeout(
+                        f"cudalink: every slot of {self.name!r} stayed held by consumers for {limit}s "
+                        "(policy='block'); release frames sooner, add slots, or use policy='drop'"
+                    )
+                self._released.wait(min(left, 0.01))
+        finally:
+            self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, False)
+
+    def _fences(self, slot: int) -> list[Any]:
+        """Import (once) and return the release events consumers left on ``slot``."""
+        consumers = self._ring.take_fences(slot)
+        if not consumers or self._slots.backend == wire.BACKEND_HOST:
+            return []
+        out = []
+        for c in consumers:
+            key = (c, self._ring.token(c), slot)
+            ev = self._release_events.get(key)
+            if ev is None:
+                raw, flag = wire.RELEASE.unpack_from(self._server.header, self._layout.release_handle(c, slot))
+                try:
+                    ev = _cuda.import_event(bytes(raw), flag)
+                except LinkError:
+                    continue  # that consumer is gone; nothing of its can still be queued on our memory
+                self._release_events[key] = ev
+            out.append(ev)
+        return out
+
+    def _forget_consumer(self, index: int) -> None:
+        self._ring.leave(index)
+        for key in [k for k in self._release_events if k[0] == index]:
+            self._release_events.pop(key, None)
+
+    def send(
+        self,
+        array: Any,
+        *,
+        stream: Any = None,
+        timestamp_ns: int | None = None,
+        meta: bytes = b"",
+        timeout: float | None = None,
+    ) -> int | None:
+        """Copy ``array`` into the next free slot and publish it; returns its seq, or None if dropped.
+
+        On CUDA links the copy is queued on ``stream`` (default: the link's stream, ordered after the
+        array's producer through DLPack) and the CPU never waits for it.
+        """
+        with self._lock:
+            self._check_open()
+            if len(meta) > wire.META_MAX:
+                raise FormatError(f"cudalink: meta is {len(meta)} bytes; at most {wire.META_MAX} travel with a frame")
+            spec = self._spec
+            slot = self._claim(timeout)
+            if slot is None:
+                self._ring.count_drop()
+                return None
+            try:
+                self._slots.copy_in(slot, spec, array, stream, self._fences(slot))
+            except BaseException:
+                self._ring.abort(slot)
+                raise
+            return self._publish(slot, spec, timestamp_ns, meta)
+
+    def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
+        self._seq += 1
+        self._ring.publish(slot, self._seq, time.time_ns() if timestamp_ns is None else timestamp_ns, spec, meta)
+        self._server.wake()
+        return self._seq
+
+    @contextlib.contextmanager
+    def reserve(
+        self, *, stream: Any = None, meta: bytes = b"", timeout: float | None = None
+    ) -> Iterator[Frame]:
+        """Zero-copy: yields the next slot as a writable Frame; it is published when the block exits cleanly.
+
+        On CUDA links write on ``stream`` (or export the frame through DLPack on your stream: that stream
+        first waits for consumers still reading the slot); the ready event is recorded when the block
+        ends. If the block raises, nothing is published. When consumers hold every slot it raises
+        :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
+        """
+        with self._lock:
+            self._check_open()
+            spec = self._spec
+            slot = self._claim(timeout)
+            if slot is None:
+                self._ring.count_drop()
+                raise LinkTimeout(f"cudalink: every slot of {self.name!r} is held by consumers; nothing to reserve")
+            try:
+                fences = self._fences(slot)
+                ts = time.time_ns()
+                frame = self._slots.writable_frame(slot, spec, self._seq + 1, ts, fences)
+                if stream is not None and fences:
+                    frame._sync.wait(_cuda.stream_handle(stream))  # type: ignore[union-attr]
+            except BaseException:
+                self._ring.abort(slot)
+                raise
+            try:
+                yield frame
+            except BaseException:
+                frame.release()
+                self._ring.abort(slot)
+                raise
+            streams = frame._export_streams()
+            frame.release()
+            try:
+                self._slots.commit(slot, streams, stream)
+            except BaseException:
+                self._ring.abort(slot)
+                raise
+            self._publish(slot, spec, ts, meta)
+
+    def reconfigure(
+        self,
+        shape: tuple[int, ...] | list[int] | None = None,
+        dtype: Any = None,
+        *,
+        pixel_format: PixelFormat | str | None = None,
+        origin: RowOrigin | str | None = None,
+    ) -> FrameSpec:
+        """Change the format mid-stream; the next frame carries it. Must fit the slot capacity."""
+        with self._lock:
+            self._check_open()
+            old = self._spec
+            spec = FrameSpec(
+                old.shape if shape is None else shape,
+                old.dtype if dtype is None else dtype,
+                None,
+                pixel_format if pixel_format is not None else (old.pixel_format if shape is None else None),
+                old.origin if origin is None else origin,
+            )
+            if spec.nbytes > self.capacity:
+                raise FormatError(
+                    f"cudalink: {spec.shape} {spec.dtype.name} needs {spec.nbytes} bytes but slots hold "
+                    f"{self.capacity}; create the Sender with capacity={spec.nbytes} (or more) to allow it"
+                )
+            self._spec = spec
+            return spec
+
+    async def send_async(self, array: Any, **kwargs: Any) -> int | None:
+        """``send`` that waits for a free slot (policy ``"block"``) in a thread, not on the event loop."""
+        import asyncio
+
+        return await asyncio.to_thread(self.send, array, **kwargs)
+
+    # -- teardown ------------------------------------------------------------------------------------------
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule), then free everything."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closing = True
+            self._closed = True
+            try:
+                self._ring.set_flag(wire.FLAG_SHUTDOWN, True)
+                self._server.wake(b"\x00")
+                deadline = time.monotonic() + timeout
+                while self._server.connection_count() and time.monotonic() < deadline:
+                    self._released.wait(0.01)
+                    self._released.clear()
+            finally:
+                self._server.close()
+                self._release_events.clear()
+                self._slots.close(timeout)
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self._closed:
+                self.close(timeout=0.2)
+
+
+# ============================================================================================ Receiver
+
+
+class _Attachment:
+    """One producer generation as seen by one Receiver. Lives until its last frame is released."""
+
+    def __init__(self, client: Any, fixed: wire.Fixed, index: int, view: Any) -> None:
+        self.client = client
+        self.fixed = fixed
+        self.ring = ConsumerRing(client.header, fixed.layout, index, fixed.capacity)
+        self.view = view
+        self.handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
+        self.live = 0
+        self.detached = False
+        self.lock = threading.Lock()
+
+    def release(self, slot: int, seq: int, streams: list[int]) -> None:
+        fenced = False
+        with contextlib.suppress(Exception):
+            fenced = self.view.fence(slot, streams)
+        self.ring.release(slot, seq, fenced)
+        if self.ring.flags() & wire.FLAG_PRODUCER_WAITING:
+            with contextlib.suppress(Exception):
+                self.client.hint()
+        with self.lock:
+            self.live -= 1
+            done = self.detached and self.live == 0
+        if done:
+            self._unmap()
+
+    def detach(self) -> None:
+        """Close the control connection; unmap GPU memory now, or when the last frame goes."""
+        with self.lock:
+            if self.detached:
+                return
+            self.detached = True
+            idle = self.live == 0
+        if idle:
+            self._unmap()
+        self.client.close()
+
+    def _unmap(self) -> None:
+        with contextlib.suppress(Exception):
+            self.view.close()
+
+
+class Receiver:
+    """Receives frames from the producer named ``name``; attaches lazily, re-attaches after restarts.
+
+    ``latest=True`` (default) returns the newest unseen frame and counts the ones skipped;
+    ``latest=False`` returns every frame in order while the producer's slots still hold it.
+    ``wait`` picks how ``recv`` waits: ``"hybrid"`` (spin ``spin_us`` then sleep in the kernel),
+    ``"block"`` or ``"spin"``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        timeout: float = 5.0,
+        latest: bool = True,
+        wait: WaitMode = "hybrid",
+        spin_us: float = 50.0,
+        transport: Transport | None = None,
+        connect: bool = True,
+    ) -> None:
+        self.name = _platform.check_name(name)
+        if wait not in ("spin", "block", "hybrid"):
+            raise LinkError(f"cudalink: wait must be 'spin', 'block' or 'hybrid', got {wait!r}")
+        self.timeout = timeout
+        self.latest = latest
+        self.wait_mode: WaitMode = wait
+        self.spin_s = spin_us / 1e6
+        self._transport = transport or default_transport()
+        self._att: _Attachment | None = None
+        self._last = 0
+        self._dead_generation = 0
+        self.received = 0
+        self.skipped = 0
+        self.reattached = 0
+        self._closed = False
+        if connect:
+            self._attach(timeout)
+
+    # -- attaching ----------------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self._att.fixed.generation if self._att else 0
+
+    @property
+    def connected(self) -> bool:
+        return self._att is not None
+
+    @property
+    def device(self) -> str:
+        if self._att is None:
+            return "unknown"
+        f = self._att.fixed
+        return "cpu" if f.backend == wire.BACKEND_HOST else f"cuda:{self._att.view.device}"
+
+    @property
+    def capacity(self) -> int:
+        return self._att.fixed.capacity if self._att else 0
+
+    def fileno(self) -> int:
+        """Readable when a frame may be waiting (or the producer died): for selectors and event loops."""
+        if self._att is None:
+            raise LinkError("cudalink: not attached")
+        return self._att.client.fileno()
+
+    def _attach(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        last_error = "no producer"
+        while True:
+            try:
+                self._try_attach(deadline)
+                return
+            except NoProducer as exc:
+                last_error = str(exc) or "no producer"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LinkTimeout(
+                    f"cudalink: no producer published {self.name!r} within {timeout}s ({last_error}); "
+                    "start the Sender first, or pass a longer timeout"
+                )
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.05)
+
+    def _try_attach(self, deadline: float) -> None:
+        client = self._transport.connect(self.name)
+        try:
+            fixed = wire.read_fixed(client.header)
+            if not fixed.flags & wire.FLAG_READY or fixed.flags & wire.FLAG_SHUTDOWN:
+                raise NoProducer("producer is starting or stopping")
+            if fixed.generation == self._dead_generation:
+                raise NoProducer("only the dead producer's leftovers are there")
+            token = secrets.randbits(63)
+            hello = wire.pack_hello(wire.Hello(fixed.generation, token, os.getpid()))
+            try:
+                data, fds = client.handshake(hello, wire.WELCOME.size, max(0.05, deadline - time.monotonic()))
+            except (TimeoutError, ConnectionError) as exc:
+                raise NoProducer(f"handshake failed: {exc}") from None
+            try:
+                welcome = wire.unpack_reply(data, fixed.nconsumers)
+            except ProtocolError as exc:
+                for fd in fds:
+                    os.close(fd)
+                if "(reason 1)" in str(exc) or "(reason 5)" in str(exc) or not data:
+                    raise NoProducer(str(exc)) from None
+                raise
+            view = _backends.make_consumer_view(fixed, client, fds)
+            view.setup(client.header, fixed.layout, welcome.index)
+        except BaseException:
+            client.close()
+            raise
+        self._att = _Attachment(client, fixed, welcome.index, view)
+        self._last = 0
+
+    def _gone(self, why: str) -> ProducerGone:
+        att = self._att
+        if att is not None:
+            self._dead_generation = att.fixed.generation
+            att.detach()
+            self._att = None
+        return ProducerGone(f"cudalink: producer of {self.name!r} {why}; recv() again to wait for a new one")
+
+    # -- receiving ------------------------------------------------------------------------------------------
+
+    def _try_take(self) -> Frame | None:
+        att = self._att
+        assert att is not None
+        while True:
+            found = att.ring.find(self._last, self.latest)
+            if found is None:
+                return None
+            slot, seq = found
+            rec = att.ring.acquire(slot, seq)
+            if rec is None:
+                continue  # the producer reclaimed it between our read and our lease: look again
+            if self._last and seq > self._last + 1:
+                self.skipped += seq - self._last - 1
+            self._last = seq
+            self.received += 1
+            with att.lock:
+                att.live += 1
+            gen = att.fixed.generation
+
+            def on_release(streams: list[int], _a: _Attachment = att, _s: int = slot, _q: int = seq) -> None:
+                _a.release(_s, _q, streams)
+
+            try:
+                frame = att.view.frame(slot, att.handles[slot], rec, on_release, gen)
+            except BaseException:
+                on_release([])
+                raise
+            att.ring.count(self.received, self.skipped)
+            return frame
+
+    def poll(self) -> Frame | None:
+        """A new frame if one is there now, else None; never waits."""
+        self._check_open()
+        if self._att is None:
+            self._attach(0.0)
+        att = self._att
+        assert att is not None
+        frame = self._try_take()
+        if frame is None and not att.client.drain():
+            raise self._gone("closed or died")
+        return frame
+
+    def recv(self, timeout: float | None = None) -> Frame:
+        """The next frame (newest unseen by default). Raises LinkTimeout or ProducerGone."""
+        self._check_open()
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        if self._att is None:
+            try:
+                self._attach(limit)
+            except LinkTimeout:
+                if self._dead_generation:
+                    raise ProducerGone(
+                        f"cudalink: producer of {self.name!r} is gone and no new one appeared within {limit}s"
+                    ) from None
+                raise
+            self.reattached += 1 if self._dead_generation else 0
+        att = self._att
+        assert att is not None
+        mode = self.wait_mode
+        spin_until = time.monotonic() + (self.spin_s if mode == "hybrid" else 0.0)
+        n = 0
+        while True:
+            frame = self._try_take()
+            if frame is not None:
+                return frame
+            if att.ring.flags() & wire.FLAG_SHUTDOWN:
+                raise self._gone("closed the link")
+            now = time.monotonic()
+            if now >= deadline:
+                if not att.client.drain():
+                    raise self._gone("closed or died")
+                raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
+            if mode == "spin" or now < spin_until:
+                n += 1
+                if n & 1023 == 0 and not att.client.drain():
+                    raise self._gone("closed or died")
+                continue
+            if not att.client.wait(deadline - now):
+                raise self._gone("closed or died")
+
+    async def recv_async(self, timeout: float | None = None) -> Frame:
+        """Await the next frame: the event loop watches the control socket, no thread and no polling."""
+        import asyncio
+
+        self._check_open()
+        limit = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        if self._att is None:
+            await asyncio.wait_for(asyncio.to_thread(self._attach, limit), limit + 1.0)
+        while True:
+            frame = self.poll()
+            if frame is not None:
+                return frame
+            att = self._att
+            assert att is not None
+            if att.ring.flags() & wire.FLAG_SHUTDOWN:
+                raise self._gone("closed the link")
+            left = deadline - loop.time()
+            if left <= 0:
+                raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
+            fut: asyncio.Future[None] = loop.create_future()
+            fd = att.client.fileno()
+            loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+            try:
+                await asyncio.wait_for(fut, None if left == float("inf") else left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                loop.remove_reader(fd)
+
+    def __aiter__(self) -> AsyncIterator[Frame]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Frame]:
+        while not self._closed:
+            try:
+                yield await self.recv_async(timeout=float("inf") if self.timeout is None else self.timeout)
+            except ProducerGone:
+                return
+
+    def __iter__(self) -> Iterator[Frame]:
+        while not self._closed:
+            try:
+                yield self.recv()
+            except ProducerGone:
+                return
+
+    def stats(self) -> dict[str, int]:
+        return {"received": self.received, "skipped": self.skipped, "reattached": self.reattached}
+
+    # -- teardown ---------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LinkClosed(f"cudalink: Receiver {self.name!r} is closed; create a new one")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Leave the link. Frames you still hold stay valid; their memory is unmapped after the last one."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._att is not None:
+            self._att.detach()
+            self._att = None
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,130 @@
+"""The transport cut: what a link needs from the OS, in plain primitives (memoryviews, bytes, ints, fds).
+
+A transport makes two shared regions (the header and, for host frames, the data) visible to both
+sides, and runs the control channel: the HELLO/WELCOME handshake (with fd passing), one wake-up byte
+per publish, and end-of-file as the death notice. It knows nothing of frames, slots or CUDA; the
+ring protocol in ``cudalink._ring`` works over whatever memory a transport hands it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Client", "NoProducer", "Peer", "Server", "ServerHandler", "Transport"]
+
+
+class NoProducer(Exception):
+    """Nothing is published under that name right now (the caller decides whether to wait)."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is on the other end of a control connection, as the OS reports it."""
+
+    pid: int
+    uid: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The producer's answer to a HELLO."""
+
+    data: bytes
+    fds: tuple[int, ...] = ()
+    accepted: bool = True
+
+
+class ServerHandler(abc.ABC):
+    """Callbacks a server runs on its control thread."""
+
+    @abc.abstractmethod
+    def on_hello(self, conn: int, message: bytes, peer: Peer) -> Reply: ...
+
+    @abc.abstractmethod
+    def on_leave(self, conn: int) -> None: ...
+
+    @abc.abstractmethod
+    def on_hint(self) -> None: ...
+
+
+class Server(abc.ABC):
+    """The producer's end: owns the shared regions and the listening control channel."""
+
+    header: memoryview
+    data: memoryview | None
+
+    @abc.abstractmethod
+    def start(self, handler: ServerHandler) -> None:
+        """Begin accepting consumers (after the header is fully written)."""
+
+    @abc.abstractmethod
+    def wake(self, byte: bytes = b"\x01") -> None:
+        """Send one wake-up byte to every joined consumer; never blocks."""
+
+    @abc.abstractmethod
+    def disconnect(self, conn: int) -> None:
+        """Drop one consumer connection (it will see EOF)."""
+
+    @abc.abstractmethod
+    def connection_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop accepting, close every connection and remove the names. Idempotent."""
+
+
+class Client(abc.ABC):
+    """The consumer's end of one producer generation."""
+
+    header: memoryview
+
+    @abc.abstractmethod
+    def handshake(self, hello: bytes, reply_size: int, timeout: float) -> tuple[bytes, list[int]]:
+        """Send HELLO, return the producer's reply bytes and any passed fds."""
+
+    @abc.abstractmethod
+    def map_data(self, generation: int, size: int) -> memoryview:
+        """Map the host data region of that generation."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """Readable when a wake-up byte or EOF arrives (for select/asyncio)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None) -> bool:
+        """Block until woken or ``timeout``; drain wake-ups. False = producer gone (EOF)."""
+
+    @abc.abstractmethod
+    def drain(self) -> bool:
+        """Non-blocking :meth:`wait`: False = producer gone."""
+
+    @abc.abstractmethod
+    def hint(self) -> None:
+        """Tell a waiting producer that a lease was released."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """A way to share a link: SharedMemory + Unix socket by default, in-process for tests."""
+
+    @abc.abstractmethod
+    def serve(self, name: str, header_size: int, data_size: int, generation: int = 0) -> Server:
+        """Create the named link; replace stale leftovers; refuse a name that a live producer holds."""
+
+    @abc.abstractmethod
+    def connect(self, name: str) -> Client:
+        """Map an existing link's header; raise :class:`NoProducer` when none is there."""
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.connect(name).close()
+        except NoProducer:
+            return False
+        return True
+
+
+Wake = Callable[[], None]

@@ -1,0 +1,318 @@
+"""The control channel over stream sockets: a producer-side thread and consumer-side helpers.
+
+The producer thread accepts consumers, reads each HELLO, answers (passing fds with SCM_RIGHTS),
+notices EOF at once (a crashed consumer's leases are reclaimed right away), and turns consumer
+hints into a callback. Wake-ups go out from the publishing thread with non-blocking sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from .. import _platform
+from .base import Peer, ServerHandler
+from .wire import HELLO
+
+HANDSHAKE_TIMEOUT = 2.0
+
+
+class ControlLoop:
+    """One daemon thread per producer: accept, handshake, watch for EOF and hints."""
+
+    def __init__(self, listener: socket.socket | None, peer_of: Callable[[socket.socket], Peer]) -> None:
+        self._listener = listener
+        self._peer_of = peer_of
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._handler: ServerHandler | None = None
+        self._pending: dict[int, tuple[socket.socket, bytearray, float, Peer]] = {}
+        self._joined: dict[int, socket.socket] = {}
+        self._joined_list: tuple[socket.socket, ...] = ()
+        self._incoming: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._next = 1
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="cudalink-control", daemon=True)
+
+    def start(self, handler: ServerHandler) -> None:
+        self._handler = handler
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        if self._listener is not None:
+            self._listener.setblocking(False)
+            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._thread.start()
+
+    def add(self, sock: socket.socket) -> None:
+        """Hand an already-connected socket to the loop (the in-process transport uses this)."""
+        with self._lock:
+            self._incoming.append(sock)
+        self._poke()
+
+    def _poke(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def wake(self, byte: bytes) -> None:
+        for sock in self._joined_list:
+            try:
+                sock.send(byte, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                pass  # the consumer has unread wake-ups already
+            except OSError:
+                pass  # gone: the loop sees EOF and reclaims
+
+    def disconnect(self, conn: int) -> None:
+        with self._lock:
+            sock = self._joined.get(conn)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def connection_count(self) -> int:
+        return len(self._joined_list)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._poke()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)
+        for sock in list(self._joined.values()) + [s for s, *_ in self._pending.values()] + self._incoming:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._joined.clear()
+        self._joined_list = ()
+        with contextlib.suppress(Exception):
+            self._sel.close()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+
+    # -- the thread -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closed:
+            timeout = 0.5 if self._pending else None
+            try:
+                events = self._sel.select(timeout)
+            except (OSError, ValueError):
+                return
+            for key, _ in events:
+                if self._closed:
+                    break
+                tag = key.data
+                if tag == "wake":
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                    self._take_incoming()
+                elif tag == "listen":
+                    self._accept()
+                elif isinstance(tag, tuple) and tag[0] == "pending":
+                    self._read_hello(tag[1])
+                elif isinstance(tag, tuple) and tag[0] == "joined":
+                    self._read_joined(tag[1], key.fileobj)  # type: ignore[arg-type]
+            self._expire_pending()
+        self._drop_all()
+
+    def _take_incoming(self) -> None:
+        with self._lock:
+            socks, self._incoming = self._incoming, []
+        for sock in socks:
+            self._register_new(sock, Peer(os.getpid(), _platform.uid()))
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            try:
+                peer = self._peer_of(sock)
+            except OSError:
+                sock.close()
+                continue
+            self._register_new(sock, peer)
+
+    def _register_new(self, sock: socket.socket, peer: Peer) -> None:
+        sock.setblocking(False)
+        conn = self._next
+        self._next += 1
+        self._pending[conn] = (sock, bytearray(), time.monotonic() + HANDSHAKE_TIMEOUT, peer)
+        self._sel.register(sock, selectors.EVENT_READ, ("pending", conn))
+
+    def _read_hello(self, conn: int) -> None:
+        sock, buf, deadline, peer = self._pending[conn]
+        try:
+            chunk = sock.recv(HELLO.size - len(buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._forget_pending(conn, close=True)
+            return
+        buf += chunk
+        if len(buf) < HELLO.size:
+            return
+        self._forget_pending(conn, close=False)
+        assert self._handler is not None
+        try:
+            reply = self._handler.on_hello(conn, bytes(buf), peer)
+        except Exception as exc:  # a handler bug must not kill the loop
+            from .wire import REJECT_BAD_HELLO, pack_reject
+
+            reply_data, fds, accepted = pack_reject(REJECT_BAD_HELLO, f"producer error: {exc}"), (), False
+        else:
+            reply_data, fds, accepted = reply.data, reply.fds, reply.accepted
+        try:
+            sock.setblocking(True)
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            if fds:
+                socket.send_fds(sock, [reply_data], list(fds))
+            else:
+                sock.sendall(reply_data)
+            sock.setblocking(False)
+        except OSError:
+            accepted_ok = False
+        else:
+            accepted_ok = accepted
+        if not accepted_ok:
+            if accepted:
+                self._handler.on_leave(conn)
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        with self._lock:
+            self._joined[conn] = sock
+            self._joined_list = tuple(self._joined.values())
+        self._sel.register(sock, selectors.EVENT_READ, ("joined", conn))
+
+    def _read_joined(self, conn: int, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            assert self._handler is not None
+            self._handler.on_hint()
+            return
+        self._leave(conn, sock)
+
+    def _leave(self, conn: int, sock: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(sock)
+        with self._lock:
+            self._joined.pop(conn, None)
+            self._joined_list = tuple(self._joined.values())
+        with contextlib.suppress(OSError):
+            sock.close()
+        assert self._handler is not None
+        self._handler.on_leave(conn)
+
+    def _forget_pending(self, conn: int, close: bool) -> None:
+        sock = self._pending.pop(conn)[0]
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(sock)
+        if close:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _expire_pending(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c, (_, _, deadline, _) in self._pending.items() if deadline < now]:
+            self._forget_pending(conn, close=True)
+
+    def _drop_all(self) -> None:
+        for conn, sock in list(self._joined.items()):
+            with contextlib.suppress(OSError):
+                sock.close()
+            with self._lock:
+                self._joined.pop(conn, None)
+        self._joined_list = ()
+
+
+class ClientSocket:
+    """The consumer's control connection: handshake, then wake-ups and EOF."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.gone = False
+        self._poll = select.poll() if hasattr(select, "poll") else None
+        if self._poll is not None:
+            self._poll.register(sock, select.POLLIN)
+
+    def handshake(self, hello: bytes, reply_size: int, timeout: float) -> tuple[bytes, list[int]]:
+        self.sock.settimeout(timeout)
+        self.sock.sendall(hello)
+        data = b""
+        fds: list[int] = []
+        while len(data) < reply_size:
+            chunk, more, _flags, _addr = socket.recv_fds(self.sock, reply_size - len(data), 4)
+            fds.extend(more)
+            if not chunk:
+                break
+            data += chunk
+            if data[:4] == b"CLNO":  # a REJECT is shorter than a WELCOME: take what has arrived
+                with contextlib.suppress(OSError):
+                    self.sock.settimeout(0.2)
+                    data += self.sock.recv(4096)
+                break
+        self.sock.setblocking(False)
+        return data, fds
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def drain(self) -> bool:
+        if self.gone:
+            return False
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                data = b""
+            if not data or b"\x00" in data:
+                self.gone = True
+                return False
+            if len(data) < 65536:
+                return True
+
+    def wait(self, timeout: float | None) -> bool:
+        if self.gone:
+            return False
+        try:
+            if self._poll is not None:
+                ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
+                ready = self._poll.poll(ms)
+            else:
+                ready = select.select([self.sock], [], [], timeout)[0]
+        except (OSError, ValueError):
+            self.gone = True
+            return False
+        if ready:
+            return self.drain()
+        return True
+
+    def hint(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.send(b"R", socket.MSG_DONTWAIT)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.gone = True

@@ -1,0 +1,417 @@
+"""The wire layout: every byte that crosses a process boundary is defined here and nowhere else.
+
+All integers are little-endian. A link is one shared header segment (below) plus, for the host
+backend, one data segment; the control socket carries only HELLO / WELCOME / REJECT and then
+single wake-up bytes.
+
+Header segment::
+
+    region      offset                      size                       writer
+    ---------   -------------------------   ------------------------   ---------------------------
+    fixed       0                           FIXED_SIZE (256)           producer
+    stamps      FIXED_SIZE                  8 * nslots                 producer (per-slot seqlock)
+    records     + stamps                    RECORD_SIZE * nslots       producer (while stamp odd)
+    handles     + records                   HANDLE_SIZE * nslots       producer, once at start
+    leases      + handles                   8 * nslots * nconsumers    consumer c writes column c
+    fences      + leases                    4 * nslots * nconsumers    consumer sets, producer clears
+    consumers   + fences                    CONSUMER_SIZE(nslots) * nconsumers
+
+Fixed part (``FIXED``)::
+
+    off  type  field           meaning
+    0    8s    magic           b"CUDALINK"
+    8    u16   version         LAYOUT_VERSION; any other value is refused
+    10   u16   backend         BACKEND_HOST / BACKEND_CUDA_POOL / BACKEND_CUDA_LEGACY
+    12   u32   header_size     total bytes of this segment, checked against the slot/consumer counts
+    16   u64   generation      random, nonzero, new at every producer start (restarts are visible)
+    24   u32   pid             producer pid
+    28   u32   flags           FLAG_READY | FLAG_SHUTDOWN | FLAG_PRODUCER_WAITING
+    32   u16   nslots          1..MAX_SLOTS
+    34   u16   nconsumers      1..MAX_CONSUMERS (table entries)
+    36   i32   device          CUDA ordinal in the producer (-1 = host)
+    40   u64   capacity        bytes per slot
+    48   u64   published       frames published
+    56   u64   dropped         frames dropped because every slot was held
+    64   u64   last_publish_ns time.time_ns() of the last publish (liveness for monitors)
+    72   u64   created_ns      time.time_ns() at start
+    80   16s   device_uuid     GPU UUID, so a consumer opens the same GPU whatever its CUDA_VISIBLE_DEVICES
+    96   u64   data_size       bytes of the host data segment (0 for CUDA)
+    104  ...   reserved (zero)
+
+Slot stamps (``u64`` each): 0 = never written; odd ``2*seq+1`` = being written; even ``2*seq`` =
+holds frame ``seq``. A consumer reads a stamp, takes a lease, and re-reads the stamp: equal and
+even means the slot is its to read. The producer claims a slot by making its stamp odd only when no
+lease is set, and re-checks the leases after the claim. The two sides write-then-read opposite
+cells (a Dekker handshake); every field is an aligned 8-byte cell, written with one store.
+
+Slot record (``RECORD``, valid while the stamp is even and unchanged)::
+
+    0 u64 seq | 8 u64 timestamp_ns | 16 u64 nbytes | 24 u8 ndim | 25 u8 dtype | 26 u8 pixel format |
+    27 u8 origin | 28 u8 meta_len | 32 u64[8] shape | 96 i64[8] byte strides (0s = contiguous) | 160 64s meta
+
+Slot handles (``HANDLE``, static for the producer's life)::
+
+    0 64s memory handle (pool: CUmemPoolPtrExportData; legacy: CUipcMemHandle; host: unused) |
+    64 u64 memory size / host offset | 72 64s ready-event handle (CUipcEventHandle) | 136 u8 event flags
+
+Consumer entry (``CONSUMER`` + per-slot release-event handles)::
+
+    0 u32 state (0 free, 1 joined) | 4 u32 pid | 8 u64 token | 16 u64 received | 24 u64 skipped |
+    32 u64 joined_ns | 40 u64 last_recv_ns | 48 16s reserved | 64 + 72*i: 64s release-event handle, u64 flags
+
+Control messages (a Unix socket; each message is one ``send``)::
+
+    HELLO   consumer -> producer  b"CLHI" u16 version u16 0 u64 generation u64 token u32 pid    (28 bytes)
+    WELCOME producer -> consumer  b"CLOK" u16 version u16 consumer index u64 generation u32 nfds (24 bytes)
+                                  + nfds file descriptors via SCM_RIGHTS (the CUDA pool's)
+    REJECT  producer -> consumer  b"CLNO" u16 version u16 reason, then up to 200 bytes of UTF-8 text
+    then    producer -> consumer  one byte per publish (b"\\x01", wake-up), b"\\x00" on shutdown; EOF = gone
+            consumer -> producer  b"R": "I released a lease" (only while FLAG_PRODUCER_WAITING is set)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..frames.spec import MAX_NDIM, SUPPORTED_DTYPES, FrameSpec, PixelFormat, RowOrigin
+
+MAGIC = b"CUDALINK"
+LAYOUT_VERSION = 1
+MAX_SLOTS = 64
+MAX_CONSUMERS = 64
+META_MAX = 64
+HANDLE_BYTES = 64
+
+BACKEND_HOST = 0
+BACKEND_CUDA_POOL = 1
+BACKEND_CUDA_LEGACY = 2
+BACKEND_NAMES = {BACKEND_HOST: "host", BACKEND_CUDA_POOL: "cuda-pool", BACKEND_CUDA_LEGACY: "cuda-legacy"}
+
+FLAG_READY = 1
+FLAG_SHUTDOWN = 2
+FLAG_PRODUCER_WAITING = 4
+
+FIXED = struct.Struct("<8sHHIQIIHHiQQQQQ16sQ")
+FIXED_SIZE = 256
+RECORD = struct.Struct("<QQQBBBBB3x8Q8q64s")
+RECORD_SIZE = 256
+HANDLE = struct.Struct("<64sQ64sB")
+HANDLE_SIZE = 192
+CONSUMER = struct.Struct("<IIQQQQQ16x")
+CONSUMER_FIXED = 64
+RELEASE = struct.Struct("<64sQ")
+HELLO = struct.Struct("<4sHHQQI")
+WELCOME = struct.Struct("<4sHHQI")
+REJECT = struct.Struct("<4sHH")
+REJECT_TEXT_MAX = 200
+
+# stable codes: append only
+DTYPE_CODES: dict[str, int] = {name: i + 1 for i, name in enumerate(SUPPORTED_DTYPES)}
+DTYPE_NAMES: dict[int, str] = {v: k for k, v in DTYPE_CODES.items()}
+PIXFMT_CODES: dict[PixelFormat | None, int] = {None: 0, **{pf: i + 1 for i, pf in enumerate(PixelFormat)}}
+PIXFMT_BY_CODE: dict[int, PixelFormat | None] = {v: k for k, v in PIXFMT_CODES.items()}
+ORIGIN_CODES = {RowOrigin.TOP: 0, RowOrigin.BOTTOM: 1}
+ORIGIN_BY_CODE = {v: k for k, v in ORIGIN_CODES.items()}
+
+# fixed-header field offsets used on hot paths
+OFF_FLAGS = 28
+OFF_PUBLISHED = 48
+OFF_DROPPED = 56
+OFF_LAST_PUBLISH = 64
+
+REJECT_GENERATION = 1
+REJECT_FULL = 2
+REJECT_UID = 3
+REJECT_BAD_HELLO = 4
+REJECT_CLOSING = 5
+
+assert FIXED.size <= FIXED_SIZE and RECORD.size <= RECORD_SIZE and HANDLE.size <= HANDLE_SIZE
+assert CONSUMER.size == CONSUMER_FIXED
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of every region for a given slot and consumer count."""
+
+    nslots: int
+    nconsumers: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nslots <= MAX_SLOTS:
+            raise ProtocolError(f"cudalink: slot count {self.nslots} outside 1..{MAX_SLOTS}")
+        if not 1 <= self.nconsumers <= MAX_CONSUMERS:
+            raise ProtocolError(f"cudalink: consumer count {self.nconsumers} outside 1..{MAX_CONSUMERS}")
+
+    @property
+    def stamps(self) -> int:
+        return FIXED_SIZE
+
+    @property
+    def records(self) -> int:
+        return self.stamps + 8 * self.nslots
+
+    @property
+    def handles(self) -> int:
+        return self.records + RECORD_SIZE * self.nslots
+
+    @property
+    def leases(self) -> int:
+        return self.handles + HANDLE_SIZE * self.nslots
+
+    @property
+    def fences(self) -> int:
+        return self.leases + 8 * self.nslots * self.nconsumers
+
+    @property
+    def consumers(self) -> int:
+        return self.fences + 4 * self.nslots * self.nconsumers
+
+    @property
+    def consumer_size(self) -> int:
+        return CONSUMER_FIXED + RELEASE.size * self.nslots
+
+    @property
+    def size(self) -> int:
+        return self.consumers + self.consumer_size * self.nconsumers
+
+    def record(self, slot: int) -> int:
+        return self.records + RECORD_SIZE * slot
+
+    def handle(self, slot: int) -> int:
+        return self.handles + HANDLE_SIZE * slot
+
+    def lease(self, slot: int, consumer: int) -> int:
+        """Leases are slot-major, so the producer reads one slot's column in one unpack."""
+        return self.leases + 8 * (slot * self.nconsumers + consumer)
+
+    def fence(self, slot: int, consumer: int) -> int:
+        return self.fences + 4 * (slot * self.nconsumers + consumer)
+
+    def consumer(self, index: int) -> int:
+        return self.consumers + self.consumer_size * index
+
+    def release_handle(self, index: int, slot: int) -> int:
+        return self.consumer(index) + CONSUMER_FIXED + RELEASE.size * slot
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The decoded fixed header."""
+
+    backend: int
+    header_size: int
+    generation: int
+    pid: int
+    flags: int
+    nslots: int
+    nconsumers: int
+    device: int
+    capacity: int
+    published: int
+    dropped: int
+    last_publish_ns: int
+    created_ns: int
+    device_uuid: bytes
+    data_size: int
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.nslots, self.nconsumers)
+
+
+def write_fixed(buf: Any, f: Fixed) -> None:
+    FIXED.pack_into(
+        buf, 0, MAGIC, LAYOUT_VERSION, f.backend, f.header_size, f.generation, f.pid, f.flags, f.nslots,
+        f.nconsumers, f.device, f.capacity, f.published, f.dropped, f.last_publish_ns, f.created_ns,
+        f.device_uuid, f.data_size,
+    )  # fmt: skip
+
+
+def read_fixed(buf: Any, segment_size: int | None = None) -> Fixed:
+    """Decode and validate the fixed header; anything inconsistent is a :class:`ProtocolError`."""
+    if len(buf) < FIXED_SIZE:
+        raise ProtocolError(f"cudalink: header segment is {len(buf)} bytes, smaller than the {FIXED_SIZE}-byte header")
+    (magic, version, backend, header_size, generation, pid, flags, nslots, ncons, device, capacity, published,
+     dropped, last_ns, created_ns, uuid, data_size) = FIXED.unpack_from(buf, 0)  # fmt: skip
+    if magic != MAGIC:
+        raise ProtocolError(f"cudalink: not a cudalink segment (magic {magic!r}); is another program using the name?")
+    if version != LAYOUT_VERSION:
+        raise ProtocolError(
+            f"cudalink: producer speaks layout version {version}, this cudalink speaks {LAYOUT_VERSION}; "
+            "install the same cudalink version on both sides"
+        )
+    if backend not in BACKEND_NAMES:
+        raise ProtocolError(f"cudalink: unknown backend code {backend} in header")
+    layout = Layout(nslots, ncons)
+    if header_size != layout.size:
+        raise ProtocolError(f"cudalink: header claims {header_size} bytes but its counts need {layout.size}")
+    limit = len(buf) if segment_size is None else segment_size
+    if header_size > limit:
+        raise ProtocolError(f"cudalink: header claims {header_size} bytes but the segment has {limit}")
+    if generation == 0:
+        raise ProtocolError("cudalink: header has generation 0 (not initialised)")
+    if capacity <= 0 or capacity > (1 << 40):
+        raise ProtocolError(f"cudalink: slot capacity {capacity} is out of range")
+    if backend == BACKEND_HOST and data_size < capacity * nslots:
+        raise ProtocolError(f"cudalink: host data segment of {data_size} bytes cannot hold {nslots} slots")
+    return Fixed(backend, header_size, generation, pid, flags, nslots, ncons, device, capacity, published, dropped,
+                 last_ns, created_ns, uuid, data_size)  # fmt: skip
+
+
+def read_u64(buf: Any, off: int) -> int:
+    return int(struct.unpack_from("<Q", buf, off)[0])
+
+
+def write_u64(buf: Any, off: int, value: int) -> None:
+    struct.pack_into("<Q", buf, off, value)
+
+
+def read_u32(buf: Any, off: int) -> int:
+    return int(struct.unpack_from("<I", buf, off)[0])
+
+
+def write_u32(buf: Any, off: int, value: int) -> None:
+    struct.pack_into("<I", buf, off, value)
+
+
+def read_stamps(buf: Any, layout: Layout) -> tuple[int, ...]:
+    return struct.unpack_from(f"<{layout.nslots}Q", buf, layout.stamps)
+
+
+def read_column(buf: Any, layout: Layout, slot: int) -> tuple[int, ...]:
+    """All consumers' lease cells of one slot."""
+    return struct.unpack_from(f"<{layout.nconsumers}Q", buf, layout.lease(slot, 0))
+
+
+def read_fence_column(buf: Any, layout: Layout, slot: int) -> tuple[int, ...]:
+    return struct.unpack_from(f"<{layout.nconsumers}I", buf, layout.fence(slot, 0))
+
+
+# -- slot records ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    seq: int
+    timestamp_ns: int
+    spec: FrameSpec
+    meta: bytes
+
+
+def pack_record(buf: Any, off: int, seq: int, timestamp_ns: int, spec: FrameSpec, meta: bytes) -> None:
+    if len(meta) > META_MAX:
+        raise ProtocolError(f"cudalink: meta is {len(meta)} bytes; at most {META_MAX} travel with a frame")
+    pad = MAX_NDIM - spec.ndim
+    shape = (*spec.shape, *(0,) * pad)
+    strides = (*spec.strides, *(0,) * pad) if spec.strides is not None else (0,) * MAX_NDIM
+    RECORD.pack_into(
+        buf, off, seq, timestamp_ns, spec.nbytes, spec.ndim, DTYPE_CODES[spec.dtype.name],
+        PIXFMT_CODES[spec.pixel_format], ORIGIN_CODES[spec.origin], len(meta), *shape, *strides, meta,
+    )  # fmt: skip
+
+
+def unpack_record(buf: Any, off: int, capacity: int) -> SlotRecord:
+    """Decode a slot record; a record that lies about its sizes is a :class:`ProtocolError`, never a crash."""
+    vals = RECORD.unpack_from(buf, off)
+    seq, ts, nbytes, ndim, dcode, pcode, ocode, mlen = vals[:8]
+    shape, strides, meta = vals[8:16], vals[16:24], vals[24]
+    if not 1 <= ndim <= MAX_NDIM:
+        raise ProtocolError(f"cudalink: slot record has ndim {ndim}")
+    if dcode not in DTYPE_NAMES or pcode not in PIXFMT_BY_CODE or ocode not in ORIGIN_BY_CODE:
+        raise ProtocolError(f"cudalink: slot record has unknown codes dtype={dcode} format={pcode} origin={ocode}")
+    if mlen > META_MAX:
+        raise ProtocolError(f"cudalink: slot record meta length {mlen} > {META_MAX}")
+    st = tuple(strides[:ndim])
+    try:
+        spec = FrameSpec(
+            shape[:ndim], np.dtype(DTYPE_NAMES[dcode]), None if not any(st) else st, PIXFMT_BY_CODE[pcode],
+            ORIGIN_BY_CODE[ocode],
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ProtocolError(f"cudalink: slot record holds an invalid spec: {exc}") from None
+    if spec.nbytes != nbytes or nbytes > capacity:
+        raise ProtocolError(f"cudalink: slot record spans {spec.nbytes} bytes (says {nbytes}), slot holds {capacity}")
+    return SlotRecord(seq, ts, spec, bytes(meta[:mlen]))
+
+
+# -- static handles ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotHandle:
+    memory: bytes
+    size: int
+    event: bytes
+    event_flags: int
+
+
+def pack_handle(buf: Any, off: int, h: SlotHandle) -> None:
+    HANDLE.pack_into(buf, off, h.memory, h.size, h.event, h.event_flags)
+
+
+def unpack_handle(buf: Any, off: int) -> SlotHandle:
+    mem, size, ev, flags = HANDLE.unpack_from(buf, off)
+    return SlotHandle(bytes(mem), size, bytes(ev), flags)
+
+
+# -- control messages ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    generation: int
+    token: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Welcome:
+    index: int
+    generation: int
+    nfds: int
+
+
+def pack_hello(h: Hello) -> bytes:
+    return HELLO.pack(b"CLHI", LAYOUT_VERSION, 0, h.generation, h.token, h.pid)
+
+
+def unpack_hello(data: bytes) -> Hello:
+    if len(data) != HELLO.size:
+        raise ProtocolError(f"cudalink: HELLO is {len(data)} bytes, expected {HELLO.size}")
+    magic, version, _, gen, token, pid = HELLO.unpack(data)
+    if magic != b"CLHI":
+        raise ProtocolError(f"cudalink: bad HELLO magic {magic!r}")
+    if version != LAYOUT_VERSION:
+        raise ProtocolError(f"cudalink: consumer speaks version {version}, producer {LAYOUT_VERSION}")
+    return Hello(gen, token, pid)
+
+
+def pack_welcome(w: Welcome) -> bytes:
+    return WELCOME.pack(b"CLOK", LAYOUT_VERSION, w.index, w.generation, w.nfds)
+
+
+def pack_reject(reason: int, text: str) -> bytes:
+    return REJECT.pack(b"CLNO", LAYOUT_VERSION, reason) + text.encode()[:REJECT_TEXT_MAX]
+
+
+def unpack_reply(data: bytes, max_consumers: int) -> Welcome:
+    """Decode the producer's answer to HELLO; a REJECT becomes a ProtocolError carrying its text."""
+    if len(data) >= REJECT.size and data[:4] == b"CLNO":
+        _, _, reason = REJECT.unpack_from(data)
+        text = data[REJECT.size : REJECT.size + REJECT_TEXT_MAX].decode("utf-8", "replace")
+        raise ProtocolError(f"cudalink: producer refused to attach (reason {reason}): {text}")
+    if len(data) != WELCOME.size:
+        raise ProtocolError(f"cudalink: WELCOME is {len(data)} bytes, expected {WELCOME.size}")
+    magic, version, index, gen, nfds = WELCOME.unpack(data)
+    if magic != b"CLOK" or version != LAYOUT_VERSION:
+        raise ProtocolError(f"cudalink: bad WELCOME ({magic!r}, version {version})")
+    if index >= max_consumers:
+        raise ProtocolError(f"cudalink: WELCOME names consumer slot {index} of {max_consumers}")
+    if nfds > 4:
+        raise ProtocolError(f"cudalink: WELCOME announces {nfds} descriptors")
+    return Welcome(index, gen, nfds)

@@ -1,0 +1,179 @@
+"""GPU child processes (spawned): a torch producer and torch/cupy/jax consumers that verify on the device."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cudalink  # noqa: E402
+
+INT_VIEW = {"float32": "int32", "float16": "int16", "uint8": "uint8", "uint16": "int16"}
+
+
+def torch_pattern(torch: Any, seq: int, shape: tuple[int, ...], dtype: str) -> Any:
+    n = 1
+    for d in shape:
+        n *= d
+    base = torch.arange(n, device="cuda", dtype=torch.int64)
+    return ((base * 2654435761 + seq * 40503) % 251).to(getattr(torch, dtype)).view(shape)
+
+
+def gpu_producer(name: str, n: int, shape: tuple[int, ...], dtype: str, slots: int, mode: str, ready: Any,
+                 handles: str = "auto", every: float = 0.0, policy: str = "block") -> None:  # fmt: skip
+    import torch
+
+    torch.cuda.init()
+    with cudalink.Sender(name, shape=shape, dtype=dtype, slots=slots, device=0, handles=handles,
+                         policy=policy, timeout=20.0) as tx:  # type: ignore[arg-type]  # fmt: skip
+        s = torch.cuda.Stream()
+        ready.set()
+        with torch.cuda.stream(s):
+            for seq in range(1, n + 1):
+                pat = torch_pattern(torch, seq, shape, dtype)
+                if mode == "send":
+                    tx.send(pat)
+                else:
+                    with tx.reserve(stream=s.cuda_stream) as f:
+                        torch.from_dlpack(f).copy_(pat)
+                if every:
+                    time.sleep(every)
+        torch.cuda.synchronize()
+        ready.clear()
+        time.sleep(0.5)
+
+
+def gpu_producer_forever(name: str, shape: tuple[int, ...], ready: Any, handles: str = "auto") -> None:
+    import torch
+
+    with cudalink.Sender(name, shape=shape, dtype="uint8", slots=4, device=0, handles=handles) as tx:
+        ready.set()
+        seq = 0
+        while True:
+            seq += 1
+            tx.send(torch_pattern(torch, seq, shape, "uint8"))
+            time.sleep(0.0005)
+
+
+def gpu_consumer(name: str, framework: str, result: Any, slow: bool = False, latest: bool = False,
+                 max_s: float = 120.0) -> None:  # fmt: skip
+    """Verify each frame against the seq's pattern on the GPU; accumulate mismatches on the device."""
+    got = 0
+    try:
+        with cudalink.Receiver(name, timeout=30.0, latest=latest) as rx:
+            if framework == "torch":
+                import torch
+
+                s = torch.cuda.Stream()
+                bad = torch.zeros((), dtype=torch.int64, device="cuda")
+                end = time.monotonic() + max_s
+                with torch.cuda.stream(s):
+                    while time.monotonic() < end:
+                        try:
+                            frame = rx.recv(timeout=10.0)
+                        except cudalink.ProducerGone:
+                            break
+                        t = torch.from_dlpack(frame)
+                        if slow:
+                            torch.cuda._sleep(400_000)  # ~0.2 ms of GPU time before we read the slot
+                        exp = torch_pattern(torch, frame.seq, tuple(t.shape), frame.dtype.name)
+                        iv = getattr(torch, INT_VIEW[frame.dtype.name])
+                        bad += (t.view(iv) != exp.view(iv)).any().to(torch.int64)
+                        del t, exp
+                        frame.release()  # CPU-side release while our kernels may still run: the fence guards it
+                        got += 1
+                    s.synchronize()
+                mism = int(bad.item())
+            elif framework == "cupy":
+                import cupy as cp
+                import torch
+
+                mism = 0
+                s = cp.cuda.Stream(non_blocking=True)
+                bad = cp.zeros((), dtype=cp.int64)
+                with s:
+                    while True:
+                        try:
+                            frame = rx.recv(timeout=10.0)
+                        except cudalink.ProducerGone:
+                            break
+                        a = cp.from_dlpack(frame)
+                        exp = cp.from_dlpack(torch_pattern(torch, frame.seq, a.shape, frame.dtype.name))
+                        iv = INT_VIEW[frame.dtype.name]
+                        bad += cp.any(a.view(iv) != exp.view(iv)).astype(cp.int64)
+                        del a
+                        frame.release()
+                        got += 1
+                    s.synchronize()
+                mism = int(bad.get())
+            else:
+                import jax
+                import jax.numpy as jnp
+                import numpy as np
+
+                import tests._procs as hp
+
+                mism = 0
+                while True:
+                    try:
+                        frame = rx.recv(timeout=10.0)
+                    except cudalink.ProducerGone:
+                        break
+                    x = jax.dlpack.from_dlpack(frame)
+                    exp = hp.pattern(frame.seq, tuple(x.shape), frame.dtype.name)
+                    if not bool(jnp.array_equal(x, jnp.asarray(exp))):
+                        mism += 1
+                    del x
+                    frame.release()
+                    got += 1
+                    _ = np
+            result.put((framework, got, mism, ""))
+    except Exception as exc:
+        import traceback
+
+        result.put((framework, got, -1, traceback.format_exc()))
+
+
+def gpu_hold_forever(name: str, ready: Any) -> None:
+    import torch
+
+    with cudalink.Receiver(name, timeout=20.0) as rx:
+        frame = rx.recv(timeout=20.0)
+        t = torch.from_dlpack(frame)
+        ready.set()
+        time.sleep(600)
+        del t
+
+
+def gpu_attach_cycle(name: str, n: int, result: Any) -> None:
+    """Attach, read a frame, detach, n times; report fd count and GPU memory before/after."""
+    import torch
+
+    from cudalink import _cuda
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def free() -> int:
+        drv = _cuda._drv()
+        return int(_cuda.check(drv.cuMemGetInfo(), "cuMemGetInfo")[0])
+
+    try:
+        for i in range(n + 3):
+            if i == 3:
+                torch.cuda.synchronize()
+                f0, m0 = fds(), free()
+            with cudalink.Receiver(name, timeout=10.0) as rx:
+                frame = rx.recv(timeout=10.0)
+                t = torch.from_dlpack(frame)
+                _ = int(t.view(-1)[0].item())
+                del t
+                frame.release()
+        torch.cuda.synchronize()
+        result.put((f0, fds(), m0, free(), ""))
+    except Exception:
+        import traceback
+
+        result.put((0, 0, 0, 0, traceback.format_exc()))

@@ -1,0 +1,99 @@
+"""Child-process entry points for the multi-process tests (spawn needs importable functions)."""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+import cudalink
+
+
+def pattern(seq: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A frame whose every byte depends on its seq, so a torn or stale frame cannot pass."""
+    n = int(np.prod(shape))
+    base = (np.arange(n, dtype=np.uint64) * 2654435761 + seq * 40503) % 251
+    return base.astype(dtype).reshape(shape)
+
+
+def stamp(arr: np.ndarray, seq: int) -> bytes:
+    return zlib.crc32(arr.tobytes()).to_bytes(4, "little") + seq.to_bytes(8, "little")
+
+
+def host_producer(name: str, n: int, shape: tuple[int, ...], dtype: str, slots: int, ready: Any,
+                  go: Any = None, every: float = 0.0, policy: str = "drop") -> None:  # fmt: skip
+    """Publish n frames, each with its checksum in meta."""
+    with cudalink.Sender(name, shape=shape, dtype=dtype, slots=slots, device="cpu", policy=policy,  # type: ignore[arg-type]
+                         max_consumers=16) as tx:  # fmt: skip
+        ready.set()
+        if go is not None:
+            go.wait(30)
+        for seq in range(1, n + 1):
+            arr = pattern(seq, shape, dtype)
+            tx.send(arr, meta=stamp(arr, seq))
+            if every:
+                time.sleep(every)
+        ready.clear()
+        time.sleep(0.3)
+
+
+def host_producer_forever(name: str, shape: tuple[int, ...], dtype: str, ready: Any) -> None:
+    with cudalink.Sender(name, shape=shape, dtype=dtype, slots=4, device="cpu") as tx:
+        ready.set()
+        seq = 0
+        while True:
+            seq += 1
+            arr = pattern(seq, shape, dtype)
+            tx.send(arr, meta=stamp(arr, seq))
+            time.sleep(0.0005)
+
+
+def host_consumer(name: str, n_expected: int, result: Any, hold_s: float = 0.0, latest: bool = True,
+                  deadline_s: float = 60.0) -> None:  # fmt: skip
+    """Receive until the producer goes away; verify every frame's checksum against its content."""
+    got = mismatches = 0
+    seqs: list[int] = []
+    held: list[Any] = []
+    end = time.monotonic() + deadline_s
+    try:
+        with cudalink.Receiver(name, timeout=20.0, latest=latest) as rx:
+            while time.monotonic() < end:
+                try:
+                    frame = rx.recv(timeout=5.0)
+                except cudalink.ProducerGone:
+                    break
+                arr = np.from_dlpack(frame)
+                if hold_s:
+                    held.append(frame)
+                    time.sleep(hold_s)
+                    if len(held) > 2:
+                        old = held.pop(0)
+                        # a held frame must still be intact after the producer moved on
+                        if stamp(np.from_dlpack(old), old.seq) != old.meta:
+                            mismatches += 1
+                        old.release()
+                if stamp(arr, frame.seq) != frame.meta:
+                    mismatches += 1
+                seqs.append(frame.seq)
+                got += 1
+                if not hold_s:
+                    frame.release()
+                del arr
+            for f in held:
+                if stamp(np.from_dlpack(f), f.seq) != f.meta:
+                    mismatches += 1
+            result.put((os.getpid(), got, mismatches, seqs[-50:], rx.skipped, sorted(seqs) == seqs))
+    except Exception as exc:  # report, so the parent's assertion says what happened
+        result.put((os.getpid(), -1, -1, repr(exc), 0, False))
+
+
+def hold_lease_forever(name: str, ready: Any) -> None:
+    """Receive one frame, keep it, and wait to be killed."""
+    with cudalink.Receiver(name, timeout=10.0) as rx:
+        frame = rx.recv(timeout=10.0)
+        ready.set()
+        time.sleep(600)
+        frame.release()

@@ -1,0 +1,50 @@
+"""Shared fixtures: unique link names, the GPU gate, and spawn-only process helpers."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import multiprocessing as mp
+import os
+
+import pytest
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def name() -> str:
+    """A link name no other test (or earlier run) uses."""
+    return f"t{os.getpid()}-{next(_counter)}"
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_reason() -> str | None:
+    """None when a CUDA GPU with IPC pools is usable here, else why not."""
+    try:
+        from cudalink import _cuda
+
+        dev = _cuda.device(0)
+        missing = [k for k, v in _cuda.ipc_support(dev).items() if not v]
+        if missing:
+            return f"GPU lacks {missing}"
+    except Exception as exc:
+        return f"no usable GPU: {exc}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [i for i in items if "gpu" in i.keywords]
+    if not gpu_items:
+        return
+    reason = gpu_reason()
+    if reason:
+        skip = pytest.mark.skip(reason=reason)
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def ctx() -> mp.context.SpawnContext:
+    """Processes are spawned, never forked: forking after CUDA init is undefined."""
+    return mp.get_context("spawn")

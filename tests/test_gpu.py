@@ -1,0 +1,217 @@
+"""GPU acceptance: CUDA frames into torch/cupy/jax, and the IPC link across spawned processes.
+
+Run on a GPU machine with ``python -m pytest -m gpu``; skipped everywhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cudalink
+from cudalink.frames.frame import Frame
+
+from . import _gpu_procs as gp
+
+pytestmark = pytest.mark.gpu
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+DTYPES = ["uint8", "uint16", "float16", "float32", "int32", "float64"]
+SHAPES = [(7,), (5, 3), (17, 9, 4), (2, 3, 4, 5)]
+
+
+class _EventSync:
+    """A FrameSync over a plain torch event: what a backend does, minus IPC."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def wait(self, stream: int) -> None:
+        import torch
+
+        torch.cuda.ExternalStream(stream).wait_event(self.event) if stream > 2 else self.event.wait(
+            torch.cuda.default_stream()
+        )
+
+    def cai_stream(self) -> int | None:
+        return None
+
+
+def _torch() -> Any:
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cuda_frame_into_torch_cupy_jax(dtype: str, shape: tuple[int, ...]) -> None:
+    torch = _torch()
+    cp = pytest.importorskip("cupy")
+    src = torch.arange(int(np.prod(shape)), device="cuda").remainder(113).to(getattr(torch, dtype)).view(shape)
+    frame = Frame.from_array(src)
+    assert frame.is_cuda and frame.shape == shape and frame.dtype == np.dtype(dtype)
+    ref = src.cpu().numpy()
+    assert np.array_equal(torch.from_dlpack(frame).cpu().numpy(), ref)
+    assert np.array_equal(cp.asnumpy(cp.from_dlpack(frame)), ref)
+    assert np.array_equal(torch.as_tensor(frame, device="cuda").cpu().numpy(), ref)  # CAI fast path
+    assert np.array_equal(frame.to_numpy(), ref)
+    if dtype != "float64":
+        jax = pytest.importorskip("jax")
+        assert np.array_equal(np.asarray(jax.dlpack.from_dlpack(frame)), ref)
+
+
+def test_cuda_frame_keeps_strides() -> None:
+    torch = _torch()
+    base = torch.arange(64 * 3, device="cuda", dtype=torch.float32).view(64, 3)
+    view = base[::2]  # non-contiguous rows
+    frame = Frame.from_array(view)
+    assert frame.strides == (24, 4)
+    assert torch.equal(torch.from_dlpack(frame), view)
+
+
+def test_consumer_stream_waits_for_ready_event_without_cpu_sync() -> None:
+    """Producer writes after a long GPU sleep; a consumer on another stream must still see the new data."""
+    torch = _torch()
+    prod, cons = torch.cuda.Stream(), torch.cuda.Stream()
+    buf = torch.zeros(1 << 20, device="cuda", dtype=torch.int32)
+    torch.from_dlpack(Frame.from_array(buf)).sum()  # warm up imports and lazy init outside the measured part
+    torch.cuda.synchronize()
+    ev = torch.cuda.Event()
+    with torch.cuda.stream(prod):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time: far longer than the consumer's launch
+        buf.fill_(7)
+        ev.record(prod)
+    frame = Frame.from_array(buf, sync=_EventSync(ev))
+    with torch.cuda.stream(cons):
+        t = torch.from_dlpack(frame)  # torch passes cons as the stream: it must wait on ev
+        total = t.sum()
+    # had the handshake blocked the CPU until the data was ready, the event would be complete by now
+    assert not ev.query(), "the CPU blocked in the DLPack handshake (or the GPU sleep was too short)"
+    cons.synchronize()  # .item() reads on the default stream, which does not order after `cons`
+    assert int(total.item()) == 7 * (1 << 20)
+
+
+def test_no_gpu_message_names_cpu_backend() -> None:
+    with pytest.raises(cudalink.LinkError, match="cuda:|device"):
+        cudalink.Sender("bad-device", shape=(4,), device="gpu7")
+
+
+# ============================================================================== across processes
+
+
+def _run(ctx: Any, target: Any, *args: Any) -> Any:
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+@pytest.mark.parametrize("handles", ["pool", "legacy"])
+def test_ipc_every_consumer_framework_and_a_slow_consumer(ctx: Any, name: str, handles: str) -> None:
+    """10,000 distinct frames; torch, cupy, jax and a slow torch consumer verify each on the device."""
+    ready, result = ctx.Event(), ctx.Queue()
+    prod = _run(ctx, gp.gpu_producer, name, 10_000, (64, 48, 4), "uint8", 4, "send", ready, handles, 0.0)
+    assert ready.wait(60)
+    consumers = [
+        _run(ctx, gp.gpu_consumer, name, "torch", result, False, False),
+        _run(ctx, gp.gpu_consumer, name, "cupy", result, False, False),
+        _run(ctx, gp.gpu_consumer, name, "jax", result, False, True),
+        _run(ctx, gp.gpu_consumer, name, "torch", result, True, False),
+    ]
+    outs = [result.get(timeout=240) for _ in consumers]
+    prod.join(60)
+    for p in consumers:
+        p.join(30)
+    for fw, got, mism, err in outs:
+        assert mism == 0, (fw, got, mism, err)
+        assert got > 0, (fw, err)
+    torch_fast = [o for o in outs if o[0] == "torch"]
+    assert max(o[1] for o in torch_fast) >= 9_000, outs  # a consumer that keeps up sees (nearly) every frame
+    assert prod.exitcode == 0
+
+
+@pytest.mark.parametrize("mode", ["send", "reserve"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "uint8", "uint16"])
+@pytest.mark.parametrize("shape", [(1080, 1920, 4), (2160, 3840, 4)])
+def test_ipc_modes_dtypes_and_sizes(ctx: Any, name: str, mode: str, dtype: str, shape: tuple[int, ...]) -> None:
+    ready, result = ctx.Event(), ctx.Queue()
+    prod = _run(ctx, gp.gpu_producer, name, 40, shape, dtype, 3, mode, ready, "auto", 0.002)
+    assert ready.wait(60)
+    cons = _run(ctx, gp.gpu_consumer, name, "torch", result, False, False)
+    fw, got, mism, err = result.get(timeout=120)
+    prod.join(60)
+    cons.join(30)
+    assert mism == 0 and got > 0, (got, mism, err)
+
+
+@pytest.mark.parametrize("handles", ["pool", "legacy"])
+def test_producer_kill_restart_and_consumer_kill(ctx: Any, name: str, handles: str) -> None:
+    ready = ctx.Event()
+    prod = _run(ctx, gp.gpu_producer_forever, name, (32, 32, 4), ready, handles)
+    assert ready.wait(60)
+    # a consumer that dies holding a lease (and a torch tensor) must not stall the producer
+    held = ctx.Event()
+    victim = _run(ctx, gp.gpu_hold_forever, name, held)
+    assert held.wait(60)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    with cudalink.Receiver(name, timeout=20.0) as rx:
+        first = rx.recv(timeout=5.0).seq
+        time.sleep(0.3)
+        assert rx.recv(timeout=5.0).seq > first + 10  # still publishing
+        os.kill(prod.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.ProducerGone):
+            while True:
+                rx.recv(timeout=5.0).release()
+        assert time.monotonic() - t0 < 1.0
+    prod.join(10)
+    ready.clear()
+    prod2 = _run(ctx, gp.gpu_producer_forever, name, (32, 32, 4), ready, handles)
+    try:
+        assert ready.wait(60)
+        with cudalink.Receiver(name, timeout=20.0) as rx2:
+            f = rx2.recv(timeout=5.0)
+            assert f.seq >= 1 and f.generation == rx2.generation
+            torch = _torch()
+            exp = gp.torch_pattern(torch, f.seq, (32, 32, 4), "uint8")
+            assert torch.equal(torch.from_dlpack(f), exp)
+    finally:
+        os.kill(prod2.pid, signal.SIGKILL)
+        prod2.join(10)
+
+
+def test_gpu_memory_and_fds_flat_over_attach_cycles(ctx: Any, name: str) -> None:
+    ready, result = ctx.Event(), ctx.Queue()
+    prod = _run(ctx, gp.gpu_producer_forever, name, (256, 256, 4), ready, "auto")
+    try:
+        assert ready.wait(60)
+        cyc = _run(ctx, gp.gpu_attach_cycle, name, 40, result)
+        f0, f1, m0, m1, err = result.get(timeout=240)
+        cyc.join(30)
+        assert not err, err
+        assert f1 == f0, f"fd count grew {f0} -> {f1}"
+        assert abs(m1 - m0) <= 4 << 20, f"free GPU memory moved {m0} -> {m1}"
+    finally:
+        os.kill(prod.pid, signal.SIGKILL)
+        prod.join(10)
+
+
+def test_in_process_cuda_link_roundtrip(name: str) -> None:
+    torch = _torch()
+    with cudalink.Sender(name, shape=(8, 8), dtype="float32", device=0) as tx, cudalink.Receiver(name) as rx:
+        x = torch.randn(8, 8, device="cuda")
+        tx.send(x)
+        with rx.recv(timeout=5) as f:
+            assert f.device == "cuda:0"
+            assert torch.equal(torch.from_dlpack(f), x)
+        with pytest.raises(cudalink.FormatError, match="host array"):
+            tx.send(np.zeros((8, 8), np.float32))
+        with pytest.raises(cudalink.FormatError):
+            tx.send(torch.zeros(4, 4, device="cuda"))
+        tx.send(x * 2)  # the link is still usable after bad input
+        assert torch.equal(torch.from_dlpack(rx.recv(timeout=5)), x * 2)

@@ -173,6 +173,8 @@ class CudaSlots:
         self.dev.set_current()
         self.stream.sync()
         self._sources = [None] * self.nslots
+        for ev in self.ready:
+            _cuda.close_ipc_event(ev)
         self.mem.close(self.stream)
 
 
@@ -274,6 +276,8 @@ class CudaView:
                 if got is not None:
                     self.mem.close_one(got[1], self.stream)
             self._bufs = [None] * len(self._bufs)
+            for ev in self.release_events:
+                _cuda.close_ipc_event(ev)
             self.mem.close()
         except Exception:
             pass

@@ -233,12 +233,39 @@ def stream_handle(stream: Any) -> int:
     raise LinkError(f"cudalink: {stream!r} is not a stream (pass a cuda.core/torch/cupy stream or an int handle)")
 
 
+# -- handles this process exported ------------------------------------------------------------------------
+#
+# CUDA refuses to open an IPC handle in the process that exported it, yet a Receiver may share a process
+# with its Sender (notebooks, tests, a TD project with both). Everything we export is registered by its
+# handle bytes, and "importing" one of our own handles returns the original object.
+
+_local: dict[bytes, Any] = {}
+
+
+def register_local(handle: bytes, obj: Any) -> None:
+    _local[bytes(handle)] = obj
+
+
+def unregister_local(handle: bytes) -> None:
+    _local.pop(bytes(handle), None)
+
+
+def local(handle: bytes) -> Any:
+    return _local.get(bytes(handle))
+
+
 # -- events ------------------------------------------------------------------------------------------------
 
 
 def new_ipc_event(stream: Any) -> Any:
     core = _core()
-    return stream.record(options=core.EventOptions(ipc_enabled=True))
+    ev = stream.record(options=core.EventOptions(ipc_enabled=True))
+    register_local(event_handle(ev)[0], ev)
+    return ev
+
+
+def close_ipc_event(ev: Any) -> None:
+    unregister_local(event_handle(ev)[0])
 
 
 def event_handle(ev: Any) -> tuple[bytes, int]:
@@ -251,6 +278,9 @@ def import_event(raw: bytes, flag: int) -> Any:
     from cuda.core import Event
     from cuda.core._event import IPCEventDescriptor
 
+    mine = local(raw)
+    if mine is not None:
+        return mine
     try:
         return Event.from_ipc_descriptor(IPCEventDescriptor._init(raw, bool(flag)))
     except Exception as exc:
@@ -313,6 +343,7 @@ class PoolExporter:
             buf = self.mr.allocate(size, stream=stream)
             payload, bsize = buf.ipc_descriptor.__reduce__()[1][:2]
             self.slots.append(ExportedSlot(int(buf.handle), bytes(payload), int(bsize), buf))
+            register_local(bytes(payload), (int(buf.handle), buf))
         stream.sync()
 
     def fds(self) -> list[int]:
@@ -320,6 +351,7 @@ class PoolExporter:
 
     def close(self, stream: Any) -> None:
         for s in self.slots:
+            unregister_local(s.handle)
             s.keep.close(stream)
         self.slots.clear()
         stream.sync()
@@ -338,6 +370,7 @@ class LegacyExporter:
             ptr = check(drv.cuMemAlloc(size), "cuMemAlloc")
             h = check(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
             self.slots.append(ExportedSlot(int(ptr), bytes(h.reserved), size, ptr))
+            register_local(bytes(h.reserved), (int(ptr), None))
 
     def fds(self) -> list[int]:
         return []
@@ -346,6 +379,7 @@ class LegacyExporter:
         drv = _drv()
         stream.sync()
         for s in self.slots:
+            unregister_local(s.handle)
             drv.cuMemFree(s.keep)
         self.slots.clear()
 
@@ -354,33 +388,54 @@ class PoolImporter:
     kind = "pool"
 
     def __init__(self, dev: Any, fds: list[int]) -> None:
-        core = _core()
         if not fds:
             raise LinkError("cudalink: the producer sent no pool descriptor")
-        try:
-            self.mr = core.DeviceMemoryResource.from_allocation_handle(dev, fds[0])
-        finally:
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        self.dev = dev
+        self.fds = list(fds)
+        self.mr: Any = None
+
+    def _pool(self) -> Any:
+        """Map the producer's pool on first use (never for a producer in this same process)."""
+        if self.mr is None:
+            core = _core()
+            try:
+                self.mr = core.DeviceMemoryResource.from_allocation_handle(self.dev, self.fds[0])
+            except Exception as exc:
+                raise LinkError(f"cudalink: could not map the producer's memory pool: {exc}") from None
+            finally:
+                self._close_fds()
+        return self.mr
+
+    def _close_fds(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
 
     def open(self, handle: bytes, size: int, stream: Any) -> tuple[int, Any]:
         from cuda.core import Buffer
         from cuda.core._memory._ipc import IPCBufferDescriptor
 
+        mine = local(handle)
+        if mine is not None:
+            return int(mine[0]), None
+        mr = self._pool()
         try:
-            buf = Buffer.from_ipc_descriptor(self.mr, IPCBufferDescriptor._init(handle, size), stream=stream)
+            buf = Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(handle, size), stream=stream)
         except Exception as exc:
             raise LinkError(f"cudalink: could not map the producer's slot: {exc}") from None
         return int(buf.handle), buf
 
     def close_one(self, keep: Any, stream: Any) -> None:
-        keep.close(stream)
+        if keep is not None:
+            keep.close(stream)
 
     def close(self) -> None:
-        self.mr.close()
+        self._close_fds()
+        if self.mr is not None:
+            self.mr.close()
 
 
 class LegacyImporter:
@@ -394,6 +449,9 @@ class LegacyImporter:
                 pass
 
     def open(self, handle: bytes, size: int, stream: Any) -> tuple[int, Any]:
+        mine = local(handle)
+        if mine is not None:
+            return int(mine[0]), None
         drv = _drv()
         h = drv.CUipcMemHandle()
         h.reserved = handle
@@ -403,6 +461,8 @@ class LegacyImporter:
         return int(ptr), ptr
 
     def close_one(self, keep: Any, stream: Any) -> None:
+        if keep is None:
+            return
         drv = _drv()
         stream.sync()
         drv.cuIpcCloseMemHandle(keep)

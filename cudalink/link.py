@@ -466,6 +466,7 @@ class Receiver:
         self._att: _Attachment | None = None
         self._last = 0
         self._dead_generation = 0
+        self._floor = 0
         self.received = 0
         self.skipped = 0
         self.reattached = 0
@@ -548,6 +549,8 @@ class Receiver:
             raise
         self._att = _Attachment(client, fixed, welcome.index, view)
         self._last = 0
+        # frames published before we joined are not "skipped" by us
+        self._floor = wire.read_u64(client.header, wire.OFF_PUBLISHED)
 
     def _gone(self, why: str) -> ProducerGone:
         att = self._att
@@ -570,8 +573,9 @@ class Receiver:
             rec = att.ring.acquire(slot, seq)
             if rec is None:
                 continue  # the producer reclaimed it between our read and our lease: look again
-            if self._last and seq > self._last + 1:
-                self.skipped += seq - self._last - 1
+            floor = max(self._last, self._floor)
+            if seq > floor + 1:
+                self.skipped += seq - floor - 1
             self._last = seq
             self.received += 1
             with att.lock:

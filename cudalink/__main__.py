@@ -1,0 +1,8 @@
+"""``python -m cudalink``: the command line lives in :mod:`cudalink.cli`."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":  # spawn children import this module under another name: run nothing then
+    sys.exit(main())

@@ -1,0 +1,1392 @@
+"""The engine behind ``python -m cudalink bench`` and the child processes of ``demo``.
+
+Every child entry point lives here, at module level: ``spawn`` children import their target by
+name, and functions defined in ``__main__`` do not survive that. Times compared across processes
+come from ``time.monotonic_ns`` (CLOCK_MONOTONIC is one clock for the whole machine on Linux);
+``perf_counter`` would only be valid inside one process.
+
+A bench run measures cudalink and its peers in the same process tree, frame for frame: the parent
+is the producer, spawned children are the consumers, and each side records its own timestamps.
+Rows a machine cannot run (GPU rows on a CPU-only box, torch rows without torch) are reported as
+skipped with the reason, never estimated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import select
+import signal
+import struct
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _cuda
+from ._version import __version__
+from .errors import CudaUnavailable, LinkError, LinkTimeout, ProducerGone
+
+__all__ = [
+    "Backend",
+    "Bench",
+    "ConsumerJob",
+    "DemoConfig",
+    "GpuLib",
+    "bench_consumer",
+    "demo_consumer",
+    "demo_producer",
+    "gpu_lib_name",
+    "resolve_backend",
+    "summarize",
+]
+
+# ============================================================================================ shared bits
+
+
+def summarize(values_ns: Sequence[int] | np.ndarray[Any, Any]) -> dict[str, float] | None:
+    """p50/p99/mean in microseconds (numpy.percentile), or None when nothing was measured."""
+    a = np.asarray(values_ns, dtype=np.float64)
+    if a.size == 0:
+        return None
+    a = a / 1e3
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+        "n": float(a.size),
+    }
+
+
+def gpu_lib_name() -> str | None:
+    """The GPU array library children will use: torch first, then cupy; None if neither is installed."""
+    for name in ("torch", "cupy"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
+def short_reason(exc: BaseException) -> str:
+    """One line, without cudalink's prefix and its generic way-out hint: for 'using the CPU backend (...)'."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = text.removeprefix("cudalink: ")
+    text = text.split("; use device='cpu'")[0]
+    if "NVIDIA display driver" in text or "can only be found via system search" in text:
+        return "no CUDA driver"
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Which backend a command runs on, and what to tell the user about that choice."""
+
+    device: int  # CUDA ordinal, or -1 for the host backend
+    lib: str  # "torch" / "cupy" on the GPU, "" on the CPU
+    note: str = ""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device >= 0
+
+    @property
+    def label(self) -> str:
+        return f"cuda:{self.device}" if self.is_cuda else "cpu"
+
+    @property
+    def sender_device(self) -> int | str:
+        return self.device if self.is_cuda else "cpu"
+
+
+def resolve_backend(device: str) -> Backend:
+    """``auto`` falls back to the CPU with a plain reason; an explicit GPU that cannot work is an error."""
+    text = str(device).strip().lower()
+    if text == "cpu":
+        return Backend(-1, "")
+    explicit = text != "auto"
+    ordinal = _cuda.parse_device(int(text) if text.isdigit() else text) if explicit else 0
+    try:
+        _cuda.device(ordinal)
+    except Exception as exc:
+        if explicit:
+            if isinstance(exc, LinkError):
+                raise
+            raise CudaUnavailable(f"cudalink: cannot use cuda:{ordinal}: {short_reason(exc)}") from None
+        return Backend(-1, "", f"no GPU: using the CPU backend ({short_reason(exc)})")
+    lib = gpu_lib_name()
+    if lib is None:
+        msg = (
+            f"cuda:{ordinal} works but neither torch nor cupy is installed to make GPU frames"
+            " (pip install torch, or cupy-cuda13x)"
+        )
+        if explicit:
+            raise CudaUnavailable(f"cudalink: {msg}")
+        return Backend(-1, "", f"{msg}: using the CPU backend")
+    return Backend(ordinal, lib)
+
+
+class GpuLib:
+    """The few GPU array operations the demo and bench need, from torch or cupy (whichever is installed)."""
+
+    def __init__(self, name: str, ordinal: int) -> None:
+        self.name = name
+        self.ordinal = ordinal
+        if name == "torch":
+            import torch
+
+            torch.cuda.set_device(ordinal)
+            self.mod: Any = torch
+            self.dev: Any = torch.device("cuda", ordinal)
+        elif name == "cupy":
+            import cupy
+
+            cupy.cuda.Device(ordinal).use()
+            self.mod = cupy
+            self.dev = None
+        else:
+            raise LinkError(f"cudalink: no GPU array library {name!r}; install torch or cupy")
+
+    def from_numpy(self, a: np.ndarray[Any, Any]) -> Any:
+        if self.name == "torch":
+            return self.mod.from_numpy(np.ascontiguousarray(a)).to(self.dev)
+        return self.mod.asarray(a)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        return self.from_numpy(np.zeros(shape, dtype))
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """D2D, or H2D when ``src`` is a numpy array."""
+        if self.name == "torch":
+            dst.copy_(self.mod.from_numpy(src) if isinstance(src, np.ndarray) else src)
+        elif isinstance(src, np.ndarray):
+            dst.set(src)
+        else:
+            self.mod.copyto(dst, src)
+
+    def to_host(self, dst: np.ndarray[Any, Any], src: Any) -> None:
+        """Blocking D2H into existing host memory (a shared-memory slot)."""
+        if self.name == "torch":
+            self.mod.from_numpy(dst).copy_(src)
+        else:
+            src.get(out=dst)
+
+    def sync(self) -> None:
+        if self.name == "torch":
+            self.mod.cuda.synchronize(self.dev)
+        else:
+            self.mod.cuda.Device(self.ordinal).synchronize()
+
+    def from_dlpack(self, obj: Any) -> Any:
+        return self.mod.from_dlpack(obj)
+
+    def bytesum(self, x: Any) -> int:
+        if self.name == "torch":
+            return int(x.reshape(-1).view(self.mod.uint8).sum(dtype=self.mod.int64).item())
+        return int(x.reshape(-1).view(self.mod.uint8).sum(dtype=self.mod.uint64).item())
+
+    def take(self, x: Any, idx: list[int]) -> np.ndarray[Any, Any]:
+        if self.name == "torch":
+            flat = x.reshape(-1)
+            return np.asarray(flat[self.mod.tensor(idx, device=self.dev)].cpu().numpy())
+        return np.asarray(self.mod.asnumpy(x.reshape(-1)[self.mod.asarray(idx)]))
+
+    def ptr(self, x: Any) -> int:
+        return int(x.data_ptr()) if self.name == "torch" else int(x.data.ptr)
+
+    def context(self) -> None:
+        """Create the CUDA context now, so the first measured frame does not pay for it."""
+        if self.name == "torch":
+            self.mod.zeros(1, device=self.dev)
+            self.sync()
+        else:
+            self.mod.zeros(1)
+
+
+def _child_init() -> None:
+    """Children leave Ctrl-C to the parent, which stops them through their queues and events."""
+    with contextlib.suppress(Exception):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# ============================================================================================ demo children
+
+PATTERN_PERIOD = 113  # prime, so frame k's content differs from k-1's; 0..112 fits every dtype exactly
+DEMO_META = struct.Struct("<QQ")  # frame counter k, byte checksum
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    slots: int
+    device: int  # -1: host backend
+    lib: str
+    consumers: int
+    seconds: float | None
+    frames: int | None
+    fps: float
+    report_s: float = 0.25
+
+
+class Pattern:
+    """Frame k is element i -> (i + k) mod 113, cast to the dtype: changing content, closed-form checksum.
+
+    The producer sends views into one precomputed array (no per-frame generation cost); consumers
+    check sampled elements against k and the whole frame's byte sum against the stamped checksum,
+    so a stale, torn or foreign frame is caught.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        self.n = int(math.prod(shape))
+        m = PATTERN_PERIOD
+        per = np.arange(m).astype(self.dtype)
+        self._bytes = per.view(np.uint8).reshape(m, self.dtype.itemsize).sum(axis=1).astype(np.int64)
+        self.sample_idx = sorted({0, self.n // 2, self.n - 1})
+
+    def source(self) -> np.ndarray[Any, Any]:
+        """One flat array; frame k is ``source[k % 113 : k % 113 + n]``."""
+        return (np.arange(self.n + PATTERN_PERIOD) % PATTERN_PERIOD).astype(self.dtype)
+
+    def checksum(self, k: int) -> int:
+        m, s = PATTERN_PERIOD, k % PATTERN_PERIOD
+        q, rem = divmod(self.n, m)
+        part = int(self._bytes[(s + np.arange(rem)) % m].sum()) if rem else 0
+        return q * int(self._bytes.sum()) + part
+
+    def expected(self, k: int) -> np.ndarray[Any, Any]:
+        idx = np.asarray(self.sample_idx)
+        return ((idx + k % PATTERN_PERIOD) % PATTERN_PERIOD).astype(self.dtype)
+
+
+def demo_producer(cfg: DemoConfig, out: Any, stop: Any) -> None:
+    """Publish pattern frames until ``stop``, --seconds or --frames; report stats to ``out`` as it goes."""
+    _child_init()
+    from .link import Sender
+
+    tx: Sender | None = None
+    try:
+        pat = Pattern(cfg.shape, cfg.dtype)
+        lib = GpuLib(cfg.lib, cfg.device) if cfg.device >= 0 else None
+        src: Any = pat.source()
+        if lib is not None:
+            src = lib.from_numpy(src)
+            lib.sync()
+        tx = Sender(
+            cfg.name,
+            shape=cfg.shape,
+            dtype=cfg.dtype,
+            slots=cfg.slots,
+            device=cfg.device if cfg.device >= 0 else "cpu",
+            max_consumers=max(16, cfg.consumers),
+        )
+        out.put(("ready", os.getpid(), tx.generation))
+        deadline = time.monotonic() + 60.0
+        while tx.stats()["consumers"] < cfg.consumers and not stop.is_set():
+            if time.monotonic() > deadline:
+                n = tx.stats()["consumers"]
+                raise LinkTimeout(f"cudalink: only {n} of {cfg.consumers} consumers attached within 60s")
+            time.sleep(0.01)
+        out.put(("streaming", time.time()))
+        start = last = time.monotonic()
+        period = 1.0 / cfg.fps if cfg.fps > 0 else 0.0
+        next_t = start
+        k = 0
+        while not stop.is_set():
+            now = time.monotonic()
+            if cfg.frames is not None and tx.seq >= cfg.frames:
+                break
+            if cfg.seconds is not None and now - start >= cfg.seconds:
+                break
+            s = k % PATTERN_PERIOD
+            frame = src[s : s + pat.n].reshape(cfg.shape)
+            tx.send(frame, meta=DEMO_META.pack(k, pat.checksum(k)))
+            k += 1
+            if now - last >= cfg.report_s:
+                out.put(("producer", dict(tx.stats(), attempts=k, elapsed=now - start)))
+                last = now
+            if period:
+                next_t += period
+                delay = next_t - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                elif delay < -period:
+                    next_t = time.monotonic()  # fell behind: do not burst to catch up
+        out.put(("producer_done", dict(tx.stats(), attempts=k, elapsed=time.monotonic() - start)))
+    except BaseException as exc:
+        out.put(("error", "producer", _one_line(exc)))
+    finally:
+        if tx is not None:
+            with contextlib.suppress(Exception):
+                tx.close(timeout=5.0)
+
+
+def demo_consumer(cfg: DemoConfig, index: int, out: Any, stop: Any) -> None:
+    """Receive, verify content against the stamped counter/checksum, report latency and counts."""
+    _child_init()
+    from .link import Receiver
+
+    received = mismatches = 0
+    lat: list[int] = []
+    last = time.monotonic()
+    rx: Receiver | None = None
+    first_error = ""
+    try:
+        pat = Pattern(cfg.shape, cfg.dtype)
+        lib = GpuLib(cfg.lib, cfg.device) if cfg.device >= 0 else None
+        if lib is not None:
+            lib.context()
+        rx = Receiver(cfg.name, timeout=30.0, wait="hybrid")
+        out.put(("attached", index, os.getpid()))
+        while True:
+            try:
+                frame = rx.recv(timeout=0.5)
+            except LinkTimeout:
+                if stop.is_set():
+                    break
+                continue
+            except ProducerGone:
+                break
+            lat.append(time.time_ns() - frame.timestamp_ns)
+            received += 1
+            k, checksum = DEMO_META.unpack(frame.meta[: DEMO_META.size])
+            if lib is not None:
+                t = lib.from_dlpack(frame)
+                got, total = lib.take(t, pat.sample_idx), lib.bytesum(t)
+                del t
+            else:
+                flat = frame.numpy().reshape(-1)
+                got = flat[pat.sample_idx]
+                total = int(flat.view(np.uint8).sum(dtype=np.uint64))
+                del flat
+            frame.release()
+            if total != checksum or not np.array_equal(got, pat.expected(k)):
+                mismatches += 1
+                if not first_error:
+                    first_error = f"frame {frame.seq} (k={k}): byte sum {total} vs {checksum}, samples {got}"
+            now = time.monotonic()
+            if now - last >= cfg.report_s:
+                out.put(("consumer", index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
+                lat = []
+                last = now
+        out.put(("consumer", index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
+        out.put(("done", index))
+    except BaseException as exc:
+        out.put(("error", index, _one_line(exc)))
+    finally:
+        if rx is not None:
+            with contextlib.suppress(Exception):
+                rx.close()
+
+
+# ============================================================================================ bench children
+
+PEER_MSG = struct.Struct("<QIq")  # seq, slot, publish time (time.time_ns)
+
+
+@dataclass(frozen=True)
+class ConsumerJob:
+    """What one bench consumer process does; its channel (pipe or queue) travels beside it."""
+
+    peer: str  # "cudalink" | "shm" | "torch-mp" | "core-pickle"
+    index: int
+    name: str  # link name, or shared-memory segment name
+    mode: str = "recv"  # "recv" (blocking receive) | "poll" (take a waiting frame + export) | "async"
+    wait: str = "hybrid"
+    latest: bool = True
+    shape: tuple[int, ...] = ()
+    dtype: str = "uint8"
+    nslots: int = 4
+    stride: int = 0
+    device: int = -1
+    lib: str = ""
+    timeout: float = 30.0
+
+
+class _LinkSource:
+    def __init__(self, job: ConsumerJob) -> None:
+        from .link import Receiver
+
+        self.lib = GpuLib(job.lib, job.device) if job.device >= 0 and job.lib else None
+        if self.lib is not None:
+            self.lib.context()
+        wait: Any = "hybrid" if job.mode == "async" else job.wait
+        self.rx = Receiver(job.name, wait=wait, latest=job.latest, timeout=job.timeout)
+
+    @property
+    def skipped(self) -> int:
+        return self.rx.skipped
+
+    def take(self) -> tuple[int, Any, int] | None:
+        try:
+            f = self.rx.recv()
+        except ProducerGone:
+            return None
+        return f.seq, f, f.timestamp_ns
+
+    def ready(self, timeout: float) -> bool:
+        return bool(select.select([self.rx.fileno()], [], [], timeout)[0])
+
+    def take_now(self) -> tuple[int, Any, int] | bool | None:
+        try:
+            f = self.rx.poll()
+        except ProducerGone:
+            return None
+        return False if f is None else (f.seq, f, f.timestamp_ns)
+
+    def export(self, obj: Any) -> Any:
+        return self.lib.from_dlpack(obj) if self.lib is not None else np.from_dlpack(obj)
+
+    def done(self, obj: Any) -> None:
+        obj.release()
+
+    def close(self) -> None:
+        self.rx.close()
+
+
+class _ShmSource:
+    """The plain peer: a shared-memory ring the producer copies into, plus one pipe message per frame."""
+
+    def __init__(self, job: ConsumerJob, conn: Any) -> None:
+        from .transport.shm import _open_segment
+
+        self.conn = conn
+        self.seg = _open_segment(job.name)
+        dt = np.dtype(job.dtype)
+        self.views: list[np.ndarray[Any, Any]] = [
+            np.ndarray(job.shape, dt, buffer=self.seg.buf, offset=i * job.stride) for i in range(job.nslots)
+        ]
+        self.lib = GpuLib(job.lib, job.device) if job.device >= 0 and job.lib else None
+        self.dev: Any = None
+        if self.lib is not None:
+            self.lib.context()
+            self.dev = self.lib.empty(job.shape, job.dtype)
+        self.skipped = 0
+
+    def _get(self, msg: bytes) -> tuple[int, Any, int] | None:
+        if not msg:
+            return None
+        seq, slot, pub = PEER_MSG.unpack(msg)
+        view = self.views[slot]
+        if self.lib is not None:  # the frame is only usable once it is on this process's GPU
+            self.lib.copy(self.dev, view)
+            self.lib.sync()
+            return seq, self.dev, pub
+        return seq, view, pub
+
+    def take(self) -> tuple[int, Any, int] | None:
+        try:
+            return self._get(self.conn.recv_bytes())
+        except EOFError:
+            return None
+
+    def ready(self, timeout: float) -> bool:
+        return bool(self.conn.poll(timeout))
+
+    def take_now(self) -> tuple[int, Any, int] | bool | None:
+        return self.take()
+
+    def export(self, obj: Any) -> Any:
+        return obj if self.lib is not None else np.asarray(obj)
+
+    def done(self, obj: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.views = []
+        self.dev = None
+        with contextlib.suppress(Exception):
+            self.seg.close()
+
+
+class _QueueSource:
+    """torch.multiprocessing CUDA tensors, or cuda.core Buffers, unpickled from an mp.Queue."""
+
+    def __init__(self, job: ConsumerJob, q: Any) -> None:
+        self.q = q
+        self.peer = job.peer
+        self.timeout = job.timeout
+        if job.peer == "torch-mp":
+            import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reducers)
+
+            GpuLib("torch", job.device).context()
+        else:
+            _cuda.device(job.device)
+        self.skipped = 0
+
+    def take(self) -> tuple[int, Any, int] | None:
+        item = self.q.get(timeout=self.timeout)
+        return None if item is None else (int(item[0]), item[1], int(item[2]))
+
+    def ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.q.empty():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(20e-6)
+        return True
+
+    def take_now(self) -> tuple[int, Any, int] | bool | None:
+        return self.take()
+
+    def export(self, obj: Any) -> Any:
+        return obj  # already a tensor / a Buffer
+
+    def done(self, obj: Any) -> None:
+        if self.peer == "core-pickle":
+            with contextlib.suppress(Exception):
+                obj.close()
+
+    def close(self) -> None:
+        pass
+
+
+def _open_source(job: ConsumerJob, chan: Any) -> Any:
+    if job.peer == "cudalink":
+        return _LinkSource(job)
+    if job.peer == "shm":
+        return _ShmSource(job, chan)
+    return _QueueSource(job, chan)
+
+
+def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
+    """One consumer of one bench run: per frame, its seq, publish and arrival times, and (poll) take cost.
+
+    Arrival is recorded twice: ``time.time_ns`` to compare with the producer's publish stamp (the
+    frame's own ``timestamp_ns`` for cudalink, one carried in the message for peers), and
+    ``time.monotonic_ns`` to compare with the moment the producer's send call returned.
+    """
+    _child_init()
+    src: Any = None
+    seqs: list[int] = []
+    times: list[int] = []
+    walls: list[int] = []
+    pubs: list[int] = []
+    costs: list[int] = []
+    try:
+        src = _open_source(job, chan)
+        out.put(("ready", job.index, os.getpid()))
+        if job.mode == "async":
+            asyncio.run(_consume_async(src, seqs, times, walls, pubs))
+        elif job.mode == "poll":
+            while True:
+                if not src.ready(job.timeout):
+                    raise LinkTimeout(f"cudalink: no frame within {job.timeout}s")
+                t0 = time.monotonic_ns()
+                got = src.take_now()
+                if got is None:
+                    break
+                if got is False:
+                    continue
+                seq, obj, pub = got
+                x = src.export(obj)
+                t1 = time.monotonic_ns()
+                del x
+                src.done(obj)
+                seqs.append(seq)
+                times.append(t0)
+                walls.append(time.time_ns())
+                pubs.append(pub)
+                costs.append(t1 - t0)
+        else:
+            while True:
+                got = src.take()
+                t, wall = time.monotonic_ns(), time.time_ns()
+                if got is None:
+                    break
+                seq, obj, pub = got
+                seqs.append(seq)
+                times.append(t)
+                walls.append(wall)
+                pubs.append(pub)
+                src.done(obj)
+                del obj
+        result = {
+            "seq": seqs,
+            "t": times,
+            "wall": walls,
+            "pub": pubs,
+            "cost": costs,
+            "skipped": int(src.skipped),
+        }
+        out.put(("result", job.index, result))
+    except BaseException as exc:
+        out.put(("error", job.index, _one_line(exc)))
+    finally:
+        if src is not None:
+            with contextlib.suppress(Exception):
+                src.close()
+
+
+async def _consume_async(
+    src: _LinkSource, seqs: list[int], times: list[int], walls: list[int], pubs: list[int]
+) -> None:
+    while True:
+        try:
+            f = await src.rx.recv_async()
+        except ProducerGone:
+            return
+        times.append(time.monotonic_ns())
+        walls.append(time.time_ns())
+        seqs.append(f.seq)
+        pubs.append(f.timestamp_ns)
+        f.release()
+
+
+# ============================================================================================ bench producers
+
+
+class _LinkProducer:
+    peer = "cudalink"
+
+    def __init__(
+        self, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, backend: Backend
+    ) -> None:
+        from .link import Sender
+
+        self.name = name
+        self.tx = Sender(
+            name,
+            shape=shape,
+            dtype=dtype,
+            slots=nslots,
+            device=backend.sender_device,
+            max_consumers=max(16, k),
+        )
+
+    def chan(self, i: int) -> Any:
+        return None
+
+    def job_fields(self) -> dict[str, Any]:
+        return {}
+
+    def wait_connected(self, k: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.tx.stats()["consumers"] < k:
+            if time.monotonic() > deadline:
+                raise LinkTimeout(f"cudalink: only {self.tx.stats()['consumers']} of {k} consumers attached")
+            time.sleep(0.002)
+
+    def send(self, src: Any) -> int | None:
+        return self.tx.send(src)
+
+    def finish(self) -> None:
+        self.tx.close(timeout=15.0)
+
+    def close(self) -> None:
+        self.tx.close(timeout=1.0)
+
+
+class _ShmProducer:
+    peer = "shm"
+
+    def __init__(
+        self, ctx: Any, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, lib: GpuLib | None
+    ) -> None:
+        from ._backends import align
+        from .transport.shm import _open_segment
+
+        self.name = name
+        self.lib = lib
+        dt = np.dtype(dtype)
+        self.stride = align(int(math.prod(shape)) * dt.itemsize)
+        self.nslots = nslots
+        self.seg = _open_segment(name, create=True, size=self.stride * nslots)
+        self.views: list[np.ndarray[Any, Any]] = [
+            np.ndarray(shape, dt, buffer=self.seg.buf, offset=i * self.stride) for i in range(nslots)
+        ]
+        pipes = [ctx.Pipe(duplex=False) for _ in range(k)]
+        self.readers = [r for r, _ in pipes]
+        self.writers = [w for _, w in pipes]
+        self.seq = 0
+
+    def chan(self, i: int) -> Any:
+        return self.readers[i]
+
+    def job_fields(self) -> dict[str, Any]:
+        return {"nslots": self.nslots, "stride": self.stride}
+
+    def wait_connected(self, k: int, timeout: float) -> None:
+        pass
+
+    def send(self, src: Any) -> int | None:
+        self.seq += 1
+        slot = self.seq % self.nslots
+        if self.lib is not None:
+            self.lib.to_host(self.views[slot], src)
+        else:
+            np.copyto(self.views[slot], src)
+        msg = PEER_MSG.pack(self.seq, slot, time.time_ns())
+        for w in self.writers:
+            w.send_bytes(msg)
+        return self.seq
+
+    def finish(self) -> None:
+        for w in self.writers:
+            with contextlib.suppress(OSError):
+                w.send_bytes(b"")
+
+    def close(self) -> None:
+        from .transport.shm import _unlink_segment
+
+        for c in (*self.readers, *self.writers):
+            with contextlib.suppress(OSError):
+                c.close()
+        self.views = []
+        with contextlib.suppress(Exception):
+            self.seg.close()
+        _unlink_segment(self.name)
+
+
+class _QueueProducer:
+    """torch-mp: a CUDA tensor per frame through mp.Queue; core-pickle: a cuda.core IPC-pool Buffer."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        peer: str,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        k: int,
+        nslots: int,
+        lib: GpuLib,
+        ordinal: int,
+    ) -> None:
+        self.peer = peer
+        self.name = name
+        self.lib = lib
+        self.nslots = nslots
+        self.seq = 0
+        self.nbytes = int(math.prod(shape)) * np.dtype(dtype).itemsize
+        self.pool: list[Any] = []
+        self.mr: Any = None
+        self.stream: Any = None
+        if peer == "torch-mp":
+            import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reducers)
+
+            self.pool = [lib.empty(shape, dtype) for _ in range(nslots)]
+        else:
+            from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+
+            dev = _cuda.device(ordinal)
+            self.stream = dev.create_stream()
+            gran = 2 << 20
+            per = (self.nbytes + gran - 1) // gran * gran
+            self.mr = DeviceMemoryResource(
+                dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=per * nslots + gran)
+            )
+            self.pool = [self.mr.allocate(self.nbytes, stream=self.stream) for _ in range(nslots)]
+            self.stream.sync()
+        self.queues = [ctx.Queue() for _ in range(k)]
+
+    def chan(self, i: int) -> Any:
+        return self.queues[i]
+
+    def job_fields(self) -> dict[str, Any]:
+        return {}
+
+    def wait_connected(self, k: int, timeout: float) -> None:
+        pass
+
+    def send(self, src: Any) -> int | None:
+        self.seq += 1
+        item = self.pool[self.seq % self.nslots]
+        if self.peer == "torch-mp":
+            item.copy_(src)
+        else:  # no IPC event travels with a pickled Buffer: the producer must wait for its copy
+            stream = _cuda.stream_handle(self.stream)
+            _cuda.memcpy_dtod(int(item.handle), self.lib.ptr(src), self.nbytes, stream)
+            self.stream.sync()
+        pub = time.time_ns()
+        for q in self.queues:
+            q.put((self.seq, item, pub))
+        return self.seq
+
+    def finish(self) -> None:
+        for q in self.queues:
+            q.put(None)
+
+    def close(self) -> None:
+        for q in self.queues:
+            with contextlib.suppress(Exception):
+                q.cancel_join_thread()
+                q.close()
+        if self.peer == "core-pickle":
+            with contextlib.suppress(Exception):
+                for b in self.pool:
+                    b.close(self.stream)
+                self.stream.sync()
+                self.mr.close()
+        self.pool = []
+
+
+# ============================================================================================ the bench
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sample counts and pacing; ``quick`` is sized for a 2-core CI box in well under a minute."""
+
+    latency_frames: int
+    small_seconds: float  # the max-rate run is time-bounded: a short burst is one scheduler decision
+    fanout_frames: int
+    bw_iters: int
+    warm: int
+    interval_s: float = 0.002
+    fanout_interval_s: float = 0.004
+    frame_shape: tuple[int, ...] = (1080, 1920, 4)
+    small_shape: tuple[int, ...] = (64, 64, 4)
+    slots: int = 4
+
+
+QUICK = Plan(latency_frames=200, small_seconds=0.5, fanout_frames=100, bw_iters=20, warm=10)
+FULL = Plan(latency_frames=2000, small_seconds=3.0, fanout_frames=1000, bw_iters=200, warm=50)
+
+PEER_LABELS_CPU = {"shm": "SharedMemory copy + pipe"}
+PEER_LABELS_GPU = {
+    "torch-mp": "torch.multiprocessing CUDA tensor via mp.Queue",
+    "shm": "SharedMemory D2H copy + pipe + H2D upload",
+    "core-pickle": "cuda.core IPC Buffer pickled via mp.Queue",
+}
+PEER_ORDER = ("torch-mp", "shm", "core-pickle")
+
+
+@dataclass
+class RunResult:
+    sent: dict[int, int]  # seq -> monotonic ns when send() returned
+    costs: list[int]  # ns inside send()
+    results: list[dict[str, Any]]
+    drops: int
+    warm: int
+
+    def handoff(self) -> list[int]:
+        """Publish (the producer's stamp, taken once the frame is in place) -> receive returned."""
+        return [
+            w - p
+            for r in self.results
+            for s, w, p in zip(r["seq"], r["wall"], r["pub"], strict=True)
+            if s > self.warm
+        ]
+
+    def from_send_return(self) -> list[int]:
+        """send() returned -> receive returned; negative when the consumer wins the race with that return."""
+        return [
+            t - self.sent[s]
+            for r in self.results
+            for s, t in zip(r["seq"], r["t"], strict=True)
+            if s > self.warm and s in self.sent
+        ]
+
+    def send_costs(self) -> list[int]:
+        return self.costs[self.warm :]
+
+    def recv_costs(self) -> list[int]:
+        return [c for r in self.results for s, c in zip(r["seq"], r["cost"], strict=False) if s > self.warm]
+
+    def intervals(self) -> list[int]:
+        out: list[int] = []
+        for r in self.results:
+            t = [x for s, x in zip(r["seq"], r["t"], strict=True) if s > self.warm]
+            out.extend(int(d) for d in np.diff(np.asarray(t, dtype=np.int64)))
+        return out
+
+    def fps(self) -> float | None:
+        rates = []
+        for r in self.results:
+            t = [x for s, x in zip(r["seq"], r["t"], strict=True) if s > self.warm]
+            if len(t) > 1 and t[-1] > t[0]:
+                rates.append((len(t) - 1) / ((t[-1] - t[0]) / 1e9))
+        return float(np.mean(rates)) if rates else None
+
+    def skipped(self) -> int:
+        return sum(int(r.get("skipped", 0)) for r in self.results)
+
+
+@dataclass
+class Bench:
+    """One bench run: cudalink and every peer this machine can run, measured side by side."""
+
+    quick: bool
+    backend: Backend
+    frames: int | None = None
+    fanout: int = 8
+    debug: bool = False
+    progress: Callable[[str, int, int], None] | None = None
+    plan: Plan = field(init=False)
+    _runs: dict[tuple[str, str], RunResult | str] = field(default_factory=dict, init=False)
+    _bw: dict[str, tuple[list[int], list[int]] | str] = field(default_factory=dict, init=False)
+    _lib: GpuLib | None = field(default=None, init=False)
+    _counter: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        base = QUICK if self.quick else FULL
+        if self.frames is not None:
+            n = max(self.frames, base.warm + 10)
+            base = Plan(n, base.small_seconds, max(10 + base.warm, n // 2), base.bw_iters, base.warm)
+        self.plan = base
+        self._ctx = mp.get_context("spawn")
+
+    # -- what runs ----------------------------------------------------------------------------------
+
+    def peers(self) -> dict[str, str | None]:
+        """Peer -> None if it runs here, else the reason it is skipped."""
+        gpu_reason = "needs a CUDA GPU (this run uses the CPU backend)"
+        out: dict[str, str | None] = {}
+        for p in PEER_ORDER:
+            if p == "shm":
+                out[p] = None
+            elif not self.backend.is_cuda:
+                out[p] = gpu_reason
+            elif p == "torch-mp" and importlib.util.find_spec("torch") is None:
+                out[p] = "torch is not installed"
+            else:
+                out[p] = None
+        return out
+
+    def peer_label(self, peer: str) -> str:
+        labels = PEER_LABELS_GPU if self.backend.is_cuda else {**PEER_LABELS_GPU, **PEER_LABELS_CPU}
+        return labels.get(peer, peer)
+
+    def _steps(self) -> list[tuple[str, Callable[[], None]]]:
+        pl = self.plan
+        live = [p for p, why in self.peers().items() if why is None]
+        steps: list[tuple[str, Callable[[], None]]] = []
+        runs: list[tuple[str, dict[str, Any]]] = [
+            ("handoff", {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s}),
+            (
+                "recv_export",
+                {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s, "mode": "poll"},
+            ),
+            (
+                "small_throughput",
+                {
+                    "shape": pl.small_shape,
+                    "n": 1 << 62,
+                    "seconds": pl.small_seconds,
+                    "interval": 0.0,
+                    "latest": False,
+                },
+            ),
+            (
+                "fanout",
+                {
+                    "shape": pl.frame_shape,
+                    "n": pl.fanout_frames,
+                    "interval": pl.fanout_interval_s,
+                    "k": self.fanout,
+                },
+            ),
+        ]
+        for metric, kw in runs:
+            for peer in ("cudalink", *live):
+                steps.append((f"{metric} · {peer}", self._step(metric, peer, kw)))
+        for mode in ("spin", "block", "async"):
+            kw = {
+                "shape": pl.frame_shape,
+                "n": pl.latency_frames,
+                "interval": pl.interval_s,
+                "wait": "hybrid" if mode == "async" else mode,
+                "mode": "async" if mode == "async" else "recv",
+            }
+            steps.append((f"wait={mode} · cudalink", self._step(f"wait_{mode}", "cudalink", kw)))
+        if self.backend.is_cuda:
+            for key, shape in (("copy_bw_1080p_f32", (1080, 1920, 4)), ("copy_bw_4k_f32", (2160, 3840, 4))):
+                steps.append((f"{key} · send vs D2D", self._bw_step(key, shape)))
+        return steps
+
+    def _step(self, metric: str, peer: str, kw: dict[str, Any]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                self._runs[(metric, peer)] = self._run(peer, **kw)
+            except Exception as exc:
+                if self.debug:
+                    traceback.print_exc()
+                self._runs[(metric, peer)] = _one_line(exc)
+
+        return run
+
+    def _bw_step(self, key: str, shape: tuple[int, ...]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                self._bw[key] = self._copy_bw(shape)
+            except Exception as exc:
+                if self.debug:
+                    traceback.print_exc()
+                self._bw[key] = _one_line(exc)
+
+        return run
+
+    # -- one measured run ------------------------------------------------------------------------------
+
+    def _gpu(self) -> GpuLib:
+        if self._lib is None:
+            self._lib = GpuLib(self.backend.lib, self.backend.device)
+        return self._lib
+
+    def _source(self, shape: tuple[int, ...], dtype: str) -> Any:
+        host = (np.arange(int(math.prod(shape))) % 251).astype(dtype).reshape(shape)
+        if not self.backend.is_cuda:
+            return host
+        lib = self._gpu()
+        dev = lib.from_numpy(host)
+        lib.sync()
+        return dev
+
+    def _name(self) -> str:
+        self._counter += 1
+        return f"bench-{os.getpid()}-{self._counter}"
+
+    def _producer(self, peer: str, shape: tuple[int, ...], dtype: str, k: int) -> Any:
+        b, slots = self.backend, self.plan.slots
+        if peer == "cudalink":
+            return _LinkProducer(self._name(), shape, dtype, k, slots, b)
+        lib = self._gpu() if b.is_cuda else None
+        if peer == "shm":
+            return _ShmProducer(self._ctx, f"cudalink-peer-{self._name()}", shape, dtype, k, slots, lib)
+        assert lib is not None
+        return _QueueProducer(self._ctx, peer, self._name(), shape, dtype, k, slots, lib, b.device)
+
+    def _run(
+        self,
+        peer: str,
+        *,
+        shape: tuple[int, ...],
+        n: int,
+        interval: float,
+        seconds: float = math.inf,
+        k: int = 1,
+        mode: str = "recv",
+        wait: str = "hybrid",
+        latest: bool = True,
+        dtype: str = "uint8",
+    ) -> RunResult:
+        src = self._source(shape, dtype)
+        out = self._ctx.Queue()
+        prod = self._producer(peer, shape, dtype, k)
+        procs: list[Any] = []
+        try:
+            for i in range(k):
+                job = ConsumerJob(
+                    peer=peer,
+                    index=i,
+                    name=prod.name,
+                    mode=mode,
+                    wait=wait,
+                    latest=latest,
+                    shape=shape,
+                    dtype=dtype,
+                    device=self.backend.device,
+                    lib=self.backend.lib,
+                    **prod.job_fields(),
+                )
+                p = self._ctx.Process(target=bench_consumer, args=(job, prod.chan(i), out), daemon=True)
+                p.start()
+                procs.append(p)
+            self._collect(out, "ready", k, procs, 120.0)
+            prod.wait_connected(k, 30.0)
+            sent: dict[int, int] = {}
+            costs: list[int] = []
+            drops = 0
+            mono = time.monotonic_ns
+            end = mono() + (seconds * 1e9 if math.isfinite(seconds) else 1 << 62)
+            for _ in range(n):
+                t0 = mono()
+                if t0 >= end:
+                    break
+                seq = prod.send(src)
+                t1 = mono()
+                if seq is None:
+                    drops += 1
+                else:
+                    sent[seq] = t1
+                    costs.append(t1 - t0)
+                if interval:
+                    time.sleep(interval)
+            prod.finish()
+            results = self._collect(out, "result", k, procs, 60.0)
+        finally:
+            prod.close()
+            for p in procs:
+                p.join(timeout=5.0)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=2.0)
+            with contextlib.suppress(Exception):
+                out.close()
+        return RunResult(sent, costs, results, drops, self.plan.warm)
+
+    @staticmethod
+    def _collect(out: Any, kind: str, k: int, procs: list[Any], timeout: float) -> list[dict[str, Any]]:
+        got: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < k:
+            try:
+                msg = out.get(timeout=0.2)
+            except queue_mod.Empty:
+                msg = None
+            if msg is None:
+                if time.monotonic() > deadline:
+                    raise LinkTimeout(
+                        f"cudalink: {k - len(got)} consumer(s) sent no '{kind}' in {timeout:.0f}s"
+                    )
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise LinkError(f"cudalink: a consumer process died (exit code {dead[0].exitcode})")
+                continue
+            if msg[0] == "error":
+                raise LinkError(f"cudalink: consumer {msg[1]} failed: {msg[2]}")
+            if msg[0] == kind:
+                got[int(msg[1])] = msg[2] if kind == "result" else {}
+        return [got[i] for i in sorted(got)]
+
+    def _copy_bw(self, shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """Sender.send + stream sync vs a plain D2D copy + sync of the same float32 frame, in this process."""
+        from .link import Sender
+
+        lib = self._gpu()
+        src = lib.empty(shape, "float32")
+        dst = lib.empty(shape, "float32")
+        lib.sync()
+        iters, mono = self.plan.bw_iters, time.monotonic_ns
+        ours: list[int] = []
+        plain: list[int] = []
+        with Sender(self._name(), shape=shape, dtype="float32", slots=2, device=self.backend.device) as tx:
+            for i in range(iters + 3):
+                t0 = mono()
+                tx.send(src)
+                tx.stream.sync()
+                if i >= 3:
+                    ours.append(mono() - t0)
+        for i in range(iters + 3):
+            t0 = mono()
+            lib.copy(dst, src)
+            lib.sync()
+            if i >= 3:
+                plain.append(mono() - t0)
+        return ours, plain
+
+    # -- everything ---------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        started = time.time()
+        steps = self._steps()
+        for i, (desc, fn) in enumerate(steps):
+            if self.progress is not None:
+                self.progress(desc, i, len(steps))
+            fn()
+        if self.progress is not None:
+            self.progress("done", len(steps), len(steps))
+        return self._report(time.time() - started)
+
+    def _get(self, metric: str, peer: str) -> RunResult | str | None:
+        return self._runs.get((metric, peer))
+
+    def _report(self, duration: float) -> dict[str, Any]:
+        export = f"{self.backend.lib}.from_dlpack" if self.backend.is_cuda else "np.from_dlpack"
+        k = self.fanout
+        pl = self.plan
+        frame = "x".join(map(str, pl.frame_shape)) + " uint8"
+        small = "x".join(map(str, pl.small_shape)) + " uint8"
+        metrics: list[tuple[str, str, str, str, Callable[[RunResult], list[int]]]] = [
+            (
+                "handoff",
+                "handoff latency",
+                f"{frame}; publish (frame in place, stamped) -> recv() returns in another process",
+                "us",
+                RunResult.handoff,
+            ),
+            ("send_cost", "producer send cost", f"{frame}; time inside send()", "us", RunResult.send_costs),
+            (
+                "recv_export",
+                f"recv + {export}",
+                f"{frame}; consumer takes a waiting frame and exports it",
+                "us",
+                RunResult.recv_costs,
+            ),
+            (
+                "small_throughput",
+                "small-frame throughput",
+                f"{small}; time per delivered frame, max rate",
+                "us/frame",
+                RunResult.intervals,
+            ),
+            (
+                "fanout",
+                f"{k}-consumer fan-out latency",
+                f"{frame}; publish -> each of {k} consumers' recv() returns",
+                "us",
+                RunResult.handoff,
+            ),
+        ]
+        run_of = {"send_cost": "handoff"}
+        rows: list[dict[str, Any]] = []
+        peers = self.peers()
+        for mid, title, detail, unit, fn in metrics:
+            run_id = run_of.get(mid, mid)
+            ours = self._get(run_id, "cudalink")
+            for peer in PEER_ORDER:
+                row = _row(mid, title, detail, unit, peer, self.peer_label(peer))
+                _fill(row, ours, fn, "cudalink")
+                why = peers[peer]
+                if why is not None:
+                    row["status"], row["reason"] = "skipped", why
+                else:
+                    _fill(row, self._get(run_id, peer), fn, "peer")
+                _ratios(row)
+                if mid in ("handoff", "fanout"):
+                    theirs = self._get(run_id, peer) if why is None else None
+                    row["from_send_return"] = {
+                        who: summarize(run.from_send_return()) if isinstance(run, RunResult) else None
+                        for who, run in (("cudalink", ours), ("peer", theirs))
+                    }
+                if mid == "small_throughput":
+                    row["note"] = _throughput_note(ours, self._get(run_id, peer) if why is None else None)
+                    if peer == "shm" and why is None:
+                        row["note"] += " · peer has no back-pressure: its ring is overwritten while unread"
+                if mid == "send_cost" and peer == "torch-mp" and why is None:
+                    row["note"] = "put() only enqueues; pickling runs in the queue's feeder thread"
+                if mid == "send_cost" and peer == "core-pickle" and why is None:
+                    row["note"] = "includes a stream sync: a pickled Buffer carries no IPC event"
+                rows.append(row)
+        bw_rows = (("copy_bw_1080p_f32", "1080x1920x4 float32"), ("copy_bw_4k_f32", "2160x3840x4 float32"))
+        for key, label in bw_rows:
+            row = _row(
+                key,
+                f"copy-send {label}",
+                "send() + stream sync vs plain D2D copy + sync",
+                "us",
+                "d2d",
+                "plain D2D copy",
+            )
+            got = self._bw.get(key)
+            if not self.backend.is_cuda:
+                row["status"], row["reason"] = "skipped", "GPU only: compares against a device-to-device copy"
+            elif got is None or isinstance(got, str):
+                row["status"], row["reason"] = "error", got or "not run"
+            else:
+                row["cudalink"], row["peer"] = summarize(got[0]), summarize(got[1])
+                _ratios(row)
+                nbytes = math.prod((1080, 1920, 4) if "1080" in key else (2160, 3840, 4)) * 4
+                row["note"] = " · ".join(
+                    f"{who} {nbytes / (s['p50'] * 1e3):.0f} GB/s"
+                    for who, s in (("cudalink", row["cudalink"]), ("D2D", row["peer"]))
+                    if s
+                )
+            rows.append(row)
+        waits = []
+        for mode in ("spin", "hybrid", "block", "async"):
+            run = self._get("handoff" if mode == "hybrid" else f"wait_{mode}", "cudalink")
+            entry: dict[str, Any] = {
+                "mode": mode,
+                "api": "await rx.recv_async()" if mode == "async" else f"Receiver(wait={mode!r}).recv()",
+                "status": "ok",
+                "reason": "",
+                "handoff": None,
+            }
+            if isinstance(run, RunResult):
+                entry["handoff"] = summarize(run.handoff())
+            else:
+                entry["status"], entry["reason"] = "error", run or "not run"
+            waits.append(entry)
+        return {
+            "cudalink_version": __version__,
+            "backend": self.backend.label,
+            "gpu_lib": self.backend.lib or None,
+            "backend_note": self.backend.note,
+            "quick": self.quick,
+            "duration_s": round(duration, 2),
+            "ratio": "cudalink / peer; below 1 means cudalink is faster (every metric is lower-is-better)",
+            "clock": (
+                "handoff: the producer's time.time_ns() publish stamp vs the consumer's time.time_ns() (one "
+                "system-wide clock); from_send_return and costs: time.monotonic_ns (CLOCK_MONOTONIC, "
+                "system-wide on Linux)"
+            ),
+            "plan": {
+                "latency_frames": pl.latency_frames,
+                "small_seconds": pl.small_seconds,
+                "fanout_frames": pl.fanout_frames,
+                "fanout_consumers": k,
+                "warmup_frames": pl.warm,
+                "interval_ms": pl.interval_s * 1e3,
+                "slots": pl.slots,
+            },
+            "machine": machine_info(self.backend),
+            "rows": rows,
+            "wait_modes": waits,
+        }
+
+
+def _row(mid: str, title: str, detail: str, unit: str, peer: str, label: str) -> dict[str, Any]:
+    return {
+        "id": mid,
+        "metric": title,
+        "detail": detail,
+        "unit": unit,
+        "peer_name": peer,
+        "peer_label": label,
+        "status": "ok",
+        "reason": "",
+        "cudalink": None,
+        "peer": None,
+        "ratio_p50": None,
+        "ratio_p99": None,
+        "note": "",
+    }
+
+
+def _fill(
+    row: dict[str, Any], run: RunResult | str | None, fn: Callable[[RunResult], list[int]], key: str
+) -> None:
+    if isinstance(run, RunResult):
+        row[key] = summarize(fn(run))
+        if row[key] is None and row["status"] == "ok":
+            row["status"], row["reason"] = "error", f"{key}: no samples"
+    elif row["status"] == "ok":
+        row["status"] = "error"
+        row["reason"] = f"{key}: {run or 'not run'}"
+
+
+def _ratios(row: dict[str, Any]) -> None:
+    a, b = row["cudalink"], row["peer"]
+    if a and b and row["status"] == "ok":
+        for q in ("p50", "p99"):
+            row[f"ratio_{q}"] = a[q] / b[q] if b[q] > 0 else None
+
+
+def _throughput_note(ours: RunResult | str | None, theirs: RunResult | str | None) -> str:
+    parts = []
+    for who, run in (("cudalink", ours), ("peer", theirs)):
+        if isinstance(run, RunResult) and run.fps():
+            skipped = f" ({run.skipped()} skipped)" if who == "cudalink" else ""
+            parts.append(f"{who} {run.fps():,.0f} fps{skipped}")
+    return " · ".join(parts)
+
+
+def machine_info(backend: Backend) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "numpy": np.__version__,
+    }
+    if backend.is_cuda:
+        with contextlib.suppress(Exception):
+            info["gpu"] = str(_cuda.device(backend.device).name)
+    return info

@@ -1,0 +1,159 @@
+"""FrameSpec validation and host Frame export (issue 2), with hypothesis properties."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cudalink
+from cudalink.frames import SUPPORTED_DTYPES, Frame, FrameSpec, PixelFormat, RowOrigin
+
+shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple)
+
+
+def _array(shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 255, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    arr = raw.view(dtype).reshape(shape)
+    if np.dtype(dtype).kind in "fc":
+        arr = np.nan_to_num(arr)  # NaN != NaN would make equality checks meaningless
+    if dtype == "bool":
+        arr = arr.astype(bool)
+    return arr
+
+
+@settings(max_examples=150, deadline=None)
+@given(shape=shapes, dtype=st.sampled_from(SUPPORTED_DTYPES), seed=st.integers(0, 2**32 - 1))
+def test_host_frame_roundtrips_through_numpy_dlpack(shape: tuple[int, ...], dtype: str, seed: int) -> None:
+    arr = _array(shape, dtype, seed)
+    frame = Frame.from_array(arr)
+    out = np.from_dlpack(frame)
+    assert out.shape == shape and out.dtype == np.dtype(dtype)
+    assert np.array_equal(out, arr)
+    assert out.ctypes.data == arr.ctypes.data  # zero copy
+    assert frame.nbytes == arr.nbytes and frame.strides == arr.strides
+
+
+@settings(max_examples=100, deadline=None)
+@given(shape=st.lists(st.integers(4, 7), min_size=2, max_size=4).map(tuple), step=st.integers(2, 3),
+       dtype=st.sampled_from(["uint8", "float32", "int64", "float16"]))  # fmt: skip
+def test_strides_are_kept(shape: tuple[int, ...], step: int, dtype: str) -> None:
+    base = _array(shape, dtype, 1)
+    view = base[::step, ...]
+    frame = Frame.from_array(view)
+    assert frame.strides == view.strides
+    out = np.from_dlpack(frame)
+    assert out.strides == view.strides and np.array_equal(out, view)
+
+
+@given(st.one_of(st.integers(-5, 0).map(lambda d: (3, d)), st.just(()), st.just((1,) * 9),
+                 st.just((1 << 30, 1 << 30, 4)), st.just((2.5, 3)), st.just("abc")))  # fmt: skip
+def test_invalid_shapes_are_refused(shape: object) -> None:
+    with pytest.raises(cudalink.FormatError, match="cudalink"):
+        FrameSpec(shape, "float32")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float128", ">f4", "U3", object, "datetime64[s]", "nonsense", 3.5])
+def test_unsupported_dtypes_are_refused(dtype: object) -> None:
+    with pytest.raises(cudalink.FormatError, match="dtype|not a dtype"):
+        FrameSpec((2, 2), dtype)
+
+
+def test_spec_validation_messages() -> None:
+    with pytest.raises(cudalink.FormatError, match="4 channel"):
+        FrameSpec((4, 4, 3), "uint8", pixel_format="RGBA8")
+    with pytest.raises(cudalink.FormatError, match="unknown pixel format"):
+        FrameSpec((4, 4, 4), "uint8", pixel_format="XYZW")
+    with pytest.raises(cudalink.FormatError, match="multiples of the itemsize"):
+        FrameSpec((4, 4), "float32", strides=(16, 3))
+    with pytest.raises(cudalink.FormatError, match="overlap"):
+        FrameSpec((4, 4), "float32", strides=(4, 4))
+    with pytest.raises(cudalink.FormatError, match="origin"):
+        FrameSpec((4, 4), "float32", origin="left")
+    spec = FrameSpec((2, 3, 4), np.float32, pixel_format="BGRA", origin="bottom")
+    assert spec.pixel_format is PixelFormat.BGRA and spec.origin is RowOrigin.BOTTOM
+    assert spec.label == "BGRA32F bottom-up" and spec.nbytes == 96
+    assert FrameSpec((2, 3), "float32", strides=(12, 4)).strides is None  # contiguous strides normalise away
+
+
+def test_frame_metadata() -> None:
+    arr = np.zeros((4, 5, 4), np.uint8)
+    frame = Frame.from_array(arr, pixel_format="BGRA8", origin="bottom", seq=9, timestamp_ns=123, meta=b"hi")
+    assert (frame.seq, frame.timestamp_ns, frame.meta) == (9, 123, b"hi")
+    assert frame.device == "cpu" and not frame.is_cuda and frame.__dlpack_device__() == (1, 0)
+    assert frame.pixel_format is PixelFormat.BGRA and frame.origin is RowOrigin.BOTTOM
+    assert "BGRA8" in repr(frame)
+
+
+def test_dlpack_arguments_follow_the_rules() -> None:
+    arr = np.arange(6, dtype=np.float32)
+    frame = Frame.from_array(arr)
+    with pytest.raises(BufferError, match="stream"):
+        frame.__dlpack__(stream=5)
+    with pytest.raises(BufferError, match="device"):
+        frame.__dlpack__(dl_device=(2, 0))
+    copied = np.from_dlpack(frame, copy=True)
+    assert copied.ctypes.data != arr.ctypes.data and np.array_equal(copied, arr)
+    assert np.from_dlpack(frame, device="cpu").ctypes.data == arr.ctypes.data
+    legacy = frame.__dlpack__()  # no max_version: the legacy capsule
+    assert "dltensor" in repr(legacy)
+
+
+def test_received_host_frames_are_read_only_and_reserved_ones_writable() -> None:
+    tr = cudalink.transport.MemoryTransport()
+    with cudalink.Sender("ro", shape=(3,), dtype="int32", transport=tr) as tx, \
+            cudalink.Receiver("ro", transport=tr) as rx:  # fmt: skip
+        with tx.reserve() as w:
+            np.from_dlpack(w)[...] = [1, 2, 3]
+        frame = rx.recv(1)
+        out = np.from_dlpack(frame)
+        assert out.tolist() == [1, 2, 3]
+        with pytest.raises(ValueError):
+            out[0] = 5
+
+
+def test_release_waits_for_every_view() -> None:
+    """The owner's release runs only once the frame *and* every array made from it are gone."""
+    released: list[list[int]] = []
+    arr = np.arange(8, dtype=np.int16)
+    frame = Frame(FrameSpec((8,), "int16"), arr.ctypes.data, arr, on_release=released.append)
+    view = np.from_dlpack(frame)
+    frame.release()
+    gc.collect()
+    assert released == [] and view.sum() == 28  # the view still holds the memory
+    with pytest.raises(cudalink.LinkClosed):
+        frame.numpy()
+    with pytest.raises(BufferError):
+        np.from_dlpack(frame)
+    del view
+    gc.collect()
+    assert released == [[]]
+
+
+def test_context_manager_releases() -> None:
+    released: list[list[int]] = []
+    arr = np.arange(4, dtype=np.int8)
+    with Frame(FrameSpec((4,), "int8"), arr.ctypes.data, arr, on_release=released.append) as f:
+        assert f.numpy().tolist() == [0, 1, 2, 3]
+    gc.collect()
+    assert f.released and released == [[]]
+
+
+def test_cuda_frame_apis_refuse_cleanly_on_host() -> None:
+    frame = Frame.from_array(np.zeros(3))
+    assert not hasattr(frame, "__cuda_array_interface__")
+    assert np.array_equal(frame.to_numpy(), np.zeros(3))
+    assert np.asarray(frame).shape == (3,)
+
+
+def test_no_gpu_gives_a_clear_error_naming_the_cpu_backend() -> None:
+    from tests.conftest import gpu_reason
+
+    if gpu_reason() is None:
+        pytest.skip("a GPU is present")
+    with pytest.raises(cudalink.CudaUnavailable, match="device='cpu'"):
+        cudalink.Sender("nogpu", shape=(4,), device=0)

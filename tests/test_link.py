@@ -1,0 +1,240 @@
+"""Sender/Receiver behaviour in one process, over both the in-process and the shared-memory transports."""
+
+from __future__ import annotations
+
+import gc
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import cudalink
+from cudalink import _platform
+from cudalink.transport import MemoryTransport, SharedMemoryTransport
+
+
+@pytest.fixture(params=["memory", "shm"])
+def transport(request: pytest.FixtureRequest) -> cudalink.transport.Transport:
+    return MemoryTransport() if request.param == "memory" else SharedMemoryTransport()
+
+
+def _pair(name: str, tr: object, **kw: object) -> tuple[cudalink.Sender, cudalink.Receiver]:
+    kw.setdefault("shape", (4, 4))
+    kw.setdefault("dtype", "uint16")
+    tx = cudalink.Sender(name, transport=tr, **kw)  # type: ignore[arg-type]
+    rx = cudalink.Receiver(name, transport=tr, timeout=2.0)  # type: ignore[arg-type]
+    return tx, rx
+
+
+def test_send_recv_newest_and_skips(name: str, transport: object) -> None:
+    tx, rx = _pair(name, transport, slots=4)
+    with tx, rx:
+        for i in range(1, 4):
+            assert tx.send(np.full((4, 4), i, np.uint16)) == i
+        f = rx.recv(1)
+        assert f.seq == 3 and np.from_dlpack(f)[0, 0] == 3
+        assert rx.skipped == 2
+        with pytest.raises(cudalink.LinkTimeout):
+            rx.recv(0.05)  # nothing unseen
+        assert isinstance(cudalink.LinkTimeout("x"), TimeoutError)
+
+
+def test_in_order_delivery(name: str, transport: object) -> None:
+    tx = cudalink.Sender(name, shape=(2,), dtype="int32", slots=8, transport=transport)  # type: ignore[arg-type]
+    rx = cudalink.Receiver(name, transport=transport, latest=False)  # type: ignore[arg-type]
+    with tx, rx:
+        for i in range(1, 6):
+            tx.send(np.array([i, -i], np.int32))
+        seqs = []
+        for _ in range(5):
+            with rx.recv(1) as f:
+                seqs.append(int(np.from_dlpack(f)[0]))
+        assert seqs == [1, 2, 3, 4, 5] and rx.skipped == 0
+
+
+def test_held_slot_is_never_overwritten_and_drop_policy_counts(name: str, transport: object) -> None:
+    tx, rx = _pair(name, transport, slots=2)
+    with tx, rx:
+        tx.send(np.full((4, 4), 1, np.uint16))
+        a = rx.recv(1)
+        tx.send(np.full((4, 4), 2, np.uint16))
+        b = rx.recv(1)
+        # both slots are held now: the producer must drop, not overwrite
+        assert tx.send(np.full((4, 4), 3, np.uint16)) is None
+        assert tx.stats()["dropped"] == 1
+        assert np.from_dlpack(a)[0, 0] == 1 and np.from_dlpack(b)[0, 0] == 2
+        a.release()
+        gc.collect()
+        assert tx.send(np.full((4, 4), 4, np.uint16)) == 3
+        assert np.from_dlpack(b)[0, 0] == 2  # the slot still held was left alone
+        assert np.from_dlpack(rx.recv(1))[0, 0] == 4
+
+
+def test_block_policy_waits_then_times_out(name: str, transport: object) -> None:
+    tx, rx = _pair(name, transport, slots=1, policy="block", timeout=0.2)
+    with tx, rx:
+        tx.send(np.zeros((4, 4), np.uint16))
+        held = rx.recv(1)
+        with pytest.raises(cudalink.LinkTimeout, match="policy='block'"):
+            tx.send(np.ones((4, 4), np.uint16))
+        held.release()
+        gc.collect()
+        assert tx.send(np.ones((4, 4), np.uint16)) is not None
+
+
+def test_views_keep_the_lease(name: str, transport: object) -> None:
+    tx, rx = _pair(name, transport, slots=1)
+    with tx, rx:
+        tx.send(np.full((4, 4), 5, np.uint16))
+        frame = rx.recv(1)
+        view = np.from_dlpack(frame)
+        frame.release()
+        gc.collect()
+        assert tx.send(np.full((4, 4), 6, np.uint16)) is None  # the view still holds the only slot
+        assert view[0, 0] == 5
+        del view
+        gc.collect()
+        assert tx.send(np.full((4, 4), 6, np.uint16)) is not None
+
+
+def test_reserve_is_zero_copy_and_aborts_cleanly(name: str, transport: object) -> None:
+    tx, rx = _pair(name, transport, shape=(3, 5, 4), dtype="uint8", pixel_format="RGBA8")
+    with tx, rx:
+        with tx.reserve(meta=b"m1") as w:
+            arr = np.from_dlpack(w)
+            arr[...] = 9
+        f = rx.recv(1)
+        assert f.meta == b"m1" and f.pixel_format is cudalink.PixelFormat.RGBA
+        assert np.all(np.from_dlpack(f) == 9)
+        with pytest.raises(RuntimeError), tx.reserve() as w:
+            np.from_dlpack(w)[...] = 1
+            raise RuntimeError("producer bug")
+        with pytest.raises(cudalink.LinkTimeout):
+            rx.recv(0.05)  # nothing half-written was published
+        tx.send(np.full((3, 5, 4), 2, np.uint8))
+        assert np.all(np.from_dlpack(rx.recv(1)) == 2)
+
+
+def test_reconfigure_mid_stream(name: str, transport: object) -> None:
+    tx = cudalink.Sender(name, shape=(4, 6, 4), dtype="uint8", capacity=8 * 8 * 4 * 4,  # type: ignore[arg-type]
+                         transport=transport)  # type: ignore[arg-type]  # fmt: skip
+    rx = cudalink.Receiver(name, transport=transport, latest=False)  # type: ignore[arg-type]
+    with tx, rx:
+        tx.send(np.ones((4, 6, 4), np.uint8))
+        tx.reconfigure(shape=(8, 8, 4), dtype="float32")
+        with pytest.raises(cudalink.FormatError, match="reconfigure"):
+            tx.send(np.ones((4, 6, 4), np.uint8))
+        tx.send(np.full((8, 8, 4), 0.5, np.float32))
+        a, b = rx.recv(1), rx.recv(1)
+        assert a.shape == (4, 6, 4) and a.dtype == np.uint8
+        assert b.shape == (8, 8, 4) and b.dtype == np.float32 and np.all(np.from_dlpack(b) == 0.5)
+        with pytest.raises(cudalink.FormatError, match="capacity="):
+            tx.reconfigure(shape=(64, 64, 4))
+        assert tx.spec.shape == (8, 8, 4)  # a refused reconfigure changes nothing
+
+
+def test_many_consumers_each_get_every_frame(name: str, transport: object) -> None:
+    tx = cudalink.Sender(name, shape=(2,), dtype="int64", slots=4, transport=transport)  # type: ignore[arg-type]
+    rxs = [cudalink.Receiver(name, transport=transport, latest=False) for _ in range(8)]  # type: ignore[arg-type]
+    with tx:
+        for i in range(1, 4):
+            tx.send(np.array([i, i], np.int64))
+        for rx in rxs:
+            assert [int(np.from_dlpack(rx.recv(1))[0]) for _ in range(3)] == [1, 2, 3]
+        assert tx.stats()["consumers"] == 8
+        for rx in rxs:
+            rx.close()
+
+
+def test_consumer_table_full_is_refused_clearly(name: str, transport: object) -> None:
+    with cudalink.Sender(name, shape=(2,), max_consumers=1, transport=transport) as tx:  # type: ignore[arg-type]
+        rx = cudalink.Receiver(name, transport=transport)  # type: ignore[arg-type]
+        with pytest.raises(cudalink.ProtocolError, match="max_consumers"):
+            cudalink.Receiver(name, transport=transport, timeout=0.5)  # type: ignore[arg-type]
+        rx.close()
+        tx.send(np.zeros(2, np.uint8))
+
+
+def test_bad_input_is_refused_and_the_link_stays_usable(name: str, transport: object) -> None:
+    tx, rx = _pair(name, transport)
+    with tx, rx:
+        for bad in (np.zeros((4, 5), np.uint16), np.zeros((4, 4), np.float32), "hello", object()):
+            with pytest.raises(cudalink.FormatError):
+                tx.send(bad)
+        with pytest.raises(cudalink.FormatError, match="meta"):
+            tx.send(np.zeros((4, 4), np.uint16), meta=b"x" * 100)
+        tx.send(np.arange(16, dtype=np.uint16).reshape(4, 4))
+        assert np.from_dlpack(rx.recv(1))[3, 3] == 15
+        strided = np.zeros((8, 4), np.uint16)[::2]
+        tx.send(strided)  # non-contiguous host input is copied correctly
+        assert np.from_dlpack(rx.recv(1)).shape == (4, 4)
+    with pytest.raises(cudalink.LinkClosed):
+        tx.send(np.zeros((4, 4), np.uint16))
+    with pytest.raises(cudalink.LinkClosed):
+        rx.recv(0.1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"slots": 0}, "slots"),
+        ({"slots": 1000}, "slots"),
+        ({"policy": "wait"}, "policy"),
+        ({"max_consumers": 0}, "max_consumers"),
+        ({"device": "gpu"}, "device"),
+        ({"capacity": 1}, "capacity"),
+        ({"dtype": "object"}, "dtype"),
+        ({"shape": (0, 3)}, "dimension"),
+    ],
+)
+def test_bad_sender_arguments(name: str, kw: dict[str, object], match: str) -> None:
+    kw.setdefault("shape", (4, 4))
+    with pytest.raises(cudalink.LinkError, match=match):
+        cudalink.Sender(name, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "", ".hidden", "x" * 60, "a..b", None, "sp ace"])
+def test_names_cannot_escape(bad: object) -> None:
+    with pytest.raises(cudalink.LinkError, match="invalid link name"):
+        cudalink.Sender(bad, shape=(1,))  # type: ignore[arg-type]
+    with pytest.raises(cudalink.LinkError, match="invalid link name"):
+        cudalink.Receiver(bad, timeout=0.1)  # type: ignore[arg-type]
+
+
+def test_segments_and_socket_are_private(name: str) -> None:
+    with cudalink.Sender(name, shape=(8,)) as tx:
+        sock = _platform.socket_path(name)
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(sock)).st_mode) == 0o700
+        for seg in (_platform.segment_name(name), _platform.segment_name(name, f"-{tx.generation:016x}")):
+            assert stat.S_IMODE(os.stat(f"/dev/shm/{seg}").st_mode) == 0o600
+    assert not os.path.exists(sock)
+    assert not os.path.exists(f"/dev/shm/{_platform.segment_name(name)}")
+
+
+def test_second_live_producer_is_refused(name: str) -> None:
+    with cudalink.Sender(name, shape=(8,)):
+        with pytest.raises(cudalink.LinkError, match="already published"):
+            cudalink.Sender(name, shape=(8,))
+
+
+def test_receiver_waits_for_a_producer_then_times_out(name: str) -> None:
+    with pytest.raises(cudalink.LinkTimeout, match="no producer"):
+        cudalink.Receiver(name, timeout=0.2)
+    rx = cudalink.Receiver(name, connect=False)
+    with cudalink.Sender(name, shape=(2,)) as tx:
+        tx.send(np.ones(2, np.uint8))
+        assert rx.recv(1).seq == 1
+    rx.close()
+
+
+def test_close_with_frames_held_keeps_them_valid(name: str, transport: object) -> None:
+    tx, rx = _pair(name, transport)
+    tx.send(np.full((4, 4), 7, np.uint16))
+    frame = rx.recv(1)
+    view = np.from_dlpack(frame)
+    rx.close()
+    tx.close()
+    gc.collect()
+    assert view[2, 2] == 7  # mapping outlives both ends while a view exists

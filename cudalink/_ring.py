@@ -6,12 +6,28 @@ defines. See that module's docstring for the stamp/lease handshake.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 from .frames.spec import FrameSpec
 from .transport import wire
 from .transport.wire import Layout
+
+
+_barrier_lock = threading.Lock()
+
+
+def full_fence() -> None:
+    """A full memory barrier between our last store and our next load.
+
+    The claim/lease handshake is Dekker's: each side stores its cell, then loads the other's. x86 (TSO)
+    may let that load pass the store still sitting in the store buffer, which is exactly when the other
+    core is spinning on the line. Python has no fence, but an uncontended lock acquire/release executes
+    locked atomic instructions (``lock cmpxchg``/``xadd``), and those drain the store buffer.
+    """
+    _barrier_lock.acquire()
+    _barrier_lock.release()
 
 
 class ProducerRing:
@@ -31,6 +47,7 @@ class ProducerRing:
                 continue
             old = stamps[slot]
             wire.write_u64(self.buf, self._stamp_off[slot], 2 * seq + 1)
+            full_fence()
             if self._leased(slot):  # a consumer leased it between our check and our claim
                 wire.write_u64(self.buf, self._stamp_off[slot], old)
                 continue
@@ -53,6 +70,7 @@ class ProducerRing:
     def set_flag(self, flag: int, on: bool) -> None:
         flags = wire.read_u32(self.buf, wire.OFF_FLAGS)
         wire.write_u32(self.buf, wire.OFF_FLAGS, (flags | flag) if on else (flags & ~flag))
+        full_fence()  # a waiting producer re-checks leases after raising its flag
 
     def take_fences(self, slot: int) -> list[int]:
         """Consumers that left a GPU release fence on ``slot``; the flags are cleared."""
@@ -106,6 +124,7 @@ class ConsumerRing:
         """Lease ``slot`` for ``seq`` and read its record, or None if the producer took the slot first."""
         off = self.layout.lease(slot, self.index)
         wire.write_u64(self.buf, off, seq)
+        full_fence()
         if wire.read_u64(self.buf, self.layout.stamps + 8 * slot) != 2 * seq:
             wire.write_u64(self.buf, off, 0)
             return None
@@ -122,6 +141,7 @@ class ConsumerRing:
         if fenced:
             wire.write_u32(self.buf, self.layout.fence(slot, self.index), 1)
         wire.write_u64(self.buf, off, 0)
+        full_fence()  # before the caller reads FLAG_PRODUCER_WAITING
 
     def flags(self) -> int:
         return wire.read_u32(self.buf, wire.OFF_FLAGS)

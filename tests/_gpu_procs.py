@@ -21,8 +21,16 @@ def torch_pattern(torch: Any, seq: int, shape: tuple[int, ...], dtype: str) -> A
     return ((base * 2654435761 + seq * 40503) % 251).to(getattr(torch, dtype)).view(shape)
 
 
+def wait_consumers(tx: cudalink.Sender, want: int, timeout: float = 120.0) -> None:
+    """Start only once ``want`` consumers joined, so slow-starting (torch/jax) consumers miss nothing."""
+    end = time.monotonic() + timeout
+    while tx.stats()["consumers"] < want and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def gpu_producer(name: str, n: int, shape: tuple[int, ...], dtype: str, slots: int, mode: str, ready: Any,
-                 handles: str = "auto", every: float = 0.0, policy: str = "block") -> None:  # fmt: skip
+                 handles: str = "auto", every: float = 0.0, policy: str = "block",
+                 consumers: int = 1) -> None:  # fmt: skip
     import torch
 
     torch.cuda.init()
@@ -30,6 +38,7 @@ def gpu_producer(name: str, n: int, shape: tuple[int, ...], dtype: str, slots: i
                          policy=policy, timeout=20.0) as tx:  # type: ignore[arg-type]  # fmt: skip
         s = torch.cuda.Stream()
         ready.set()
+        wait_consumers(tx, consumers)
         with torch.cuda.stream(s):
             for seq in range(1, n + 1):
                 pat = torch_pattern(torch, seq, shape, dtype)

@@ -112,9 +112,10 @@ def _run(ctx: Any, target: Any, *args: Any) -> Any:
 
 @pytest.mark.parametrize("handles", ["pool", "legacy"])
 def test_ipc_every_consumer_framework_and_a_slow_consumer(ctx: Any, name: str, handles: str) -> None:
-    """10,000 distinct frames; torch, cupy, jax and a slow torch consumer verify each on the device."""
+    """12,000 distinct frames; torch, cupy, jax and a slow torch consumer verify what they get on the device."""
     ready, result = ctx.Event(), ctx.Queue()
-    prod = _run(ctx, gp.gpu_producer, name, 10_000, (64, 48, 4), "uint8", 4, "send", ready, handles, 0.0)
+    prod = _run(ctx, gp.gpu_producer, name, 12_000, (64, 48, 4), "uint8", 4, "send", ready, handles, 0.0008,
+                "block", 4)
     assert ready.wait(60)
     consumers = [
         _run(ctx, gp.gpu_consumer, name, "torch", result, False, False),
@@ -130,7 +131,8 @@ def test_ipc_every_consumer_framework_and_a_slow_consumer(ctx: Any, name: str, h
         assert mism == 0, (fw, got, mism, err)
         assert got > 0, (fw, err)
     torch_fast = [o for o in outs if o[0] == "torch"]
-    assert max(o[1] for o in torch_fast) >= 9_000, outs  # a consumer that keeps up sees (nearly) every frame
+    assert max(o[1] for o in torch_fast) >= 10_000, outs  # a consumer that keeps up verifies >= 10,000 frames
+    assert sum(o[1] for o in outs) >= 25_000, outs
     assert prod.exitcode == 0
 
 
@@ -139,7 +141,7 @@ def test_ipc_every_consumer_framework_and_a_slow_consumer(ctx: Any, name: str, h
 @pytest.mark.parametrize("shape", [(1080, 1920, 4), (2160, 3840, 4)])
 def test_ipc_modes_dtypes_and_sizes(ctx: Any, name: str, mode: str, dtype: str, shape: tuple[int, ...]) -> None:
     ready, result = ctx.Event(), ctx.Queue()
-    prod = _run(ctx, gp.gpu_producer, name, 40, shape, dtype, 3, mode, ready, "auto", 0.002)
+    prod = _run(ctx, gp.gpu_producer, name, 40, shape, dtype, 3, mode, ready, "auto", 0.002, "block", 1)
     assert ready.wait(60)
     cons = _run(ctx, gp.gpu_consumer, name, "torch", result, False, False)
     fw, got, mism, err = result.get(timeout=120)

@@ -288,13 +288,17 @@ class Frame:
         if not self._is_cuda:
             if stream is not None:
                 raise BufferError("cudalink: a CPU frame takes no stream (DLPack requires stream=None on CPU)")
-            arr = self.numpy()
             if dl_device is not None and tuple(dl_device) != (DLDeviceType.CPU, 0):
                 raise BufferError(f"cudalink: a CPU frame cannot be exported to device {dl_device}")
+            hold = self._live()
+            if max_version is None:
+                # Legacy capsules cannot say "read-only" (numpy refuses to export such arrays); like torch,
+                # we export anyway: writing through it is the consumer's bug, as with any DLPack 0.x tensor.
+                arr = np.asarray(_HostArrayRef(hold, self._spec, readonly=False))
+                return (arr.copy() if copy else arr).__dlpack__()
+            arr = self.numpy()
             if copy:
                 arr = arr.copy()
-            if max_version is None:
-                return arr.__dlpack__()
             return arr.__dlpack__(max_version=max_version, copy=False)
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(

@@ -42,7 +42,9 @@ Slot stamps (``u64`` each): 0 = never written; odd ``2*seq+1`` = being written; 
 holds frame ``seq``. A consumer reads a stamp, takes a lease, and re-reads the stamp: equal and
 even means the slot is its to read. The producer claims a slot by making its stamp odd only when no
 lease is set, and re-checks the leases after the claim. The two sides write-then-read opposite
-cells (a Dekker handshake); every field is an aligned 8-byte cell, written with one store.
+cells (a Dekker handshake), so each side puts a full fence between its store and its load
+(``cudalink._ring.full_fence``). Stamps only ever change in their lowest byte first (even to odd to
+even), so a torn read never shows a stale even stamp as a newer one.
 
 Slot record (``RECORD``, valid while the stamp is even and unchanged)::
 

@@ -1,0 +1,195 @@
+"""Runs the examples and notebooks as a user would: CPU variants always, GPU variants under ``-m gpu``.
+
+Examples run in subprocesses (they spawn their own producers) and must print ``NAME: OK ...`` and exit 0;
+one whose framework or GPU is missing must say so in one line and exit 2. Notebooks run headless
+through nbclient. Frames are few and small so the whole file stays well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cudalink
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+NOTEBOOKS = EXAMPLES / "notebooks"
+QUICK = ("--frames", "30", "--fps", "300", "--size", "48x64")
+SKIP_CODE = 2
+
+
+def _env() -> dict[str, str]:
+    """Children import cudalink from this checkout even when it is not installed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_example(name: str, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(EXAMPLES / f"{name}.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+
+
+def assert_ok(name: str, proc: subprocess.CompletedProcess[str]) -> str:
+    lines = proc.stdout.strip().splitlines()
+    last = lines[-1] if lines else ""
+    assert proc.returncode == 0 and last.startswith(f"{name}: OK"), (
+        f"{name} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    )
+    return last
+
+
+def need_gpu() -> None:
+    try:
+        cudalink._cuda.device(0)
+    except cudalink.CudaUnavailable as exc:
+        pytest.skip(f"no CUDA GPU here: {exc}")
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+# -- examples on the CPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["asyncio_consumer", "model_roundtrip", "fanout"])
+def test_example_cpu(name: str) -> None:
+    assert_ok(name, run_example(name, "--device", "cpu", *QUICK))
+
+
+def test_model_roundtrip_numpy_model() -> None:
+    last = assert_ok("model_roundtrip", run_example("model_roundtrip", "--model", "numpy", *QUICK))
+    assert "30/30 results matched" in last
+
+
+@pytest.mark.parametrize(("name", "module"), [("torch_consumer", "torch"), ("jax_consumer", "jax")])
+def test_framework_example_cpu(name: str, module: str) -> None:
+    pytest.importorskip(module)
+    assert_ok(name, run_example(name, "--device", "cpu", *QUICK))
+
+
+@pytest.mark.parametrize(
+    ("name", "module"), [("torch_consumer", "torch"), ("cupy_consumer", "cupy"), ("jax_consumer", "jax")]
+)
+def test_missing_framework_is_one_clear_line(name: str, module: str) -> None:
+    if has(module):
+        pytest.skip(f"{module} is installed")
+    proc = run_example(name, "--device", "cpu", *QUICK)
+    assert proc.returncode == SKIP_CODE, proc.stdout + proc.stderr
+    out = proc.stdout.strip()
+    assert out.startswith(f"{name}: SKIP {module} is not installed") and "\n" not in out, out
+    assert not proc.stderr.strip(), proc.stderr
+
+
+def test_missing_gpu_is_one_clear_line() -> None:
+    try:
+        cudalink._cuda.device(0)
+        pytest.skip("a GPU is present")
+    except cudalink.CudaUnavailable:
+        pass
+    proc = run_example("asyncio_consumer", "--device", "0", *QUICK)
+    assert proc.returncode == SKIP_CODE, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("asyncio_consumer: SKIP needs a CUDA GPU") and proc.stdout.count("\n") == 1
+
+
+def test_roles_in_two_processes() -> None:
+    """``--role``: the model and the app started separately, as in two terminals."""
+    name = f"roles-{os.getpid()}"
+    args = ("--name", name, "--model", "numpy", *QUICK)
+    cmd = [sys.executable, str(EXAMPLES / "model_roundtrip.py"), "--role", "consumer", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT) as model:
+        app = run_example("model_roundtrip", "--role", "producer", *args)
+        out, _ = model.communicate(timeout=60)
+    assert app.returncode == 0 and "app: 30/30 results match" in app.stdout, app.stdout + app.stderr
+    assert model.returncode == 0 and "served 30 frames" in out, out
+
+
+# -- notebooks ---------------------------------------------------------------------------------------------
+
+
+def run_notebook(path: Path, monkeypatch: pytest.MonkeyPatch, **params: Any) -> Any:
+    """Execute ``path``; ``params`` go in a cell after the one tagged ``parameters`` (papermill style)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])  # the kernel and its children inherit it
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    nb = nbformat.read(path, as_version=4)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in params.items())))
+    client = nbclient.NotebookClient(
+        nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
+    client.execute()  # raises CellExecutionError, with the cell's traceback, on any failure
+    return nb
+
+
+def _text(nb: Any) -> str:
+    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+
+
+def _images(nb: Any) -> int:
+    return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+
+
+def test_live_demo_notebook_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    nb = run_notebook(NOTEBOOKS / "live_demo.ipynb", monkeypatch, device="cpu", seconds=1.5)
+    assert "received" in _text(nb) and _images(nb) >= 2  # the live view and the histogram
+
+
+def test_walkthrough_notebook_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    nb = run_notebook(NOTEBOOKS / "walkthrough.ipynb", monkeypatch, device="cpu")
+    text = _text(nb)
+    assert "ProducerGone" in text and "new generation: True" in text
+    assert "False" not in text, text  # every check the notebook prints came out True
+
+
+def test_notebooks_are_stored_without_outputs() -> None:
+    nbformat = pytest.importorskip("nbformat")
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{path.name}: strip outputs"
+
+
+# -- GPU variants ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("name", "module"),
+    [
+        ("asyncio_consumer", None),
+        ("fanout", None),
+        ("model_roundtrip", "torch"),
+        ("torch_consumer", "torch"),
+        ("cupy_consumer", "cupy"),
+        ("jax_consumer", "jax"),
+    ],
+)
+def test_example_gpu(name: str, module: str | None) -> None:
+    need_gpu()
+    if module is not None:
+        pytest.importorskip(module)
+    assert_ok(name, run_example(name, "--device", "0", *QUICK))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("notebook", ["live_demo.ipynb", "walkthrough.ipynb"])
+def test_notebook_gpu(notebook: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    need_gpu()
+    params: dict[str, Any] = {"device": 0}
+    if notebook == "live_demo.ipynb":
+        params["seconds"] = 1.5
+    nb = run_notebook(NOTEBOOKS / notebook, monkeypatch, **params)
+    assert "cuda:0" in _text(nb)

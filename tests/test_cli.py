@@ -1,0 +1,239 @@
+"""``python -m cudalink demo|info|monitor|bench`` on the CPU backend, as CI runs them (no GPU needed).
+
+The commands run as real subprocesses, because what users see is exit codes, stdout and one-line
+errors, and because demo and bench spawn their own children.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cudalink
+from cudalink import _bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["COLUMNS"] = "200"  # rich would otherwise wrap tables at 80 columns when piped
+    return subprocess.run(
+        [sys.executable, "-m", "cudalink", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("cudalink:"), proc.stderr
+
+
+def gpu_usable() -> bool:
+    try:
+        cudalink._cuda.device(0)
+    except Exception:
+        return False
+    return True
+
+
+# -- demo ------------------------------------------------------------------------------------------
+
+
+def test_demo_cpu_two_consumers_verify_every_frame() -> None:
+    proc = run_cli("demo", "--device", "cpu", "--seconds", "3", "--consumers", "2", timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = re.search(r"frames received: (\d+), mismatches: (\d+), failed consumers: (\d+)", proc.stdout)
+    assert m, proc.stdout
+    received, mismatches, failed = map(int, m.groups())
+    assert received > 0
+    assert mismatches == 0
+    assert failed == 0
+    assert "OK: 2 consumer(s) verified" in proc.stdout
+    assert len(re.findall(r"consumer \d \(pid \d+\): done", proc.stdout)) == 2
+
+
+def test_demo_frames_limit() -> None:
+    proc = run_cli(
+        "demo",
+        "--device",
+        "cpu",
+        "--frames",
+        "20",
+        "--consumers",
+        "1",
+        "--fps",
+        "200",
+        "--shape",
+        "32,48,3",
+        "--dtype",
+        "float32",
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "summary: 20 frames published" in proc.stdout
+    assert "mismatches: 0" in proc.stdout
+
+
+def test_demo_bad_shape_is_one_line() -> None:
+    assert_one_line_error(run_cli("demo", "--device", "cpu", "--shape", "0,12"))
+
+
+@pytest.mark.skipif(gpu_usable(), reason="checks the no-GPU error path")
+def test_explicit_gpu_without_gpu_is_one_line() -> None:
+    proc = run_cli("demo", "--device", "cuda:0", "--seconds", "1")
+    assert_one_line_error(proc)
+
+
+def test_demo_pattern_checksums_are_exact() -> None:
+    for dtype in ("uint8", "int8", "float16", "float32", "uint16"):
+        pat = _bench.Pattern((5, 7, 3), dtype)
+        src = pat.source()
+        for k in (0, 1, 112, 113, 999):
+            s = k % _bench.PATTERN_PERIOD
+            frame = src[s : s + pat.n]
+            assert int(frame.view(np.uint8).sum(dtype=np.uint64)) == pat.checksum(k)
+            assert np.array_equal(frame[pat.sample_idx], pat.expected(k))
+        assert not np.array_equal(src[0 : pat.n][pat.sample_idx], pat.expected(1))  # a stale frame is caught
+
+
+# -- info -------------------------------------------------------------------------------------------
+
+
+def test_info_prints_a_verdict() -> None:
+    proc = run_cli("info", timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict:" in proc.stdout
+    assert "cuda.core" in proc.stdout
+    assert "shared memory" in proc.stdout
+    if not gpu_usable():
+        assert "no CUDA driver" in proc.stdout or "no GPU" in proc.stdout
+        assert "CPU backend works" in proc.stdout
+
+
+# -- monitor ----------------------------------------------------------------------------------------
+
+
+def test_monitor_once_is_read_only() -> None:
+    name = f"clitest-mon-{os.getpid()}"
+    with cudalink.Sender(name, shape=(24, 32, 4), dtype="uint8", pixel_format="RGBA") as tx:
+        for i in range(3):
+            tx.send(np.full((24, 32, 4), i, np.uint8))
+        header = tx._server.header
+        before = bytes(header)
+        proc = run_cli("monitor", name, "--once", "--interval", "0.1", timeout=60)
+        after = bytes(header)
+        assert tx.stats()["consumers"] == 0  # the monitor never connected
+        assert after == before  # ... and wrote nothing: not even a counter moved
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"generation {tx.generation:016x}" in proc.stdout
+    assert "seq 3" in proc.stdout
+    assert "(24, 32, 4) uint8 RGBA" in proc.stdout
+    assert "consumers (0 joined)" in proc.stdout
+
+
+def test_monitor_shows_consumers_and_leases() -> None:
+    name = f"clitest-lease-{os.getpid()}"
+    layout = None
+    with cudalink.Sender(name, shape=(8, 8), dtype="float32") as tx, cudalink.Receiver(name) as rx:
+        tx.send(np.zeros((8, 8), np.float32))
+        frame = rx.recv()  # held: its slot stays leased
+        for _ in range(3):
+            tx.send(np.ones((8, 8), np.float32))
+        from cudalink.transport import wire
+
+        layout = wire.read_fixed(tx._server.header).layout
+        table_before = bytes(tx._server.header[layout.consumers : layout.size])
+        lease_before = bytes(tx._server.header[layout.leases : layout.fences])
+        proc = run_cli("monitor", name, "--once", "--interval", "0.1", timeout=60)
+        assert bytes(tx._server.header[layout.consumers : layout.size]) == table_before
+        assert bytes(tx._server.header[layout.leases : layout.fences]) == lease_before
+        assert tx.stats()["consumers"] == 1  # still only our Receiver
+        seq = frame.seq
+        frame.release()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "consumers (1 joined)" in proc.stdout
+    assert str(os.getpid()) in proc.stdout
+    assert re.search(rf"\d+:{seq} · 3 · ", proc.stdout), proc.stdout  # lease slot:seq, 3 frames behind
+
+
+def test_monitor_missing_link_is_one_line() -> None:
+    proc = run_cli("monitor", f"nosuchlink-{os.getpid()}", "--once")
+    assert_one_line_error(proc)
+    assert "no link named" in proc.stderr
+
+
+def test_monitor_bad_name_is_one_line() -> None:
+    assert_one_line_error(run_cli("monitor", "../etc", "--once"))
+
+
+# -- bench ------------------------------------------------------------------------------------------
+
+CPU_ROWS = ("handoff", "send_cost", "recv_export", "small_throughput", "fanout")
+
+
+def test_bench_quick_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "--quick", "--json", str(out), timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "vs peers" in proc.stdout and "wait modes" in proc.stdout
+    report = json.loads(out.read_text())
+    for key in ("cudalink_version", "backend", "quick", "rows", "wait_modes", "plan", "machine", "ratio"):
+        assert key in report
+    assert report["backend"] == "cpu" and report["quick"] is True
+    rows = {(r["id"], r["peer_name"]): r for r in report["rows"]}
+    for rid in CPU_ROWS:
+        row = rows[(rid, "shm")]
+        assert row["status"] == "ok", row
+        for side in ("cudalink", "peer"):
+            stats = row[side]
+            assert isinstance(stats["p50"], float) and isinstance(stats["p99"], float), row
+            assert stats["p99"] >= stats["p50"]
+            assert stats["n"] > 0
+        assert isinstance(row["ratio_p50"], float) and isinstance(row["ratio_p99"], float)
+    for rid in ("handoff", "fanout"):
+        assert rows[(rid, "shm")]["cudalink"]["p50"] > 0  # publish -> recv can never be negative
+        assert "from_send_return" in rows[(rid, "shm")]
+    # GPU rows are reported, never faked
+    for key, row in rows.items():
+        if key[1] in ("torch-mp", "core-pickle") or key[0].startswith("copy_bw"):
+            assert row["status"] == "skipped" and row["reason"], row
+            assert row["peer"] is None
+    modes = {w["mode"]: w for w in report["wait_modes"]}
+    assert set(modes) == {"spin", "hybrid", "block", "async"}
+    for w in modes.values():
+        assert w["status"] == "ok", w
+        assert isinstance(w["handoff"]["p50"], float) and isinstance(w["handoff"]["p99"], float)
+
+
+def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
+    proc = run_cli("bench", "--quick", "--json", str(tmp_path / "missing" / "x.json"))
+    assert_one_line_error(proc)
+
+
+def test_summarize_percentiles() -> None:
+    s = _bench.summarize([1000, 2000, 3000, 4000])
+    assert s is not None
+    assert s["p50"] == pytest.approx(2.5) and s["n"] == 4
+    assert _bench.summarize([]) is None
+
+
+def test_no_command_prints_help() -> None:
+    proc = run_cli()
+    assert proc.returncode == 2
+    assert "demo" in proc.stdout and "bench" in proc.stdout

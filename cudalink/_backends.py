@@ -53,7 +53,10 @@ class HostSlots:
 
     def _array(self, slot: int, spec: FrameSpec) -> np.ndarray[Any, Any]:
         buf = self._region.buf
-        return np.ndarray(spec.shape, spec.dtype, buffer=buf, offset=slot * self.stride, strides=spec.strides)
+        out: np.ndarray[Any, Any] = np.ndarray(
+            spec.shape, spec.dtype, buffer=buf, offset=slot * self.stride, strides=spec.strides
+        )
+        return out
 
     def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
         info = _cuda.describe_array(src)
@@ -66,8 +69,14 @@ class HostSlots:
         np.copyto(self._array(slot, spec), info.owner, casting="no")  # type: ignore[arg-type]
 
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame:
-        return Frame(spec, self._region.address + slot * self.stride, self._region, seq=seq, timestamp_ns=ts,
-                     writable=True)  # fmt: skip
+        return Frame(
+            spec,
+            self._region.address + slot * self.stride,
+            self._region,
+            seq=seq,
+            timestamp_ns=ts,
+            writable=True,
+        )
 
     def commit(self, slot: int, streams: list[int], stream: Any) -> None:
         pass
@@ -116,7 +125,7 @@ class CudaSlots:
 
     def handles(self) -> list[wire.SlotHandle]:
         out = []
-        for s, ev in zip(self.mem.slots, self.ready):
+        for s, ev in zip(self.mem.slots, self.ready, strict=False):
             raw, flag = _cuda.event_handle(ev)
             out.append(wire.SlotHandle(s.handle, s.size, raw, flag))
         return out
@@ -158,8 +167,16 @@ class CudaSlots:
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame:
         self._settle(slot)
         s = self.mem.slots[slot]
-        return Frame(spec, s.ptr, s.keep, device=self.device, seq=seq, timestamp_ns=ts, writable=True,
-                     sync=_ProducerSync(fences))  # fmt: skip
+        return Frame(
+            spec,
+            s.ptr,
+            s.keep,
+            device=self.device,
+            seq=seq,
+            timestamp_ns=ts,
+            writable=True,
+            sync=_ProducerSync(fences),
+        )
 
     def wait_release(self, slot: int, fences: list[Any]) -> None:
         pass
@@ -190,10 +207,19 @@ class HostView:
     def setup(self, header: Any, layout: wire.Layout, index: int) -> None:
         pass
 
-    def frame(self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback,
-              gen: int) -> Frame:  # fmt: skip
-        return Frame(rec.spec, self.region.address + handle.size, self.region, seq=rec.seq,
-                     timestamp_ns=rec.timestamp_ns, meta=rec.meta, on_release=on_release, generation=gen)  # fmt: skip
+    def frame(
+        self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback, gen: int
+    ) -> Frame:
+        return Frame(
+            rec.spec,
+            self.region.address + handle.size,
+            self.region,
+            seq=rec.seq,
+            timestamp_ns=rec.timestamp_ns,
+            meta=rec.meta,
+            on_release=on_release,
+            generation=gen,
+        )
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         return False
@@ -239,8 +265,9 @@ class CudaView:
             raw, flag = _cuda.event_handle(ev)
             wire.RELEASE.pack_into(header, layout.release_handle(index, slot), raw, flag)
 
-    def frame(self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback,
-              gen: int) -> Frame:  # fmt: skip
+    def frame(
+        self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback, gen: int
+    ) -> Frame:
         got = self._bufs[slot]
         if got is None:
             with self._lock:
@@ -250,9 +277,18 @@ class CudaView:
                     self._bufs[slot] = got
                     self._ready[slot] = _cuda.import_event(handle.event, handle.event_flags)
         ptr, keep = got
-        return Frame(rec.spec, ptr, (self, keep), device=self.device, seq=rec.seq, timestamp_ns=rec.timestamp_ns,
-                     meta=rec.meta, sync=_ConsumerSync(self, self._ready[slot]), on_release=on_release,
-                     generation=gen)  # fmt: skip
+        return Frame(
+            rec.spec,
+            ptr,
+            (self, keep),
+            device=self.device,
+            seq=rec.seq,
+            timestamp_ns=rec.timestamp_ns,
+            meta=rec.meta,
+            sync=_ConsumerSync(self, self._ready[slot]),
+            on_release=on_release,
+            generation=gen,
+        )
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         """Record this slot's release event after the work the consumer queued on every stream it used."""

@@ -655,9 +655,7 @@ async def _consume_async(
 class _LinkProducer:
     peer = "cudalink"
 
-    def __init__(
-        self, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, backend: Backend
-    ) -> None:
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, backend: Backend) -> None:
         from .link import Sender
 
         self.name = name
@@ -879,10 +877,7 @@ class RunResult:
     def handoff(self) -> list[int]:
         """Publish (the producer's stamp, taken once the frame is in place) -> receive returned."""
         return [
-            w - p
-            for r in self.results
-            for s, w, p in zip(r["seq"], r["wall"], r["pub"], strict=True)
-            if s > self.warm
+            w - p for r in self.results for s, w, p in zip(r["seq"], r["wall"], r["pub"], strict=True) if s > self.warm
         ]
 
     def from_send_return(self) -> list[int]:
@@ -1143,9 +1138,7 @@ class Bench:
                 msg = None
             if msg is None:
                 if time.monotonic() > deadline:
-                    raise LinkTimeout(
-                        f"cudalink: {k - len(got)} consumer(s) sent no '{kind}' in {timeout:.0f}s"
-                    )
+                    raise LinkTimeout(f"cudalink: {k - len(got)} consumer(s) sent no '{kind}' in {timeout:.0f}s")
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
                     raise LinkError(f"cudalink: a consumer process died (exit code {dead[0].exitcode})")
@@ -1351,9 +1344,7 @@ def _row(mid: str, title: str, detail: str, unit: str, peer: str, label: str) ->
     }
 
 
-def _fill(
-    row: dict[str, Any], run: RunResult | str | None, fn: Callable[[RunResult], list[int]], key: str
-) -> None:
+def _fill(row: dict[str, Any], run: RunResult | str | None, fn: Callable[[RunResult], list[int]], key: str) -> None:
     if isinstance(run, RunResult):
         row[key] = summarize(fn(run))
         if row[key] is None and row["status"] == "ok":

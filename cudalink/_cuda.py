@@ -87,8 +87,15 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
     strides = None if view.strides is None else tuple(int(s) * dtype.itemsize for s in view.strides)
     if not view.is_device_accessible:
         raise FormatError("cudalink: array is neither host nor device memory")
-    return ArrayInfo(int(view.ptr), tuple(view.shape), dtype, strides, int(view.device_id), bool(view.readonly),
-                     (obj, view))  # fmt: skip
+    return ArrayInfo(
+        int(view.ptr),
+        tuple(view.shape),
+        dtype,
+        strides,
+        int(view.device_id),
+        bool(view.readonly),
+        (obj, view),
+    )
 
 
 def _host_info(arr: np.ndarray[Any, Any]) -> ArrayInfo:
@@ -114,7 +121,9 @@ def copy_to_host(ptr: int, spec: FrameSpec, device_id: int, stream: int | None) 
         check(drv.cuStreamSynchronize(drv.CUstream(stream)), "cuStreamSynchronize")
     out = np.empty(spec.nbytes, np.uint8)
     check(drv.cuMemcpyDtoH(out.ctypes.data, ptr, spec.nbytes), "cuMemcpyDtoH")
-    return np.lib.stride_tricks.as_strided(out.view(spec.dtype), spec.shape, spec.byte_strides).copy()
+    view: np.ndarray[Any, Any] = np.lib.stride_tricks.as_strided(out.view(spec.dtype), spec.shape, spec.byte_strides)
+    copied: np.ndarray[Any, Any] = view.copy()
+    return copied
 
 
 def memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -143,7 +152,7 @@ def parse_device(device: object) -> int:
     raise LinkError(f"cudalink: device must be 'cpu', a CUDA ordinal like 0, or 'cuda:N'; got {device!r}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_count() -> int:
     try:
         from cuda.core import system
@@ -456,7 +465,8 @@ class LegacyImporter:
         h = drv.CUipcMemHandle()
         h.reserved = handle
         ptr = check(
-            drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle"
+            drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+            "cuIpcOpenMemHandle",
         )
         return int(ptr), ptr
 

@@ -14,7 +14,6 @@ from .frames.spec import FrameSpec
 from .transport import wire
 from .transport.wire import Layout
 
-
 _barrier_lock = threading.Lock()
 
 

@@ -135,9 +135,7 @@ def _map_readonly(name: str) -> tuple[Any, Callable[[], None]]:
     try:
         size = os.fstat(fd).st_size
         if size < wire.FIXED_SIZE:
-            raise LinkError(
-                f"cudalink: segment {seg} is {size} bytes: not a cudalink link (or still being created)"
-            )
+            raise LinkError(f"cudalink: segment {seg} is {size} bytes: not a cudalink link (or still being created)")
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
@@ -175,9 +173,7 @@ def read_snapshot(name: str) -> Snapshot:
         columns = [wire.read_column(buf, layout, slot) for slot in range(layout.nslots)]
         consumers = []
         for c in range(layout.nconsumers):
-            state, pid, _token, received, skipped, joined, last = wire.CONSUMER.unpack_from(
-                buf, layout.consumer(c)
-            )
+            state, pid, _token, received, skipped, joined, last = wire.CONSUMER.unpack_from(buf, layout.consumer(c))
             if state != 1:
                 continue
             leases = []
@@ -273,9 +269,7 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
         "last recv",
         "leases (slot:seq · frames behind · age)",
     ):
-        table.add_column(
-            col, justify="right" if col not in ("leases (slot:seq · frames behind · age)",) else "left"
-        )
+        table.add_column(col, justify="right" if col not in ("leases (slot:seq · frames behind · age)",) else "left")
     old = {c.index: c for c in prev.consumers} if same and prev is not None else {}
     for c in snap.consumers:
         o = old.get(c.index)
@@ -350,9 +344,7 @@ def _driver_versions() -> tuple[str | None, str | None]:
         fn = getattr(system, "get_user_mode_driver_version", None)
         if fn is not None:
             cuda_v = ".".join(map(str, fn()))
-        kfn = getattr(system, "get_kernel_mode_driver_version", None) or getattr(
-            system, "get_driver_version", None
-        )
+        kfn = getattr(system, "get_kernel_mode_driver_version", None) or getattr(system, "get_driver_version", None)
         if kfn is not None:
             v = kfn()
             kernel_v = ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
@@ -447,10 +439,7 @@ def _verdict(info: dict[str, Any]) -> tuple[bool, str]:
     shm = info.get("shm", {})
     low = ""
     if "free" in shm and shm["free"] < 256 << 20:
-        low = (
-            f"; note {shm['path']} has only {shm['free'] >> 20} MiB free (in Docker pass --shm-size=1g or "
-            "--ipc=host)"
-        )
+        low = f"; note {shm['path']} has only {shm['free'] >> 20} MiB free (in Docker pass --shm-size=1g or --ipc=host)"
     gpus = info.get("gpus", [])
     ready = [
         g
@@ -461,14 +450,11 @@ def _verdict(info: dict[str, Any]) -> tuple[bool, str]:
         )
     ]
     if ready:
-        events = (
-            "" if all(g["ipc"].get("ipc_event_supported") for g in ready) else " (IPC events unsupported!)"
-        )
+        events = "" if all(g["ipc"].get("ipc_event_supported") for g in ready) else " (IPC events unsupported!)"
         ords = ", ".join(str(g["ordinal"]) for g in ready)
         return (
             True,
-            f"CUDA IPC ready on GPU {ords}{events}: Sender(name, shape=..., device=0) shares frames "
-            f"zero-copy{low}",
+            f"CUDA IPC ready on GPU {ords}{events}: Sender(name, shape=..., device=0) shares frames zero-copy{low}",
         )
     if gpus:
         return True, (
@@ -485,9 +471,7 @@ def _verdict(info: dict[str, Any]) -> tuple[bool, str]:
 def cmd_info(args: argparse.Namespace) -> int:
     console = _console()
     info = gather_info()
-    table = Table(
-        title=f"cudalink {__version__} · {info['platform']}", show_header=False, title_justify="left"
-    )
+    table = Table(title=f"cudalink {__version__} · {info['platform']}", show_header=False, title_justify="left")
     table.add_column("check", style="bold")
     table.add_column("value")
     table.add_row("python", info["python"])
@@ -515,9 +499,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                     ("linux", "Linux"),
                 )
             )
-            table.add_row(
-                f"GPU {g['ordinal']}", f"{g.get('name')} (sm {g.get('compute_capability')}) · {marks}"
-            )
+            table.add_row(f"GPU {g['ordinal']}", f"{g.get('name')} (sm {g.get('compute_capability')}) · {marks}")
     else:
         table.add_row("GPUs", f"none ({info.get('gpu_error', 'no CUDA driver')})")
     shm = info["shm"]
@@ -688,9 +670,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     if kind == "ready":
                         prod.status, prod.generation = "waiting for consumers", int(msg[2])
                         for c in cons:
-                            w = ctx.Process(
-                                target=_bench.demo_consumer, args=(cfg, c.index, out, stop), daemon=True
-                            )
+                            w = ctx.Process(target=_bench.demo_consumer, args=(cfg, c.index, out, stop), daemon=True)
                             w.start()
                             c.pid = w.pid or 0
                             workers.append(w)
@@ -796,9 +776,7 @@ def _demo_summary(
     )
     ok = not prod.error and not bad and mism == 0 and all(c.received > 0 for c in cons)
     if ok:
-        console.print(
-            Text(f"OK: {len(cons)} consumer(s) verified {total:,} frames, 0 mismatches", style="bold green")
-        )
+        console.print(Text(f"OK: {len(cons)} consumer(s) verified {total:,} frames, 0 mismatches", style="bold green"))
         return 130 if interrupted else 0
     why = (
         prod.error
@@ -847,9 +825,7 @@ def _bench_tables(report: dict[str, Any]) -> list[Any]:
             ratio(r["ratio_p99"]),
             Text(note, style="red" if r["status"] == "error" else ""),
         )
-    waits = Table(
-        title=f"wait modes (issue 5) · handoff latency on {report['backend']}", title_justify="left"
-    )
+    waits = Table(title=f"wait modes (issue 5) · handoff latency on {report['backend']}", title_justify="left")
     for col in ("mode", "API", "p50", "p99", "samples"):
         waits.add_column(col, justify="left" if col in ("mode", "API") else "right")
     for w in report["wait_modes"]:
@@ -912,9 +888,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     errors += [w for w in report["wait_modes"] if w["status"] == "error"]
     if errors:
         first = errors[0]
-        print(
-            f"cudalink: {len(errors)} bench measurement(s) failed; first: {first['reason']}", file=sys.stderr
-        )
+        print(f"cudalink: {len(errors)} bench measurement(s) failed; first: {first['reason']}", file=sys.stderr)
         return 1
     return 0
 
@@ -938,22 +912,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cudalink {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,info,monitor,bench}")
 
-    p = sub.add_parser(
-        "demo", parents=[common], help="one producer and N consumer processes on one link, live stats"
-    )
-    p.add_argument(
-        "--device", default="auto", help="cpu | 0 | cuda:N | auto (default: a GPU if usable, else cpu)"
-    )
+    p = sub.add_parser("demo", parents=[common], help="one producer and N consumer processes on one link, live stats")
+    p.add_argument("--device", default="auto", help="cpu | 0 | cuda:N | auto (default: a GPU if usable, else cpu)")
     p.add_argument("--consumers", type=int, default=2, help="consumer processes (default 2)")
     p.add_argument("--shape", default="720,1280,4", help="frame shape (default 720,1280,4)")
     p.add_argument("--dtype", default="uint8", help="frame dtype (default uint8)")
     p.add_argument("--slots", type=int, default=4, help="ring slots (default 4)")
-    p.add_argument(
-        "--fps", type=float, default=60.0, help="producer frame rate; 0 = as fast as possible (default 60)"
-    )
-    p.add_argument(
-        "--seconds", type=float, default=None, help="stop after this long (default 5 unless --frames)"
-    )
+    p.add_argument("--fps", type=float, default=60.0, help="producer frame rate; 0 = as fast as possible (default 60)")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this long (default 5 unless --frames)")
     p.add_argument("--frames", type=int, default=None, help="stop after this many published frames")
     p.add_argument("--name", default=None, help="link name (default demo-<pid>)")
     p.set_defaults(func=cmd_demo)
@@ -970,15 +936,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
     p.set_defaults(func=cmd_monitor)
 
-    p = sub.add_parser(
-        "bench", parents=[common], help="latency/throughput vs torch.multiprocessing and other peers"
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="short CPU-backend run (CI: under a minute on 2 cores)"
-    )
-    p.add_argument(
-        "--json", metavar="PATH", default=None, help="write the JSON report here (default: stdout)"
-    )
+    p = sub.add_parser("bench", parents=[common], help="latency/throughput vs torch.multiprocessing and other peers")
+    p.add_argument("--quick", action="store_true", help="short CPU-backend run (CI: under a minute on 2 cores)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON report here (default: stdout)")
     p.add_argument("--device", default=None, help="cpu | 0 | cuda:N | auto (default: auto; cpu with --quick)")
     p.add_argument("--frames", type=int, default=None, help="frames per latency run (overrides the plan)")
     p.add_argument("--fanout", type=int, default=8, help="consumers in the fan-out run (default 8)")
@@ -1004,11 +964,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         text = " ".join(str(exc).split()) or type(exc).__name__
         if not text.startswith("cudalink:"):
-            text = (
-                f"cudalink: {type(exc).__name__}: {text}"
-                if not isinstance(exc, LinkError)
-                else f"cudalink: {text}"
-            )
+            text = f"cudalink: {type(exc).__name__}: {text}" if not isinstance(exc, LinkError) else f"cudalink: {text}"
         print(text, file=sys.stderr)
         return 1
 

@@ -52,8 +52,10 @@ class _Handler(ServerHandler):
         except ProtocolError as exc:
             return Reply(wire.pack_reject(wire.REJECT_BAD_HELLO, str(exc)), accepted=False)
         if peer.uid != _platform.uid():
-            return Reply(wire.pack_reject(wire.REJECT_UID, "links are private to the user that created them"),
-                         accepted=False)  # fmt: skip
+            return Reply(
+                wire.pack_reject(wire.REJECT_UID, "links are private to the user that created them"),
+                accepted=False,
+            )
         if hello.generation != s.generation:
             return Reply(wire.pack_reject(wire.REJECT_GENERATION, "stale header; re-read it"), accepted=False)
         if s._closing:
@@ -61,8 +63,14 @@ class _Handler(ServerHandler):
         with self.lock:
             index = s._ring.free_index()
             if index is None:
-                return Reply(wire.pack_reject(wire.REJECT_FULL, f"all {s._layout.nconsumers} consumer places taken; "
-                                              "create the Sender with a larger max_consumers"), accepted=False)  # fmt: skip
+                return Reply(
+                    wire.pack_reject(
+                        wire.REJECT_FULL,
+                        f"all {s._layout.nconsumers} consumer places taken; "
+                        "create the Sender with a larger max_consumers",
+                    ),
+                    accepted=False,
+                )
             s._ring.join(index, peer.pid or hello.pid, hello.token)
             self.conns[conn] = index
         fds = tuple(s._slots.fds())
@@ -136,15 +144,31 @@ class Sender:
         except BaseException:
             self._slots.close(0)
             raise
-        self._slots.bind(self._server.data_segment)
+        self._slots.bind(getattr(self._server, "data_segment", None))
         buf = self._server.header
         for slot, h in enumerate(self._slots.handles()):
             wire.pack_handle(buf, self._layout.handle(slot), h)
         now = time.time_ns()
-        wire.write_fixed(buf, wire.Fixed(
-            self._slots.backend, self._layout.size, self.generation, os.getpid(), wire.FLAG_READY, slots,
-            max_consumers, self._slots.device, cap, 0, 0, 0, now, self._slots.device_uuid, self._slots.data_size,
-        ))  # fmt: skip
+        wire.write_fixed(
+            buf,
+            wire.Fixed(
+                self._slots.backend,
+                self._layout.size,
+                self.generation,
+                os.getpid(),
+                wire.FLAG_READY,
+                slots,
+                max_consumers,
+                self._slots.device,
+                cap,
+                0,
+                0,
+                0,
+                now,
+                self._slots.device_uuid,
+                self._slots.data_size,
+            ),
+        )
         self._ring = ProducerRing(buf, self._layout)
         self._handler = _Handler(self)
         self._server.start(self._handler)
@@ -282,9 +306,7 @@ class Sender:
         return self._seq
 
     @contextlib.contextmanager
-    def reserve(
-        self, *, stream: Any = None, meta: bytes = b"", timeout: float | None = None
-    ) -> Iterator[Frame]:
+    def reserve(self, *, stream: Any = None, meta: bytes = b"", timeout: float | None = None) -> Iterator[Frame]:
         """Zero-copy: yields the next slot as a writable Frame; it is published when the block exits cleanly.
 
         On CUDA links write on ``stream`` (or export the frame through DLPack on your stream: that stream
@@ -390,6 +412,11 @@ class Sender:
 
 
 # ============================================================================================ Receiver
+
+
+def _wake_future(fut: Any) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class _Attachment:
@@ -499,7 +526,7 @@ class Receiver:
         """Readable when a frame may be waiting (or the producer died): for selectors and event loops."""
         if self._att is None:
             raise LinkError("cudalink: not attached")
-        return self._att.client.fileno()
+        return int(self._att.client.fileno())
 
     def _attach(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -586,7 +613,7 @@ class Receiver:
                 _a.release(_s, _q, streams)
 
             try:
-                frame = att.view.frame(slot, att.handles[slot], rec, on_release, gen)
+                frame: Frame = att.view.frame(slot, att.handles[slot], rec, on_release, gen)
             except BaseException:
                 on_release([])
                 raise
@@ -667,7 +694,7 @@ class Receiver:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
             fut: asyncio.Future[None] = loop.create_future()
             fd = att.client.fileno()
-            loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+            loop.add_reader(fd, _wake_future, fut)
             try:
                 await asyncio.wait_for(fut, None if left == float("inf") else left)
             except asyncio.TimeoutError:

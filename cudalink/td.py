@@ -195,8 +195,7 @@ def frame_from_cuda_memory(
         raise FormatError(f"cudalink: CUDAMemory.ptr must be a non-null int address, got {ptr!r}")
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < spec.nbytes:
         raise FormatError(
-            f"cudalink: CUDAMemory.size is {size!r} bytes but {spec.shape} {spec.dtype.name} "
-            f"needs {spec.nbytes}"
+            f"cudalink: CUDAMemory.size is {size!r} bytes but {spec.shape} {spec.dtype.name} needs {spec.nbytes}"
         )
     ts = time.time_ns() if timestamp_ns is None else timestamp_ns
     if device == "cpu":
@@ -285,9 +284,7 @@ class TDSender:
             if current.spec == spec:
                 return current
             try:
-                current.reconfigure(
-                    spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin
-                )
+                current.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
                 return current
             except FormatError:  # larger than the slots: a new link, which consumers re-attach to
                 self._sender = None
@@ -641,9 +638,19 @@ def _prepare(
     steps = plan.steps(frame)
 
     def upload(ptr: int, nbytes: int, stream: int | None, keep: Any, zero: bool, device: int) -> TopUpload:
-        return TopUpload(method=method, ptr=ptr, nbytes=nbytes, plan=plan, stream=stream, keep=keep,
-                         zero_copy=zero, steps=steps, shape_factory=shape_factory, device=device,
-                         seq=frame.seq)  # fmt: skip
+        return TopUpload(
+            method=method,
+            ptr=ptr,
+            nbytes=nbytes,
+            plan=plan,
+            stream=stream,
+            keep=keep,
+            zero_copy=zero,
+            steps=steps,
+            shape_factory=shape_factory,
+            device=device,
+            seq=frame.seq,
+        )
 
     if method == "numpy" or not frame.is_cuda:
         # copyNumpyArray, or host memory through copyCUDAMemory (fakes; UVA-aware builds)
@@ -686,8 +693,16 @@ def to_script_top(
     def pick(dev: int) -> int:
         return _default_stream(dev) if stream is None else _cuda.stream_handle(stream)
 
-    upload = _prepare(frame, script_op, stream=pick, flip=flip, swap_rb=swap_rb, shape_factory=shape_factory,
-                      array_backend=array_backend, method=method)  # fmt: skip
+    upload = _prepare(
+        frame,
+        script_op,
+        stream=pick,
+        flip=flip,
+        swap_rb=swap_rb,
+        shape_factory=shape_factory,
+        array_backend=array_backend,
+        method=method,
+    )
     upload.submit(script_op)
     return upload
 
@@ -727,13 +742,18 @@ class ScriptTopSink:
             stream = self._streams[device] = _cuda.device(device).create_stream()
         return _cuda.stream_handle(stream)
 
-    def show(
-        self, frame: Frame, script_op: Any, *, flip: Switch = False, swap_rb: Switch = False
-    ) -> TopUpload:
+    def show(self, frame: Frame, script_op: Any, *, flip: Switch = False, swap_rb: Switch = False) -> TopUpload:
         """Upload ``frame``; the previous upload is let go only once this one has been handed to TD."""
-        upload = _prepare(frame, script_op, stream=self.stream_for, flip=flip, swap_rb=swap_rb,
-                          shape_factory=self.shape_factory, array_backend=self.array_backend,
-                          method=self.method)  # fmt: skip
+        upload = _prepare(
+            frame,
+            script_op,
+            stream=self.stream_for,
+            flip=flip,
+            swap_rb=swap_rb,
+            shape_factory=self.shape_factory,
+            array_backend=self.array_backend,
+            method=self.method,
+        )
         upload.submit(script_op)
         previous, self._last = self._last, upload
         if previous is not None:
@@ -847,8 +867,9 @@ class ScriptTopReceiver:
         self.resubmit = resubmit
         self.retry_s = retry_s
         self.transport = transport
-        self.sink = ScriptTopSink(stream=stream, shape_factory=shape_factory, array_backend=array_backend,
-                                  method=method)  # fmt: skip
+        self.sink = ScriptTopSink(
+            stream=stream, shape_factory=shape_factory, array_backend=array_backend, method=method
+        )
         self.status = "not cooked yet"
         self.frames = 0
         self._rx: Receiver | None = None
@@ -927,9 +948,7 @@ class ScriptTopReceiver:
         except ProducerGone:
             self.sink.detach()
             self._again(script_op)
-            gone = (
-                f"cudalink: the producer of {self.link!r} left; showing its last frame until a new one starts"
-            )
+            gone = f"cudalink: the producer of {self.link!r} left; showing its last frame until a new one starts"
             return gone, "warning"
         if frame is None:
             self._again(script_op)

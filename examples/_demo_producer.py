@@ -179,9 +179,7 @@ def parse_device(text: str) -> str | int:
 
 def example_args(who: str, doc: str | None, device: str = "cpu") -> argparse.ArgumentParser:
     """The flags every example shares; ``--role`` splits producer and consumer over two terminals."""
-    p = argparse.ArgumentParser(
-        prog=who, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(prog=who, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--device", default=device, type=parse_device, help="cpu or a CUDA ordinal (default %(default)s)")
     add("--frames", type=int, default=100, help="frames to send (default %(default)s)")
@@ -203,8 +201,13 @@ def finish_args(args: argparse.Namespace, who: str) -> argparse.Namespace:
 
 def spawn_producer(args: argparse.Namespace, consumers: int = 1) -> Any:
     """``--role both``: start :func:`produce` in a spawned child. ``producer``: be the producer, then exit."""
-    kwargs = {"device": args.device, "frames": args.frames, "fps": args.fps, "shape": args.shape,
-              "consumers": consumers}  # fmt: skip
+    kwargs = {
+        "device": args.device,
+        "frames": args.frames,
+        "fps": args.fps,
+        "shape": args.shape,
+        "consumers": consumers,
+    }
     if args.role == "producer":
         produce(args.name, wait=3600.0, **kwargs)
         print(f"producer: sent {args.frames} frames on {args.name!r}")
@@ -244,6 +247,9 @@ class Tally:
         age = statistics.median(self.ages_ms) if self.ages_ms else float("nan")
         status = "FAIL " + "; ".join(problems) + "," if problems else "OK"
         skipped = self.frames - self.received
-        print(f"{self.who}: {status} {self.received}/{self.frames} frames on {self.device}, "
-              f"{skipped} skipped, median age {age:.2f} ms{extra}", flush=True)  # fmt: skip
+        print(
+            f"{self.who}: {status} {self.received}/{self.frames} frames on {self.device}, "
+            f"{skipped} skipped, median age {age:.2f} ms{extra}",
+            flush=True,
+        )
         return 1 if problems else 0

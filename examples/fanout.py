@@ -61,8 +61,11 @@ def main() -> int:
     got = "/".join(str(r[1]) for r in seen)
     status = "OK" if ok else "FAIL"
     where = device_label(args.device)
-    print(f"{WHO}: {status} {args.consumers} consumers x {args.frames} frames on {where}: "
-          f"received {got}, {bad} checksum mismatches", flush=True)  # fmt: skip
+    print(
+        f"{WHO}: {status} {args.consumers} consumers x {args.frames} frames on {where}: "
+        f"received {got}, {bad} checksum mismatches",
+        flush=True,
+    )
     return 0 if ok else 1
 
 

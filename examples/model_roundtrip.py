@@ -150,8 +150,11 @@ def main() -> int:
     ok = child.exitcode == 0 and good == args.frames
     status = "OK" if ok else f"FAIL (app exit code {child.exitcode}),"
     where = device_label(args.device)
-    print(f"{WHO}: {status} {good}/{args.frames} results matched the reference, model={kind} "
-          f"on {where}, {n} frames served, median round trip {rtt:.2f} ms", flush=True)  # fmt: skip
+    print(
+        f"{WHO}: {status} {good}/{args.frames} results matched the reference, model={kind} "
+        f"on {where}, {n} frames served, median round trip {rtt:.2f} ms",
+        flush=True,
+    )
     return 0 if ok else 1
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import cudalink  # noqa: E402
+import cudalink
 
 INT_VIEW = {"float32": "int32", "float16": "int16", "uint8": "uint8", "uint16": "int16"}
 
@@ -28,14 +28,25 @@ def wait_consumers(tx: cudalink.Sender, want: int, timeout: float = 120.0) -> No
         time.sleep(0.01)
 
 
-def gpu_producer(name: str, n: int, shape: tuple[int, ...], dtype: str, slots: int, mode: str, ready: Any,
-                 handles: str = "auto", every: float = 0.0, policy: str = "block",
-                 consumers: int = 1) -> None:  # fmt: skip
+def gpu_producer(
+    name: str,
+    n: int,
+    shape: tuple[int, ...],
+    dtype: str,
+    slots: int,
+    mode: str,
+    ready: Any,
+    handles: str = "auto",
+    every: float = 0.0,
+    policy: str = "block",
+    consumers: int = 1,
+) -> None:
     import torch
 
     torch.cuda.init()
-    with cudalink.Sender(name, shape=shape, dtype=dtype, slots=slots, device=0, handles=handles,
-                         policy=policy, timeout=20.0) as tx:  # type: ignore[arg-type]  # fmt: skip
+    with cudalink.Sender(
+        name, shape=shape, dtype=dtype, slots=slots, device=0, handles=handles, policy=policy, timeout=20.0
+    ) as tx:  # type: ignore[arg-type]
         s = torch.cuda.Stream()
         ready.set()
         wait_consumers(tx, consumers)
@@ -66,8 +77,9 @@ def gpu_producer_forever(name: str, shape: tuple[int, ...], ready: Any, handles:
             time.sleep(0.0005)
 
 
-def gpu_consumer(name: str, framework: str, result: Any, slow: bool = False, latest: bool = False,
-                 max_s: float = 120.0) -> None:  # fmt: skip
+def gpu_consumer(
+    name: str, framework: str, result: Any, slow: bool = False, latest: bool = False, max_s: float = 120.0
+) -> None:
     """Verify each frame against the seq's pattern on the GPU; accumulate mismatches on the device."""
     got = 0
     try:
@@ -139,7 +151,7 @@ def gpu_consumer(name: str, framework: str, result: Any, slow: bool = False, lat
                     got += 1
                     _ = np
             result.put((framework, got, mism, ""))
-    except Exception as exc:
+    except Exception:
         import traceback
 
         result.put((framework, got, -1, traceback.format_exc()))

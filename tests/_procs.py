@@ -23,11 +23,27 @@ def stamp(arr: np.ndarray, seq: int) -> bytes:
     return zlib.crc32(arr.tobytes()).to_bytes(4, "little") + seq.to_bytes(8, "little")
 
 
-def host_producer(name: str, n: int, shape: tuple[int, ...], dtype: str, slots: int, ready: Any,
-                  go: Any = None, every: float = 0.0, policy: str = "drop") -> None:  # fmt: skip
+def host_producer(
+    name: str,
+    n: int,
+    shape: tuple[int, ...],
+    dtype: str,
+    slots: int,
+    ready: Any,
+    go: Any = None,
+    every: float = 0.0,
+    policy: str = "drop",
+) -> None:
     """Publish n frames, each with its checksum in meta."""
-    with cudalink.Sender(name, shape=shape, dtype=dtype, slots=slots, device="cpu", policy=policy,  # type: ignore[arg-type]
-                         max_consumers=16) as tx:  # fmt: skip
+    with cudalink.Sender(
+        name,
+        shape=shape,
+        dtype=dtype,
+        slots=slots,
+        device="cpu",
+        policy=policy,  # type: ignore[arg-type]
+        max_consumers=16,
+    ) as tx:
         ready.set()
         if go is not None:
             go.wait(30)
@@ -51,8 +67,14 @@ def host_producer_forever(name: str, shape: tuple[int, ...], dtype: str, ready: 
             time.sleep(0.0005)
 
 
-def host_consumer(name: str, n_expected: int, result: Any, hold_s: float = 0.0, latest: bool = True,
-                  deadline_s: float = 60.0) -> None:  # fmt: skip
+def host_consumer(
+    name: str,
+    n_expected: int,
+    result: Any,
+    hold_s: float = 0.0,
+    latest: bool = True,
+    deadline_s: float = 60.0,
+) -> None:
     """Receive until the producer goes away; verify every frame's checksum against its content."""
     got = mismatches = 0
     seqs: list[int] = []

@@ -50,8 +50,10 @@ def test_cancelled_wait_loses_nothing_and_leaks_no_lease(name: str) -> None:
     tr = MemoryTransport()
 
     async def main() -> None:
-        with cudalink.Sender(name, shape=(2,), dtype="int32", slots=2, transport=tr) as tx, \
-                cudalink.Receiver(name, transport=tr, latest=False) as rx:  # fmt: skip
+        with (
+            cudalink.Sender(name, shape=(2,), dtype="int32", slots=2, transport=tr) as tx,
+            cudalink.Receiver(name, transport=tr, latest=False) as rx,
+        ):
             for _ in range(20):
                 task = asyncio.create_task(rx.recv_async(timeout=5))
                 await asyncio.sleep(0.001)
@@ -78,8 +80,10 @@ def test_cancel_races_with_a_publish(name: str) -> None:
     tr = MemoryTransport()
 
     async def main() -> None:
-        with cudalink.Sender(name, shape=(1,), dtype="int64", slots=4, transport=tr) as tx, \
-                cudalink.Receiver(name, transport=tr, latest=False) as rx:  # fmt: skip
+        with (
+            cudalink.Sender(name, shape=(1,), dtype="int64", slots=4, transport=tr) as tx,
+            cudalink.Receiver(name, transport=tr, latest=False) as rx,
+        ):
             seen = []
             for i in range(1, 51):
                 task = asyncio.create_task(rx.recv_async(timeout=5))
@@ -163,8 +167,10 @@ def test_blocking_recv_is_a_kernel_wait_too(name: str) -> None:
     import resource
 
     tr = MemoryTransport()
-    with cudalink.Sender(name, shape=(1,), transport=tr), \
-            cudalink.Receiver(name, transport=tr, wait="hybrid") as rx:  # fmt: skip
+    with (
+        cudalink.Sender(name, shape=(1,), transport=tr),
+        cudalink.Receiver(name, transport=tr, wait="hybrid") as rx,
+    ):
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         with pytest.raises(cudalink.LinkTimeout):
             rx.recv(timeout=1.0)
@@ -176,8 +182,10 @@ def test_blocking_recv_is_a_kernel_wait_too(name: str) -> None:
 @pytest.mark.parametrize("mode", ["spin", "block", "hybrid"])
 def test_every_wait_mode_delivers(name: str, mode: str) -> None:
     tr = MemoryTransport()
-    with cudalink.Sender(name, shape=(1,), transport=tr) as tx, \
-            cudalink.Receiver(name, transport=tr, wait=mode) as rx:  # type: ignore[arg-type]  # fmt: skip
+    with (
+        cudalink.Sender(name, shape=(1,), transport=tr) as tx,
+        cudalink.Receiver(name, transport=tr, wait=mode) as rx,
+    ):  # type: ignore[arg-type]
         import threading
 
         threading.Timer(0.05, lambda: tx.send(np.array([9], np.uint8))).start()
@@ -191,8 +199,10 @@ def test_uvloop_if_available(name: str) -> None:
     tr = MemoryTransport()
 
     async def main() -> int:
-        with cudalink.Sender(name, shape=(1,), dtype="int16", transport=tr) as tx, \
-                cudalink.Receiver(name, transport=tr) as rx:  # fmt: skip
+        with (
+            cudalink.Sender(name, shape=(1,), dtype="int16", transport=tr) as tx,
+            cudalink.Receiver(name, transport=tr) as rx,
+        ):
             asyncio.get_running_loop().call_later(0.02, tx.send, np.array([7], np.int16))
             return int(np.from_dlpack(await rx.recv_async(timeout=2))[0])
 
@@ -203,8 +213,10 @@ def test_send_async_waits_without_blocking_the_loop(name: str) -> None:
     tr = MemoryTransport()
 
     async def main() -> None:
-        with cudalink.Sender(name, shape=(1,), slots=1, policy="block", timeout=2, transport=tr) as tx, \
-                cudalink.Receiver(name, transport=tr) as rx:  # fmt: skip
+        with (
+            cudalink.Sender(name, shape=(1,), slots=1, policy="block", timeout=2, transport=tr) as tx,
+            cudalink.Receiver(name, transport=tr) as rx,
+        ):
             await tx.send_async(np.array([1], np.uint8))
             held = await rx.recv_async(timeout=1)
             ticks = 0

@@ -39,8 +39,11 @@ def test_host_frame_roundtrips_through_numpy_dlpack(shape: tuple[int, ...], dtyp
 
 
 @settings(max_examples=100, deadline=None)
-@given(shape=st.lists(st.integers(4, 7), min_size=2, max_size=4).map(tuple), step=st.integers(2, 3),
-       dtype=st.sampled_from(["uint8", "float32", "int64", "float16"]))  # fmt: skip
+@given(
+    shape=st.lists(st.integers(4, 7), min_size=2, max_size=4).map(tuple),
+    step=st.integers(2, 3),
+    dtype=st.sampled_from(["uint8", "float32", "int64", "float16"]),
+)
 def test_strides_are_kept(shape: tuple[int, ...], step: int, dtype: str) -> None:
     base = _array(shape, dtype, 1)
     view = base[::step, ...]
@@ -50,8 +53,16 @@ def test_strides_are_kept(shape: tuple[int, ...], step: int, dtype: str) -> None
     assert out.strides == view.strides and np.array_equal(out, view)
 
 
-@given(st.one_of(st.integers(-5, 0).map(lambda d: (3, d)), st.just(()), st.just((1,) * 9),
-                 st.just((1 << 30, 1 << 30, 4)), st.just((2.5, 3)), st.just("abc")))  # fmt: skip
+@given(
+    st.one_of(
+        st.integers(-5, 0).map(lambda d: (3, d)),
+        st.just(()),
+        st.just((1,) * 9),
+        st.just((1 << 30, 1 << 30, 4)),
+        st.just((2.5, 3)),
+        st.just("abc"),
+    )
+)
 def test_invalid_shapes_are_refused(shape: object) -> None:
     with pytest.raises(cudalink.FormatError, match="cudalink"):
         FrameSpec(shape, "float32")  # type: ignore[arg-type]
@@ -59,7 +70,7 @@ def test_invalid_shapes_are_refused(shape: object) -> None:
 
 @pytest.mark.parametrize("dtype", ["float128", ">f4", "U3", object, "datetime64[s]", "nonsense", 3.5])
 def test_unsupported_dtypes_are_refused(dtype: object) -> None:
-    with pytest.raises(cudalink.FormatError, match="dtype|not a dtype"):
+    with pytest.raises(cudalink.FormatError, match=r"dtype|not a dtype"):
         FrameSpec((2, 2), dtype)
 
 
@@ -105,8 +116,10 @@ def test_dlpack_arguments_follow_the_rules() -> None:
 
 def test_received_host_frames_are_read_only_and_reserved_ones_writable() -> None:
     tr = cudalink.transport.MemoryTransport()
-    with cudalink.Sender("ro", shape=(3,), dtype="int32", transport=tr) as tx, \
-            cudalink.Receiver("ro", transport=tr) as rx:  # fmt: skip
+    with (
+        cudalink.Sender("ro", shape=(3,), dtype="int32", transport=tr) as tx,
+        cudalink.Receiver("ro", transport=tr) as rx,
+    ):
         with tx.reserve() as w:
             np.from_dlpack(w)[...] = [1, 2, 3]
         frame = rx.recv(1)

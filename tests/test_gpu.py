@@ -97,7 +97,7 @@ def test_consumer_stream_waits_for_ready_event_without_cpu_sync() -> None:
 
 
 def test_no_gpu_message_names_cpu_backend() -> None:
-    with pytest.raises(cudalink.LinkError, match="cuda:|device"):
+    with pytest.raises(cudalink.LinkError, match=r"cuda:|device"):
         cudalink.Sender("bad-device", shape=(4,), device="gpu7")
 
 
@@ -114,8 +114,21 @@ def _run(ctx: Any, target: Any, *args: Any) -> Any:
 def test_ipc_every_consumer_framework_and_a_slow_consumer(ctx: Any, name: str, handles: str) -> None:
     """12,000 distinct frames; torch, cupy, jax and a slow torch consumer verify what they get on the device."""
     ready, result = ctx.Event(), ctx.Queue()
-    prod = _run(ctx, gp.gpu_producer, name, 12_000, (64, 48, 4), "uint8", 4, "send", ready, handles, 0.0008,
-                "block", 4)
+    prod = _run(
+        ctx,
+        gp.gpu_producer,
+        name,
+        12_000,
+        (64, 48, 4),
+        "uint8",
+        4,
+        "send",
+        ready,
+        handles,
+        0.0008,
+        "block",
+        4,
+    )
     assert ready.wait(60)
     consumers = [
         _run(ctx, gp.gpu_consumer, name, "torch", result, False, False),
@@ -144,7 +157,7 @@ def test_ipc_modes_dtypes_and_sizes(ctx: Any, name: str, mode: str, dtype: str, 
     prod = _run(ctx, gp.gpu_producer, name, 40, shape, dtype, 3, mode, ready, "auto", 0.002, "block", 1)
     assert ready.wait(60)
     cons = _run(ctx, gp.gpu_consumer, name, "torch", result, False, False)
-    fw, got, mism, err = result.get(timeout=120)
+    _fw, got, mism, err = result.get(timeout=120)
     prod.join(60)
     cons.join(30)
     assert mism == 0 and got > 0, (got, mism, err)

@@ -117,8 +117,13 @@ def test_reserve_is_zero_copy_and_aborts_cleanly(name: str, transport: object) -
 
 
 def test_reconfigure_mid_stream(name: str, transport: object) -> None:
-    tx = cudalink.Sender(name, shape=(4, 6, 4), dtype="uint8", capacity=8 * 8 * 4 * 4,  # type: ignore[arg-type]
-                         transport=transport)  # type: ignore[arg-type]  # fmt: skip
+    tx = cudalink.Sender(
+        name,
+        shape=(4, 6, 4),
+        dtype="uint8",
+        capacity=8 * 8 * 4 * 4,  # type: ignore[arg-type]
+        transport=transport,
+    )  # type: ignore[arg-type]
     rx = cudalink.Receiver(name, transport=transport, latest=False)  # type: ignore[arg-type]
     with tx, rx:
         tx.send(np.ones((4, 6, 4), np.uint8))
@@ -214,9 +219,8 @@ def test_segments_and_socket_are_private(name: str) -> None:
 
 
 def test_second_live_producer_is_refused(name: str) -> None:
-    with cudalink.Sender(name, shape=(8,)):
-        with pytest.raises(cudalink.LinkError, match="already published"):
-            cudalink.Sender(name, shape=(8,))
+    with cudalink.Sender(name, shape=(8,)), pytest.raises(cudalink.LinkError, match="already published"):
+        cudalink.Sender(name, shape=(8,))
 
 
 def test_receiver_waits_for_a_producer_then_times_out(name: str) -> None:

@@ -45,7 +45,7 @@ def test_10000_checksummed_frames_to_3_consumers_and_a_slow_one(ctx: Any, name: 
     outs = [result.get(timeout=120) for _ in consumers]
     prod.join(30)
     total = 0
-    for pid, got, mism, tail, skipped, ordered in outs:
+    for pid, got, mism, tail, _skipped, ordered in outs:
         assert got > 0, (pid, tail)
         assert mism == 0, f"consumer {pid} saw {mism} torn/overwritten frames"
         assert ordered, f"consumer {pid} got frames out of order: {tail}"
@@ -115,7 +115,7 @@ def test_consumer_sigkill_with_a_lease_is_reclaimed(ctx: Any, name: str) -> None
 
 
 def test_resolution_change_across_processes(ctx: Any, name: str) -> None:
-    ready, result = ctx.Event(), ctx.Queue()
+    _ready, result = ctx.Event(), ctx.Queue()
     with cudalink.Sender(name, shape=(4, 4, 4), dtype="uint8", capacity=16 * 16 * 4 * 4, slots=8) as tx:
         cons = _start(ctx, _procs.host_consumer, name, 0, result, 0.0, False)
         end = time.monotonic() + 30
@@ -129,7 +129,7 @@ def test_resolution_change_across_processes(ctx: Any, name: str) -> None:
             a = _procs.pattern(seq, (16, 16, 4), "float32")
             tx.send(a, meta=_procs.stamp(a, seq))
         time.sleep(0.5)
-    pid, got, mism, seqs, skipped, ordered = result.get(timeout=30)
+    _pid, got, mism, seqs, _skipped, ordered = result.get(timeout=30)
     cons.join(10)
     assert (got, mism, ordered) == (6, 0, True), seqs
 

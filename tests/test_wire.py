@@ -15,20 +15,46 @@ from cudalink.transport import wire
 
 
 def _fixed(**kw: int) -> wire.Fixed:
-    base = dict(backend=0, header_size=wire.Layout(4, 8).size, generation=77, pid=1, flags=1, nslots=4,
-                nconsumers=8, device=-1, capacity=4096, published=0, dropped=0, last_publish_ns=0, created_ns=1,
-                device_uuid=b"\0" * 16, data_size=4 * 4096)  # fmt: skip
+    base = dict(
+        backend=0,
+        header_size=wire.Layout(4, 8).size,
+        generation=77,
+        pid=1,
+        flags=1,
+        nslots=4,
+        nconsumers=8,
+        device=-1,
+        capacity=4096,
+        published=0,
+        dropped=0,
+        last_publish_ns=0,
+        created_ns=1,
+        device_uuid=b"\0" * 16,
+        data_size=4 * 4096,
+    )
     base.update(kw)
     return wire.Fixed(**base)  # type: ignore[arg-type]
 
 
-@given(nslots=st.integers(1, wire.MAX_SLOTS), ncons=st.integers(1, wire.MAX_CONSUMERS),
-       backend=st.sampled_from([0, 1, 2]), gen=st.integers(1, 2**64 - 1), cap=st.integers(1, 1 << 30))  # fmt: skip
+@given(
+    nslots=st.integers(1, wire.MAX_SLOTS),
+    ncons=st.integers(1, wire.MAX_CONSUMERS),
+    backend=st.sampled_from([0, 1, 2]),
+    gen=st.integers(1, 2**64 - 1),
+    cap=st.integers(1, 1 << 30),
+)
 def test_fixed_header_roundtrip(nslots: int, ncons: int, backend: int, gen: int, cap: int) -> None:
     layout = wire.Layout(nslots, ncons)
     buf = bytearray(layout.size)
-    f = _fixed(backend=backend, header_size=layout.size, generation=gen, nslots=nslots, nconsumers=ncons,
-               capacity=cap, data_size=cap * nslots)  # fmt: skip
+    f = _fixed(
+        backend=backend,
+        header_size=layout.size,
+        generation=gen,
+        nslots=nslots,
+        nconsumers=ncons,
+        capacity=cap,
+        data_size=cap * nslots,
+    )
     wire.write_fixed(buf, f)
     assert wire.read_fixed(buf) == f
 
@@ -81,7 +107,15 @@ def test_specific_header_lies() -> None:
 
 
 specs = st.builds(
-    lambda shape, dt, pf, org: FrameSpec(shape, dt, None, pf if (pf is None or (len(shape) >= 3 and shape[-1] == pf.channels) or (len(shape) < 3 and pf.channels == 1)) else None, org),  # noqa: E501
+    lambda shape, dt, pf, org: FrameSpec(
+        shape,
+        dt,
+        None,
+        pf
+        if (pf is None or (len(shape) >= 3 and shape[-1] == pf.channels) or (len(shape) < 3 and pf.channels == 1))
+        else None,
+        org,
+    ),
     st.lists(st.integers(1, 12), min_size=1, max_size=8).map(tuple),
     st.sampled_from(SUPPORTED_DTYPES),
     st.sampled_from([None, *PixelFormat]),
@@ -165,8 +199,12 @@ def test_reject_carries_its_reason() -> None:
         wire.unpack_reply(wire.pack_reject(wire.REJECT_UID, "links are private to the user"), 8)
 
 
-@given(handle=st.binary(min_size=64, max_size=64), ev=st.binary(min_size=64, max_size=64),
-       size=st.integers(0, 2**64 - 1), flags=st.integers(0, 255))  # fmt: skip
+@given(
+    handle=st.binary(min_size=64, max_size=64),
+    ev=st.binary(min_size=64, max_size=64),
+    size=st.integers(0, 2**64 - 1),
+    flags=st.integers(0, 255),
+)
 def test_slot_handles_roundtrip_legacy_and_pool(handle: bytes, ev: bytes, size: int, flags: int) -> None:
     buf = bytearray(wire.HANDLE_SIZE)
     h = wire.SlotHandle(handle, size, ev, flags)

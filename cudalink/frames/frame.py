@@ -128,9 +128,7 @@ class Frame:
         self._hold: _Hold | None = _Hold(owner, int(ptr))
         self._released = False
         self._cai_exported = False
-        self._finalizer = (
-            weakref.finalize(self._hold, _fire, on_release, self._hold.streams) if on_release else None
-        )
+        self._finalizer = weakref.finalize(self._hold, _fire, on_release, self._hold.streams) if on_release else None
         self._view: Any = None
         self._lock = threading.Lock()
         self.generation = generation
@@ -356,7 +354,8 @@ class Frame:
         if self._is_cuda:
             raise FormatError("cudalink: this frame is on the GPU; use frame.to_numpy() for a host copy")
         hold = self._live()
-        return np.asarray(_HostArrayRef(hold, self._spec, readonly=not self._writable))
+        out: np.ndarray[Any, Any] = np.asarray(_HostArrayRef(hold, self._spec, readonly=not self._writable))
+        return out
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
         if self._is_cuda:
@@ -369,14 +368,12 @@ class Frame:
     def to_numpy(self) -> np.ndarray[Any, Any]:
         """A host copy. For CUDA frames this waits (CPU-side) for the frame's data: avoid it on hot paths."""
         if not self._is_cuda:
-            return self.numpy().copy()
+            host: np.ndarray[Any, Any] = self.numpy().copy()
+            return host
         from .. import _cuda
 
         hold = self._live()
-        if self._sync is not None:
-            stream = self._sync.cai_stream()
-        else:
-            stream = None
+        stream = self._sync.cai_stream() if self._sync is not None else None
         return _cuda.copy_to_host(hold.ptr, self._spec, self._device_id, stream)
 
 

@@ -59,7 +59,14 @@ class RowOrigin(enum.Enum):
     BOTTOM = "bottom"
 
 
-_DEPTH_SUFFIX = {"uint8": "8", "uint16": "16", "float16": "16F", "float32": "32F", "uint32": "32", "float64": "64F"}
+_DEPTH_SUFFIX = {
+    "uint8": "8",
+    "uint16": "16",
+    "float16": "16F",
+    "float32": "32F",
+    "uint32": "32",
+    "float64": "64F",
+}
 
 
 def as_dtype(dtype: Any) -> np.dtype[Any]:
@@ -72,7 +79,8 @@ def as_dtype(dtype: Any) -> np.dtype[Any]:
         raise FormatError(
             f"cudalink: dtype {dt.str} is not supported; use a native-endian one of {', '.join(SUPPORTED_DTYPES)}"
         )
-    return dt.newbyteorder("=")
+    out: np.dtype[Any] = dt.newbyteorder("=")
+    return out
 
 
 def _check_int(value: Any, what: str) -> int:
@@ -166,7 +174,7 @@ class FrameSpec:
     @property
     def nbytes(self) -> int:
         """Bytes the frame spans: what a slot must hold."""
-        return sum((d - 1) * s for d, s in zip(self.shape, self.byte_strides)) + self.itemsize
+        return sum((d - 1) * s for d, s in zip(self.shape, self.byte_strides, strict=False)) + self.itemsize
 
     @property
     def label(self) -> str:
@@ -202,7 +210,7 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 def _check_no_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> None:
     """Frames are written by copy; overlapping elements would make that ill-defined."""
     span = itemsize
-    for d, s in sorted(zip(shape, strides), key=lambda t: t[1]):
+    for d, s in sorted(zip(shape, strides, strict=False), key=lambda t: t[1]):
         if d > 1 and s < span:
             raise FormatError(f"cudalink: strides {strides} make elements of shape {shape} overlap")
         span = max(span, s * d) if d > 1 else span

@@ -152,7 +152,7 @@ class ControlLoop:
         self._sel.register(sock, selectors.EVENT_READ, ("pending", conn))
 
     def _read_hello(self, conn: int) -> None:
-        sock, buf, deadline, peer = self._pending[conn]
+        sock, buf, _deadline, peer = self._pending[conn]
         try:
             chunk = sock.recv(HELLO.size - len(buf))
         except (BlockingIOError, InterruptedError):
@@ -172,7 +172,11 @@ class ControlLoop:
         except Exception as exc:  # a handler bug must not kill the loop
             from .wire import REJECT_BAD_HELLO, pack_reject
 
-            reply_data, fds, accepted = pack_reject(REJECT_BAD_HELLO, f"producer error: {exc}"), (), False
+            reply_data, fds, accepted = (
+                pack_reject(REJECT_BAD_HELLO, f"producer error: {exc}"),
+                tuple[int, ...](),
+                False,
+            )
         else:
             reply_data, fds, accepted = reply.data, reply.fds, reply.accepted
         try:
@@ -298,9 +302,9 @@ class ClientSocket:
         try:
             if self._poll is not None:
                 ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
-                ready = self._poll.poll(ms)
+                ready = bool(self._poll.poll(ms))
             else:
-                ready = select.select([self.sock], [], [], timeout)[0]
+                ready = bool(select.select([self.sock], [], [], timeout)[0])
         except (OSError, ValueError):
             self.gone = True
             return False

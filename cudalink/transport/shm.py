@@ -56,7 +56,7 @@ def _unlink_segment(name: str) -> None:
 
 def _posix_unlink(seg: shared_memory.SharedMemory) -> None:
     try:
-        import _posixshmem
+        import _posixshmem  # type: ignore[import-not-found]
 
         _posixshmem.shm_unlink(seg._name)  # type: ignore[attr-defined]
     except ImportError:  # Windows: the segment goes with its last handle
@@ -68,8 +68,9 @@ class Segment:
 
     def __init__(self, shm: shared_memory.SharedMemory) -> None:
         self._shm = shm
+        assert shm.buf is not None
         self.buf: memoryview = shm.buf
-        arr = np.frombuffer(shm.buf, np.uint8)
+        arr = np.frombuffer(self.buf, np.uint8)
         self.address = int(arr.ctypes.data) if len(arr) else 0
         del arr
 
@@ -246,10 +247,11 @@ class SharedMemoryTransport(Transport):
         except FileNotFoundError:
             return
         try:
-            if len(old.buf) >= wire.FIXED.size:
-                magic, *_rest = wire.FIXED.unpack_from(old.buf, 0)
+            buf = old.buf
+            if buf is not None and len(buf) >= wire.FIXED.size:
+                magic, *_rest = wire.FIXED.unpack_from(buf, 0)
                 if magic == wire.MAGIC:
-                    gen = wire.read_u64(old.buf, 16)
+                    gen = wire.read_u64(buf, 16)
                     _unlink_segment(_platform.segment_name(name, f"-{gen:016x}"))
         finally:
             with contextlib.suppress(Exception):

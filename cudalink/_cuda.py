@@ -31,16 +31,36 @@ class ArrayInfo(NamedTuple):
     owner: object
 
 
-def _drv() -> Any:
-    from cuda.bindings import driver
+_driver_mod: Any = None
+_core_mod: Any = None
+_smv: Any = None
 
-    return driver
+
+def _drv() -> Any:
+    global _driver_mod
+    if _driver_mod is None:
+        from cuda.bindings import driver
+
+        _driver_mod = driver
+    return _driver_mod
 
 
 def _core() -> Any:
-    import cuda.core
+    global _core_mod
+    if _core_mod is None:
+        import cuda.core
 
-    return cuda.core
+        _core_mod = cuda.core
+    return _core_mod
+
+
+def _view_cls() -> Any:
+    global _smv
+    if _smv is None:
+        from cuda.core.utils import StridedMemoryView
+
+        _smv = StridedMemoryView
+    return _smv
 
 
 def check(ret: Any, what: str) -> Any:
@@ -65,6 +85,15 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
     ``stream_ptr`` is handed to the exporter (DLPack ``stream=``), so its pending work is ordered before
     ours on that stream; -1 means no ordering.
     """
+    from .frames.frame import Frame
+
+    if isinstance(obj, Frame):  # our own frames: no CAI side effects, and the frame's own sync
+        if not obj.is_cuda:
+            return _host_info(obj.numpy())
+        if stream_ptr != -1 and obj._sync is not None:
+            obj._sync.wait(stream_ptr)
+        spec = obj.spec
+        return ArrayInfo(obj.ptr, spec.shape, spec.dtype, spec.strides, int(obj.device.split(":")[1]), False, obj)
     if isinstance(obj, np.ndarray) or (
         not hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "__array_interface__")
     ):
@@ -77,10 +106,14 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
             return _host_info(np.asarray(obj))
         except Exception as exc:
             raise FormatError(f"cudalink: cannot read {type(obj).__name__} as an array: {exc}") from None
-    from cuda.core.utils import StridedMemoryView
-
+    smv = _view_cls()
     try:
-        view = StridedMemoryView.from_any_interface(obj, stream_ptr=stream_ptr)
+        if hasattr(obj, "__cuda_array_interface__"):
+            # CAI v3 carries the producer's stream; cuda.core orders ``stream_ptr`` after it. It is also
+            # ~10x cheaper than a DLPack exchange through torch (1.8 vs 18 us on the H100).
+            view = smv.from_cuda_array_interface(obj, stream_ptr=stream_ptr)
+        else:
+            view = smv.from_dlpack(obj, stream_ptr=stream_ptr)
     except Exception as exc:
         raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from None
     dtype = np.dtype(view.dtype)
@@ -105,12 +138,9 @@ def _host_info(arr: np.ndarray[Any, Any]) -> ArrayInfo:
 
 def typed_view(ptr: int, spec: FrameSpec, device_id: int, owner: object, readonly: bool) -> Any:
     """A cuda.core StridedMemoryView over device memory: the object that speaks DLPack for CUDA frames."""
-    core = _core()
-    from cuda.core.utils import StridedMemoryView
-
-    buf = core.Buffer.from_handle(ptr, spec.nbytes, owner=owner)
+    buf = _core().Buffer.from_handle(ptr, spec.nbytes, owner=owner)
     strides = None if spec.strides is None else tuple(s // spec.itemsize for s in spec.strides)
-    return StridedMemoryView.from_buffer(buf, spec.shape, strides, dtype=spec.dtype, is_readonly=readonly)
+    return _view_cls().from_buffer(buf, spec.shape, strides, dtype=spec.dtype, is_readonly=readonly)
 
 
 def copy_to_host(ptr: int, spec: FrameSpec, device_id: int, stream: int | None) -> np.ndarray[Any, Any]:

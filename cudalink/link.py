@@ -447,7 +447,11 @@ class _Attachment:
             self._unmap()
 
     def detach(self) -> None:
-        """Close the control connection; unmap GPU memory now, or when the last frame goes."""
+        """Leave: unmap and close the connection now, or when the last frame goes.
+
+        The connection stays open while frames are alive, so a closing producer keeps waiting (bounded)
+        for us and never frees memory this process still maps: the driver's importer-first rule.
+        """
         with self.lock:
             if self.detached:
                 return
@@ -455,11 +459,11 @@ class _Attachment:
             idle = self.live == 0
         if idle:
             self._unmap()
-        self.client.close()
 
     def _unmap(self) -> None:
         with contextlib.suppress(Exception):
             self.view.close()
+        self.client.close()
 
 
 class Receiver:
@@ -521,6 +525,11 @@ class Receiver:
     @property
     def capacity(self) -> int:
         return self._att.fixed.capacity if self._att else 0
+
+    @property
+    def producer_closing(self) -> bool:
+        """The producer announced shutdown: copy what you must keep, then release your frames."""
+        return bool(self._att is not None and self._att.ring.flags() & wire.FLAG_SHUTDOWN)
 
     def fileno(self) -> int:
         """Readable when a frame may be waiting (or the producer died): for selectors and event loops."""
@@ -665,8 +674,12 @@ class Receiver:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
             if mode == "spin" or now < spin_until:
                 n += 1
-                if n & 1023 == 0 and not att.client.drain():
-                    raise self._gone("closed or died")
+                if n & 63 == 0:
+                    # hand the GIL over now and then: a spinning thread must not starve this process's
+                    # other threads (which may be the very producer we wait for)
+                    time.sleep(0)
+                    if n & 1023 == 0 and not att.client.drain():
+                        raise self._gone("closed or died")
                 continue
             if not att.client.wait(deadline - now):
                 raise self._gone("closed or died")

@@ -792,16 +792,21 @@ def _producer_closing(rx: Receiver) -> bool:
         return False
 
 
-def _report(script_op: Any, level: str, message: str) -> None:
-    """Show ``message`` on the operator: addError/addWarning are TD's in-cook status, else a script error."""
-    fn = getattr(script_op, "addError" if level == "error" else "addWarning", None)
-    if fn is None:
-        fn = getattr(script_op, "addScriptError", None)
-    if fn is not None:
+def _report(script_op: Any, level: str, message: str) -> bool:
+    """Show ``message`` on the operator: addError/addWarning are TD's in-cook status, else a script error.
+
+    Returns True when it became a script error (those stay until cleared).
+    """
+    for name in ("addError" if level == "error" else "addWarning", "addScriptError"):
+        fn = getattr(script_op, name, None)
+        if fn is None:
+            continue
         try:
             fn(message)
-        except Exception:
-            pass
+            return name == "addScriptError"
+        except Exception:  # addError/addWarning are refused outside a cook: fall back to a script error
+            continue
+    return False
 
 
 def sync_top_format(script_op: Any, width: int, height: int, comps: int, dtype: Any) -> list[str]:
@@ -875,6 +880,7 @@ class ScriptTopReceiver:
         self._rx: Receiver | None = None
         self._next_try = 0.0
         self._format: tuple[int, int, int, str] | None = None
+        self._script_error = False
 
     @property
     def receiver(self) -> Receiver | None:
@@ -908,6 +914,12 @@ class ScriptTopReceiver:
 
     def cook(self, script_op: Any, *, active: bool = True) -> str:
         """Run one cook of ``script_op``; returns the status also shown on it."""
+        if self._script_error:  # our fallback messages from the last call; TD clears cook errors itself
+            self._script_error = False
+            try:
+                script_op.clearScriptErrors(error="cudalink*")
+            except Exception:
+                pass
         try:
             status, level = self._cook(script_op, active)
         except Exception as exc:  # a cook must not raise into TD: show it, keep the last image
@@ -917,7 +929,7 @@ class ScriptTopReceiver:
             except Exception:
                 pass
         if level is not None:
-            _report(script_op, level, status)
+            self._script_error = _report(script_op, level, status)
         self.status = status
         return status
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import _cuda  # after ..errors; _cuda imports .spec, which is fine mid-package-init
 from ..errors import FormatError, LinkClosed
 from .spec import FrameSpec, PixelFormat, RowOrigin
 
@@ -151,8 +152,6 @@ class Frame:
 
         The frame keeps ``obj`` alive. CUDA objects are read through ``__cuda_array_interface__`` or DLPack.
         """
-        from .. import _cuda
-
         ts = time.time_ns() if timestamp_ns is None else timestamp_ns
         info = _cuda.describe_array(obj)
         spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)
@@ -318,8 +317,6 @@ class Frame:
     def _cuda_view(self) -> Any:
         view = self._view
         if view is None:
-            from .. import _cuda
-
             hold = self._live()
             view = _cuda.typed_view(hold.ptr, self._spec, self._device_id, hold, readonly=False)
             self._view = view
@@ -370,7 +367,6 @@ class Frame:
         if not self._is_cuda:
             host: np.ndarray[Any, Any] = self.numpy().copy()
             return host
-        from .. import _cuda
 
         hold = self._live()
         stream = self._sync.cai_stream() if self._sync is not None else None

@@ -153,6 +153,10 @@ class FrameSpec:
         object.__setattr__(self, "strides", st)
         object.__setattr__(self, "pixel_format", pf)
         object.__setattr__(self, "origin", org)
+        # derived once: these sit on every send/recv path
+        bst = st if st is not None else _c_strides(dims, dt.itemsize)
+        object.__setattr__(self, "_byte_strides", bst)
+        object.__setattr__(self, "_nbytes", sum((d - 1) * s for d, s in zip(dims, bst, strict=True)) + dt.itemsize)
 
     @property
     def ndim(self) -> int:
@@ -165,7 +169,7 @@ class FrameSpec:
     @property
     def byte_strides(self) -> tuple[int, ...]:
         """Strides in bytes, filled in for contiguous specs."""
-        return self.strides if self.strides is not None else _c_strides(self.shape, self.itemsize)
+        return self._byte_strides  # type: ignore[attr-defined,no-any-return]
 
     @property
     def is_contiguous(self) -> bool:

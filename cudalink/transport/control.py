@@ -179,6 +179,12 @@ class ControlLoop:
             )
         else:
             reply_data, fds, accepted = reply.data, reply.fds, reply.accepted
+        if accepted:
+            # Register for wake-ups *before* the consumer learns it joined: a frame published in between
+            # must still wake it.
+            with self._lock:
+                self._joined[conn] = sock
+                self._joined_list = tuple(self._joined.values())
         try:
             sock.setblocking(True)
             sock.settimeout(HANDSHAKE_TIMEOUT)
@@ -188,18 +194,18 @@ class ControlLoop:
                 sock.sendall(reply_data)
             sock.setblocking(False)
         except OSError:
-            accepted_ok = False
+            sent = False
         else:
-            accepted_ok = accepted
-        if not accepted_ok:
+            sent = True
+        if not (accepted and sent):
             if accepted:
+                with self._lock:
+                    self._joined.pop(conn, None)
+                    self._joined_list = tuple(self._joined.values())
                 self._handler.on_leave(conn)
             with contextlib.suppress(OSError):
                 sock.close()
             return
-        with self._lock:
-            self._joined[conn] = sock
-            self._joined_list = tuple(self._joined.values())
         self._sel.register(sock, selectors.EVENT_READ, ("joined", conn))
 
     def _read_joined(self, conn: int, sock: socket.socket) -> None:

@@ -112,13 +112,13 @@ def _run(ctx: Any, target: Any, *args: Any) -> Any:
 
 @pytest.mark.parametrize("handles", ["pool", "legacy"])
 def test_ipc_every_consumer_framework_and_a_slow_consumer(ctx: Any, name: str, handles: str) -> None:
-    """12,000 distinct frames; torch, cupy, jax and a slow torch consumer verify what they get on the device."""
+    """20,000 distinct frames; torch, cupy, jax and a slow torch consumer verify what they get on the device."""
     ready, result = ctx.Event(), ctx.Queue()
     prod = _run(
         ctx,
         gp.gpu_producer,
         name,
-        12_000,
+        20_000,
         (64, 48, 4),
         "uint8",
         4,

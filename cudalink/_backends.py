@@ -119,6 +119,7 @@ class CudaSlots:
         self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
         self.ready = [_cuda.new_ipc_event(self.stream) for _ in range(nslots)]
         self._sources: list[Any] = [None] * nslots
+        self._tls = threading.local()
 
     def bind(self, region: Any) -> None:
         pass
@@ -136,9 +137,15 @@ class CudaSlots:
     def _stream(self, stream: Any) -> int:
         return self.stream_int if stream is None else _cuda.stream_handle(stream)
 
+    def _current(self) -> None:
+        """Make our device current once per thread (send_async and TD callbacks run on other threads)."""
+        if getattr(self._tls, "ok", False) is False:
+            self.dev.set_current()
+            self._tls.ok = True
+
     def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
         s = self._stream(stream)
-        self.dev.set_current()
+        self._current()
         info = _cuda.describe_array(src, stream_ptr=s)
         spec.check_array(info.shape, info.dtype)
         if info.device_id < 0:

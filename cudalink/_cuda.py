@@ -31,6 +31,7 @@ class ArrayInfo(NamedTuple):
     owner: object
 
 
+_frame_cls: Any = None
 _driver_mod: Any = None
 _core_mod: Any = None
 _smv: Any = None
@@ -85,30 +86,34 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
     ``stream_ptr`` is handed to the exporter (DLPack ``stream=``), so its pending work is ordered before
     ours on that stream; -1 means no ordering.
     """
-    from .frames.frame import Frame
+    global _frame_cls
+    if _frame_cls is None:
+        from .frames.frame import Frame as _F
 
-    if isinstance(obj, Frame):  # our own frames: no CAI side effects, and the frame's own sync
+        _frame_cls = _F
+    if isinstance(obj, _frame_cls):  # our own frames: no CAI side effects, and the frame's own sync
         if not obj.is_cuda:
             return _host_info(obj.numpy())
         if stream_ptr != -1 and obj._sync is not None:
             obj._sync.wait(stream_ptr)
         spec = obj.spec
         return ArrayInfo(obj.ptr, spec.shape, spec.dtype, spec.strides, int(obj.device.split(":")[1]), False, obj)
-    if isinstance(obj, np.ndarray) or (
-        not hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "__array_interface__")
-    ):
+    cls = type(obj)
+    has_cai = hasattr(cls, "__cuda_array_interface__")  # on the type: never evaluate a property here
+    if cls is np.ndarray or (not has_cai and hasattr(cls, "__array_interface__")):
         return _host_info(np.asarray(obj))
     dl_dev = getattr(obj, "__dlpack_device__", None)
-    if dl_dev is not None and int(dl_dev()[0]) in (1, 3):
-        return _host_info(np.from_dlpack(obj))
-    if dl_dev is None and not hasattr(obj, "__cuda_array_interface__"):
+    if dl_dev is not None:
+        if int(dl_dev()[0]) in (1, 3):  # CPU or pinned host memory (a torch CPU tensor, say)
+            return _host_info(np.from_dlpack(obj))
+    elif not has_cai:
         try:
             return _host_info(np.asarray(obj))
         except Exception as exc:
-            raise FormatError(f"cudalink: cannot read {type(obj).__name__} as an array: {exc}") from None
+            raise FormatError(f"cudalink: cannot read {cls.__name__} as an array: {exc}") from None
     smv = _view_cls()
     try:
-        if hasattr(obj, "__cuda_array_interface__"):
+        if has_cai:
             # CAI v3 carries the producer's stream; cuda.core orders ``stream_ptr`` after it. It is also
             # ~10x cheaper than a DLPack exchange through torch (1.8 vs 18 us on the H100).
             view = smv.from_cuda_array_interface(obj, stream_ptr=stream_ptr)
@@ -117,7 +122,10 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
     except Exception as exc:
         raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from None
     dtype = np.dtype(view.dtype)
+    shape = tuple(int(d) for d in view.shape)
     strides = None if view.strides is None else tuple(int(s) * dtype.itemsize for s in view.strides)
+    if strides is not None and _is_c_contiguous(shape, strides, dtype.itemsize):
+        strides = None  # CAI views report explicit strides even when contiguous; DLPack ones do not
     if not view.is_device_accessible:
         raise FormatError("cudalink: array is neither host nor device memory")
     return ArrayInfo(
@@ -129,6 +137,15 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
         bool(view.readonly),
         (obj, view),
     )
+
+
+def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    acc = itemsize
+    for d, st in zip(reversed(shape), reversed(strides), strict=True):
+        if d > 1 and st != acc:
+            return False
+        acc *= d
+    return True
 
 
 def _host_info(arr: np.ndarray[Any, Any]) -> ArrayInfo:
@@ -156,9 +173,22 @@ def copy_to_host(ptr: int, spec: FrameSpec, device_id: int, stream: int | None) 
     return copied
 
 
+_streams: dict[int, Any] = {}
+
+
+def cu_stream(stream: int) -> Any:
+    """A cached ``CUstream`` wrapper for a raw handle (building one costs more than the call it feeds)."""
+    cs = _streams.get(stream)
+    if cs is None:
+        if len(_streams) > 1024:
+            _streams.clear()
+        cs = _streams[stream] = _drv().CUstream(stream)
+    return cs
+
+
 def memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
     drv = _drv()
-    check(drv.cuMemcpyDtoDAsync(dst, src, nbytes, drv.CUstream(stream)), "cuMemcpyDtoDAsync")
+    check(drv.cuMemcpyDtoDAsync(dst, src, nbytes, cu_stream(stream)), "cuMemcpyDtoDAsync")
 
 
 def memcpy_htod(dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -328,13 +358,11 @@ def import_event(raw: bytes, flag: int) -> Any:
 
 def record(ev: Any, stream: int) -> None:
     """cuEventRecord directly: cuda.core refuses to re-record IPC events, and we reuse one per slot."""
-    drv = _drv()
-    check(drv.cuEventRecord(ev.handle, drv.CUstream(stream)), "cuEventRecord")
+    check(_drv().cuEventRecord(ev.handle, cu_stream(stream)), "cuEventRecord")
 
 
 def wait(stream: int, ev: Any) -> None:
-    drv = _drv()
-    check(drv.cuStreamWaitEvent(drv.CUstream(stream), ev.handle, 0), "cuStreamWaitEvent")
+    check(_drv().cuStreamWaitEvent(cu_stream(stream), ev.handle, 0), "cuStreamWaitEvent")
 
 
 def new_event() -> Any:

@@ -1117,12 +1117,14 @@ class Bench:
             prod.finish()
             results = self._collect(out, "result", k, procs, 60.0)
         finally:
-            prod.close()
+            # importers first, exporter last: freeing a pool while consumers still map it is undefined
+            # behaviour in the driver (it segfaulted the core-pickle peer on an H200)
             for p in procs:
                 p.join(timeout=5.0)
                 if p.is_alive():
                     p.terminate()
                     p.join(timeout=2.0)
+            prod.close()
             with contextlib.suppress(Exception):
                 out.close()
         return RunResult(sent, costs, results, drops, self.plan.warm)

@@ -954,6 +954,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    import multiprocessing
+
+    # every child we start is spawned; making it the default too keeps torch's queue feeders from
+    # assuming fork (and warning) when CUDA tensors are pickled in this process
+    multiprocessing.set_start_method("spawn", force=True)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -826,14 +826,18 @@ class _QueueProducer:
             with contextlib.suppress(Exception):
                 q.cancel_join_thread()
                 q.close()
-        if self.peer == "core-pickle":
-            with contextlib.suppress(Exception):
-                for b in self.pool:
-                    b.close(self.stream)
+        # Freeing the peers' shared objects (CUDA tensors sent by torch.multiprocessing, cuda.core Buffers
+        # pickled through mp.Queue) segfaulted inside torch / cuda.core on an H200, even with every
+        # importer joined. They are the peers', not cudalink's: keep them until the process exits
+        # (the CLI leaves with os._exit once the report is written).
+        with contextlib.suppress(Exception):
+            if self.peer == "core-pickle":
                 self.stream.sync()
-                self.mr.close()
+        _KEEP_UNTIL_EXIT.append((self.pool, getattr(self, "mr", None), getattr(self, "stream", None)))
         self.pool = []
 
+
+_KEEP_UNTIL_EXIT: list[Any] = []
 
 # ============================================================================================ the bench
 

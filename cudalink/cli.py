@@ -886,11 +886,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sys.stdout.write(text + "\n")
     errors = [r for r in report["rows"] if r["status"] == "error"]
     errors += [w for w in report["wait_modes"] if w["status"] == "error"]
+    code = 0
     if errors:
         first = errors[0]
         print(f"cudalink: {len(errors)} bench measurement(s) failed; first: {first['reason']}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    if _bench._KEEP_UNTIL_EXIT:
+        # the GPU peers' shared tensors/buffers crash torch/cuda.core when freed (see _bench); skip teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 # ============================================================================================ main

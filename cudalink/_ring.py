@@ -98,6 +98,9 @@ class ProducerRing:
                 return i
         return None
 
+    def waiting(self, index: int) -> bool:
+        return wire.read_u32(self.buf, self.layout.consumer(index) + wire.CONSUMER_OFF_WAITING) != 0
+
     def token(self, index: int) -> int:
         return wire.read_u64(self.buf, self.layout.consumer(index) + 8)
 
@@ -144,6 +147,12 @@ class ConsumerRing:
 
     def flags(self) -> int:
         return wire.read_u32(self.buf, wire.OFF_FLAGS)
+
+    def set_waiting(self, on: bool) -> None:
+        """Announce (or withdraw) that we are about to sleep; re-check the stamps after announcing."""
+        wire.write_u32(self.buf, self._entry + wire.CONSUMER_OFF_WAITING, 1 if on else 0)
+        if on:
+            full_fence()
 
     def count(self, received: int, skipped: int) -> None:
         wire.write_u64(self.buf, self._entry + 16, received)

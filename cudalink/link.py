@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 from . import _backends, _cuda, _platform
-from ._ring import ConsumerRing, ProducerRing
+from ._ring import ConsumerRing, ProducerRing, full_fence
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
@@ -43,6 +43,7 @@ class _Handler(ServerHandler):
     def __init__(self, sender: Sender) -> None:
         self.sender = sender
         self.conns: dict[int, int] = {}
+        self.snapshot: tuple[tuple[int, int], ...] = ()  # (conn, index) pairs, swapped whole for the hot path
         self.lock = threading.Lock()
 
     def on_hello(self, conn: int, message: bytes, peer: Peer) -> Reply:
@@ -73,12 +74,14 @@ class _Handler(ServerHandler):
                 )
             s._ring.join(index, peer.pid or hello.pid, hello.token)
             self.conns[conn] = index
+            self.snapshot = tuple(self.conns.items())
         fds = tuple(s._slots.fds())
         return Reply(wire.pack_welcome(wire.Welcome(index, s.generation, len(fds))), fds)
 
     def on_leave(self, conn: int) -> None:
         with self.lock:
             index = self.conns.pop(conn, None)
+            self.snapshot = tuple(self.conns.items())
             if index is not None:
                 self.sender._forget_consumer(index)
         self.sender._released.set()
@@ -302,7 +305,11 @@ class Sender:
     def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
         self._seq += 1
         self._ring.publish(slot, self._seq, time.time_ns() if timestamp_ns is None else timestamp_ns, spec, meta)
-        self._server.wake()
+        full_fence()  # the stamp is visible before we read who sleeps: pairs with ConsumerRing.set_waiting
+        ring = self._ring
+        sleepers = [conn for conn, index in self._handler.snapshot if ring.waiting(index)]
+        if sleepers:
+            self._server.wake(b"\x01", sleepers)
         return self._seq
 
     @contextlib.contextmanager
@@ -681,7 +688,15 @@ class Receiver:
                     if n & 1023 == 0 and not att.client.drain():
                         raise self._gone("closed or died")
                 continue
-            if not att.client.wait(deadline - now):
+            att.ring.set_waiting(True)
+            try:
+                frame = self._try_take()  # a frame published before our flag was visible
+                if frame is not None:
+                    return frame
+                alive = att.client.wait(deadline - now)
+            finally:
+                att.ring.set_waiting(False)
+            if not alive:
                 raise self._gone("closed or died")
 
     async def recv_async(self, timeout: float | None = None) -> Frame:
@@ -707,13 +722,18 @@ class Receiver:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
             fut: asyncio.Future[None] = loop.create_future()
             fd = att.client.fileno()
+            att.ring.set_waiting(True)
             loop.add_reader(fd, _wake_future, fut)
             try:
+                frame = self._try_take()  # published before our flag was visible
+                if frame is not None:
+                    return frame
                 await asyncio.wait_for(fut, None if left == float("inf") else left)
             except asyncio.TimeoutError:
                 pass
             finally:
                 loop.remove_reader(fd)
+                att.ring.set_waiting(False)
 
     def __aiter__(self) -> AsyncIterator[Frame]:
         return self._aiter()

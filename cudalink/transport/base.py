@@ -60,8 +60,8 @@ class Server(abc.ABC):
         """Begin accepting consumers (after the header is fully written)."""
 
     @abc.abstractmethod
-    def wake(self, byte: bytes = b"\x01") -> None:
-        """Send one wake-up byte to every joined consumer; never blocks."""
+    def wake(self, byte: bytes = b"\x01", conns: list[int] | None = None) -> None:
+        """Send one wake-up byte to the given connections (default: all joined); never blocks."""
 
     @abc.abstractmethod
     def disconnect(self, conn: int) -> None:

@@ -60,8 +60,13 @@ class ControlLoop:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
-    def wake(self, byte: bytes) -> None:
-        for sock in self._joined_list:
+    def wake(self, byte: bytes, conns: list[int] | None = None) -> None:
+        if conns is None:
+            targets: tuple[socket.socket, ...] | list[socket.socket] = self._joined_list
+        else:
+            joined = self._joined
+            targets = [s for s in (joined.get(c) for c in conns) if s is not None]
+        for sock in targets:
             try:
                 sock.send(byte, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):

@@ -44,8 +44,8 @@ class _MemoryServer(Server):
     def start(self, handler: ServerHandler) -> None:
         self.loop.start(handler)
 
-    def wake(self, byte: bytes = b"\x01") -> None:
-        self.loop.wake(byte)
+    def wake(self, byte: bytes = b"\x01", conns: list[int] | None = None) -> None:
+        self.loop.wake(byte, conns)
 
     def disconnect(self, conn: int) -> None:
         self.loop.disconnect(conn)

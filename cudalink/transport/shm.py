@@ -26,6 +26,10 @@ from .control import ClientSocket, ControlLoop
 __all__ = ["SharedMemoryTransport"]
 
 _track_lock = threading.Lock()
+_DENIED = (
+    "cudalink: permission denied for link {name!r}: links are private to the user that created them; "
+    "run the consumer as the same user"
+)
 
 
 def _open_segment(name: str, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:
@@ -107,8 +111,8 @@ class _ShmServer(Server):
     def start(self, handler: ServerHandler) -> None:
         self._loop.start(handler)
 
-    def wake(self, byte: bytes = b"\x01") -> None:
-        self._loop.wake(byte)
+    def wake(self, byte: bytes = b"\x01", conns: list[int] | None = None) -> None:
+        self._loop.wake(byte, conns)
 
     def disconnect(self, conn: int) -> None:
         self._loop.disconnect(conn)
@@ -146,6 +150,9 @@ class _ShmClient(Client):
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             raise NoProducer(str(exc)) from None
+        except PermissionError:
+            sock.close()
+            raise LinkError(_DENIED.format(name=self._name)) from None
         except OSError:
             sock.close()
             raise
@@ -264,4 +271,6 @@ class SharedMemoryTransport(Transport):
             seg = _open_segment(_platform.segment_name(name))
         except FileNotFoundError:
             raise NoProducer(f"no link named {name!r}") from None
+        except PermissionError:
+            raise LinkError(_DENIED.format(name=name)) from None
         return _ShmClient(name, Segment(seg))

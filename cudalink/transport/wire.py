@@ -59,7 +59,11 @@ Slot handles (``HANDLE``, static for the producer's life)::
 Consumer entry (``CONSUMER`` + per-slot release-event handles)::
 
     0 u32 state (0 free, 1 joined) | 4 u32 pid | 8 u64 token | 16 u64 received | 24 u64 skipped |
-    32 u64 joined_ns | 40 u64 last_recv_ns | 48 16s reserved | 64 + 72*i: 64s release-event handle, u64 flags
+    32 u64 joined_ns | 40 u64 last_recv_ns | 48 u32 waiting (1 while blocked: only then is it sent a wake-up) |
+    52 12s reserved | 64 + 72*i: 64s release-event handle, u64 flags
+
+    ``waiting`` is the futex-style half of wake-ups: the consumer sets it, fences, re-checks the stamps, then
+    sleeps; the producer publishes, fences, and wakes only consumers whose flag is set.
 
 Control messages (a Unix socket; each message is one ``send``)::
 
@@ -67,7 +71,7 @@ Control messages (a Unix socket; each message is one ``send``)::
     WELCOME producer -> consumer  b"CLOK" u16 version u16 consumer index u64 generation u32 nfds (24 bytes)
                                   + nfds file descriptors via SCM_RIGHTS (the CUDA pool's)
     REJECT  producer -> consumer  b"CLNO" u16 version u16 reason, then up to 200 bytes of UTF-8 text
-    then    producer -> consumer  one byte per publish (b"\\x01", wake-up), b"\\x00" on shutdown; EOF = gone
+    then    producer -> consumer  b"\\x01" per publish while the consumer is waiting, b"\\x00" on shutdown; EOF = gone
             consumer -> producer  b"R": "I released a lease" (only while FLAG_PRODUCER_WAITING is set)
 """
 
@@ -125,6 +129,7 @@ OFF_FLAGS = 28
 OFF_PUBLISHED = 48
 OFF_DROPPED = 56
 OFF_LAST_PUBLISH = 64
+CONSUMER_OFF_WAITING = 48
 
 REJECT_GENERATION = 1
 REJECT_FULL = 2

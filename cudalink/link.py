@@ -504,6 +504,7 @@ class Receiver:
         self._att: _Attachment | None = None
         self._last = 0
         self._dead_generation = 0
+        self._sticky_wake = False
         self._floor = 0
         self.received = 0
         self.skipped = 0
@@ -539,10 +540,20 @@ class Receiver:
         return bool(self._att is not None and self._att.ring.flags() & wire.FLAG_SHUTDOWN)
 
     def fileno(self) -> int:
-        """Readable when a frame may be waiting (or the producer died): for selectors and event loops."""
+        """Readable when a frame may be waiting (or the producer died): for selectors and event loops.
+
+        From the first call on, the producer sends this receiver a wake-up for every frame (normally it
+        wakes only receivers blocked inside ``recv``); take frames with :meth:`poll` when it is readable.
+        """
         if self._att is None:
             raise LinkError("cudalink: not attached")
+        self._sticky_wake = True
+        self._att.ring.set_waiting(True)
         return int(self._att.client.fileno())
+
+    def _unwait(self, att: _Attachment) -> None:
+        if not self._sticky_wake:
+            att.ring.set_waiting(False)
 
     def _attach(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -591,6 +602,8 @@ class Receiver:
             client.close()
             raise
         self._att = _Attachment(client, fixed, welcome.index, view)
+        if self._sticky_wake:
+            self._att.ring.set_waiting(True)
         self._last = 0
         # frames published before we joined are not "skipped" by us
         self._floor = wire.read_u64(client.header, wire.OFF_PUBLISHED)
@@ -695,7 +708,7 @@ class Receiver:
                     return frame
                 alive = att.client.wait(deadline - now)
             finally:
-                att.ring.set_waiting(False)
+                self._unwait(att)
             if not alive:
                 raise self._gone("closed or died")
 
@@ -733,7 +746,7 @@ class Receiver:
                 pass
             finally:
                 loop.remove_reader(fd)
-                att.ring.set_waiting(False)
+                self._unwait(att)
 
     def __aiter__(self) -> AsyncIterator[Frame]:
         return self._aiter()

@@ -234,3 +234,25 @@ def test_send_async_waits_without_blocking_the_loop(name: str) -> None:
             assert seq == 2 and ticks >= 10
 
     asyncio.run(main())
+
+
+def test_fileno_users_are_woken_for_every_frame(name: str) -> None:
+    """An external event loop selecting on fileno() must be woken, though it never blocks inside recv."""
+    import select
+    import threading
+
+    tr = MemoryTransport()
+    with cudalink.Sender(name, shape=(1,), dtype="int32", transport=tr) as tx, \
+            cudalink.Receiver(name, transport=tr) as rx:  # fmt: skip
+        fd = rx.fileno()
+        got = []
+        for i in range(1, 6):
+            threading.Timer(0.02, tx.send, (np.array([i], np.int32),)).start()
+            while True:
+                assert select.select([fd], [], [], 2.0)[0], f"no wake-up for frame {i}"
+                f = rx.poll()
+                if f is not None:
+                    got.append(int(np.from_dlpack(f)[0]))
+                    f.release()
+                    break
+        assert got == [1, 2, 3, 4, 5]

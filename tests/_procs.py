@@ -47,9 +47,11 @@ def host_producer(
         ready.set()
         if go is not None:
             go.wait(30)
-        for seq in range(1, n + 1):
+        for _ in range(n):
+            seq = tx.seq + 1  # the seq this frame gets if published; a dropped frame leaves it unused
             arr = pattern(seq, shape, dtype)
-            tx.send(arr, meta=stamp(arr, seq))
+            got = tx.send(arr, meta=stamp(arr, seq))
+            assert got in (None, seq), (got, seq)
             if every:
                 time.sleep(every)
         ready.clear()

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 
 from .. import _platform
-from .base import Peer, ServerHandler
+from ..errors import LinkError
+from .base import Client, Peer, ServerHandler
 from .wire import HELLO
 
 HANDSHAKE_TIMEOUT = 2.0
@@ -331,3 +332,30 @@ class ClientSocket:
         with contextlib.suppress(OSError):
             self.sock.close()
         self.gone = True
+
+
+class SocketClient(Client):
+    """What every socket-based transport's client shares: waiting, wake-ups and EOF on one connection."""
+
+    _sock: ClientSocket | None = None
+
+    def _s(self) -> ClientSocket:
+        if self._sock is None:
+            raise LinkError("cudalink: not connected")
+        return self._sock
+
+    def fileno(self) -> int:
+        return self._s().fileno()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._s().wait(timeout)
+
+    def drain(self) -> bool:
+        return self._s().drain()
+
+    def hint(self) -> None:
+        self._s().hint()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()

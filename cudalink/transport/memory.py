@@ -14,8 +14,8 @@ import numpy as np
 
 from .. import _platform
 from ..errors import LinkError
-from .base import Client, NoProducer, Peer, Server, ServerHandler, Transport
-from .control import ClientSocket, ControlLoop
+from .base import NoProducer, Peer, Server, ServerHandler, Transport
+from .control import ClientSocket, ControlLoop, SocketClient
 
 __all__ = ["MemoryTransport"]
 
@@ -63,7 +63,7 @@ class _MemoryServer(Server):
         self.loop.close()
 
 
-class _MemoryClient(Client):
+class _MemoryClient(SocketClient):
     def __init__(self, server: _MemoryServer) -> None:
         self._server = server
         self.header_segment = server.header_segment
@@ -88,27 +88,6 @@ class _MemoryClient(Client):
             raise LinkError("cudalink: data region smaller than the header promises")
         self.data_segment = region
         return region.buf
-
-    def _s(self) -> ClientSocket:
-        if self._sock is None:
-            raise LinkError("cudalink: not connected")
-        return self._sock
-
-    def fileno(self) -> int:
-        return self._s().fileno()
-
-    def wait(self, timeout: float | None) -> bool:
-        return self._s().wait(timeout)
-
-    def drain(self) -> bool:
-        return self._s().drain()
-
-    def hint(self) -> None:
-        self._s().hint()
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
 
 
 class MemoryTransport(Transport):

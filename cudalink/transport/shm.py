@@ -20,8 +20,8 @@ import numpy as np
 from .. import _platform
 from ..errors import LinkError
 from . import wire
-from .base import Client, NoProducer, Peer, Server, ServerHandler, Transport
-from .control import ClientSocket, ControlLoop
+from .base import NoProducer, Peer, Server, ServerHandler, Transport
+from .control import ClientSocket, ControlLoop, SocketClient
 
 __all__ = ["SharedMemoryTransport"]
 
@@ -134,7 +134,7 @@ class _ShmServer(Server):
             self.data_segment.unlink()
 
 
-class _ShmClient(Client):
+class _ShmClient(SocketClient):
     def __init__(self, name: str, header: Segment) -> None:
         self._name = name
         self.header_segment = header
@@ -168,27 +168,6 @@ class _ShmClient(Client):
             raise LinkError(f"cudalink: data segment is {len(seg.buf)} bytes, header promises {size}")
         self.data_segment = seg
         return seg.buf
-
-    def _s(self) -> ClientSocket:
-        if self._sock is None:
-            raise LinkError("cudalink: not connected")
-        return self._sock
-
-    def fileno(self) -> int:
-        return self._s().fileno()
-
-    def wait(self, timeout: float | None) -> bool:
-        return self._s().wait(timeout)
-
-    def drain(self) -> bool:
-        return self._s().drain()
-
-    def hint(self) -> None:
-        self._s().hint()
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
 
 
 class SharedMemoryTransport(Transport):

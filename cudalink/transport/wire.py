@@ -259,25 +259,7 @@ def read_fixed(buf: Any, segment_size: int | None = None) -> Fixed:
     """Decode and validate the fixed header; anything inconsistent is a :class:`ProtocolError`."""
     if len(buf) < FIXED_SIZE:
         raise ProtocolError(f"cudalink: header segment is {len(buf)} bytes, smaller than the {FIXED_SIZE}-byte header")
-    (
-        magic,
-        version,
-        backend,
-        header_size,
-        generation,
-        pid,
-        flags,
-        nslots,
-        ncons,
-        device,
-        capacity,
-        published,
-        dropped,
-        last_ns,
-        created_ns,
-        uuid,
-        data_size,
-    ) = FIXED.unpack_from(buf, 0)
+    magic, version, *rest = FIXED.unpack_from(buf, 0)
     if magic != MAGIC:
         raise ProtocolError(f"cudalink: not a cudalink segment (magic {magic!r}); is another program using the name?")
     if version != LAYOUT_VERSION:
@@ -285,37 +267,22 @@ def read_fixed(buf: Any, segment_size: int | None = None) -> Fixed:
             f"cudalink: producer speaks layout version {version}, this cudalink speaks {LAYOUT_VERSION}; "
             "install the same cudalink version on both sides"
         )
-    if backend not in BACKEND_NAMES:
-        raise ProtocolError(f"cudalink: unknown backend code {backend} in header")
-    layout = Layout(nslots, ncons)
-    if header_size != layout.size:
-        raise ProtocolError(f"cudalink: header claims {header_size} bytes but its counts need {layout.size}")
+    f = Fixed(*rest)
+    if f.backend not in BACKEND_NAMES:
+        raise ProtocolError(f"cudalink: unknown backend code {f.backend} in header")
+    layout = Layout(f.nslots, f.nconsumers)
+    if f.header_size != layout.size:
+        raise ProtocolError(f"cudalink: header claims {f.header_size} bytes but its counts need {layout.size}")
     limit = len(buf) if segment_size is None else segment_size
-    if header_size > limit:
-        raise ProtocolError(f"cudalink: header claims {header_size} bytes but the segment has {limit}")
-    if generation == 0:
+    if f.header_size > limit:
+        raise ProtocolError(f"cudalink: header claims {f.header_size} bytes but the segment has {limit}")
+    if f.generation == 0:
         raise ProtocolError("cudalink: header has generation 0 (not initialised)")
-    if capacity <= 0 or capacity > (1 << 40):
-        raise ProtocolError(f"cudalink: slot capacity {capacity} is out of range")
-    if backend == BACKEND_HOST and data_size < capacity * nslots:
-        raise ProtocolError(f"cudalink: host data segment of {data_size} bytes cannot hold {nslots} slots")
-    return Fixed(
-        backend,
-        header_size,
-        generation,
-        pid,
-        flags,
-        nslots,
-        ncons,
-        device,
-        capacity,
-        published,
-        dropped,
-        last_ns,
-        created_ns,
-        uuid,
-        data_size,
-    )
+    if f.capacity <= 0 or f.capacity > (1 << 40):
+        raise ProtocolError(f"cudalink: slot capacity {f.capacity} is out of range")
+    if f.backend == BACKEND_HOST and f.data_size < f.capacity * f.nslots:
+        raise ProtocolError(f"cudalink: host data segment of {f.data_size} bytes cannot hold {f.nslots} slots")
+    return f
 
 
 def read_u64(buf: Any, off: int) -> int:

@@ -332,8 +332,9 @@ class Sender:
                 fences = self._fences(slot)
                 ts = time.time_ns()
                 frame = self._slots.writable_frame(slot, spec, self._seq + 1, ts, fences)
-                if stream is not None and fences:
-                    frame._sync.wait(_cuda.stream_handle(stream))  # type: ignore[union-attr]
+                if fences:  # whoever writes the slot first waits for consumers still reading it (GPU-side)
+                    writer = _cuda.stream_handle(stream) if stream is not None else self._slots.stream_int  # type: ignore[union-attr]
+                    frame._sync.wait(writer)  # type: ignore[union-attr]
             except BaseException:
                 self._ring.abort(slot)
                 raise

@@ -198,3 +198,16 @@ def gpu_attach_cycle(name: str, n: int, result: Any) -> None:
         import traceback
 
         result.put((0, 0, 0, 0, traceback.format_exc()))
+
+
+def gpu_chaos_producer(name: str, ready: Any) -> None:
+    """A light GPU producer (no torch: fast restarts): host content copied into reserved slots."""
+    from cudalink import _cuda
+    from tests import _chaos
+
+    with cudalink.Sender(name, shape=_chaos.SHAPE, dtype="uint8", slots=4, device=0) as tx:
+        ready.set()
+        while True:
+            arr = _chaos.content(tx.generation, tx.seq + 1)
+            with tx.reserve(meta=_chaos.checksum(arr)) as f:
+                _cuda.memcpy_htod(f.ptr, arr.ctypes.data, arr.nbytes, tx._slots.stream_int)  # type: ignore[union-attr]

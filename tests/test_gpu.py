@@ -230,3 +230,70 @@ def test_in_process_cuda_link_roundtrip(name: str) -> None:
             tx.send(torch.zeros(4, 4, device="cuda"))
         tx.send(x * 2)  # the link is still usable after bad input
         assert torch.equal(torch.from_dlpack(rx.recv(timeout=5)), x * 2)
+
+
+def _gpu_chaos(ctx: Any, name: str, cycles: int) -> dict[str, float]:
+    from . import _chaos
+
+    rx = cudalink.Receiver(name, connect=False, timeout=60)
+    gone: list[float] = []
+    gens: set[int] = set()
+    frames = 0
+    try:
+        for i in range(cycles):
+            ready = ctx.Event()
+            prod = _run(ctx, gp.gpu_chaos_producer, name, ready)
+            assert ready.wait(60)
+            f = rx.recv(timeout=60)
+            assert rx.generation not in gens
+            gens.add(rx.generation)
+            stop_at = time.monotonic() + (i % 7) * 0.005  # kill at varied points of the producer's loop
+            while True:
+                arr = f.to_numpy()  # waits on the frame's ready event, then copies
+                head = arr.reshape(-1)[:16].tobytes()
+                assert _chaos.checksum(arr) == f.meta, f"torn frame {f.seq}"
+                assert int.from_bytes(head[:8], "little") == rx.generation == f.generation, "foreign frame"
+                f.release()
+                frames += 1
+                if time.monotonic() >= stop_at:
+                    break
+                f = rx.recv(timeout=10)
+            os.kill(prod.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(cudalink.ProducerGone):
+                while True:
+                    rx.recv(timeout=10).release()
+            gone.append(time.monotonic() - t0)
+            prod.join(10)
+    finally:
+        rx.close()
+    return {"cycles": cycles, "frames": frames, "max_gone_s": max(gone)}
+
+
+def test_gpu_kill_restart_chaos(ctx: Any, name: str) -> None:
+    stats = _gpu_chaos(ctx, name, 5)
+    assert stats["max_gone_s"] < 0.1, stats
+
+
+@pytest.mark.slow
+def test_gpu_kill_restart_chaos_200(ctx: Any, name: str) -> None:
+    stats = _gpu_chaos(ctx, name, 200)
+    print("gpu chaos:", stats)
+    assert stats["max_gone_s"] < 0.1, stats
+
+
+@pytest.mark.slow
+def test_gpu_torn_read_soak_one_million(ctx: Any, name: str) -> None:
+    """1,000,000 frames; a fast and a slow torch consumer verify each frame they get on the device."""
+    ready, result = ctx.Event(), ctx.Queue()
+    prod = _run(ctx, gp.gpu_producer, name, 1_000_000, (16, 16, 4), "uint8", 4, "send", ready, "auto", 0.0, "drop", 2)
+    assert ready.wait(60)
+    cons = [
+        _run(ctx, gp.gpu_consumer, name, "torch", result, False, True, 3600.0),
+        _run(ctx, gp.gpu_consumer, name, "torch", result, True, True, 3600.0),
+    ]
+    outs = [result.get(timeout=3600) for _ in cons]
+    prod.join(120)
+    print("gpu soak:", outs)
+    assert all(o[2] == 0 for o in outs), outs
+    assert all(o[1] > 0 for o in outs), outs

@@ -98,7 +98,9 @@ def script_top() -> fakes.FakeScriptTOP:
 # ========================================================================================== child processes
 
 
-def td_producer(name: str, shape: tuple[int, int, int], dtype: str, via_dat: bool, out: Any, cmd: Any) -> None:
+def td_producer(
+    name: str, shape: tuple[int, int, int], dtype: str, via_dat: bool, out: Any, cmd: Any, handles: str = "auto"
+) -> None:
     """A TD process: a TOP over real device memory, exported by TDSender or by the Execute DAT's text."""
     try:
         import torch
@@ -119,7 +121,7 @@ def td_producer(name: str, shape: tuple[int, int, int], dtype: str, via_dat: boo
 
             close = dat.onExit
         else:
-            tx = ctd.TDSender(name, device=0)
+            tx = ctd.TDSender(name, device=0, handles=handles)
 
             def export() -> int | None:
                 tx.send_top(top)
@@ -164,6 +166,10 @@ def py_producer(
         out.put(("done", 0))
     except BaseException:
         out.put(("error", traceback.format_exc()))
+
+
+def td_producer_legacy(name: str, shape: tuple[int, int, int], dtype: str, out: Any, cmd: Any) -> None:
+    td_producer(name, shape, dtype, False, out, cmd, handles="legacy")
 
 
 class Child:
@@ -298,6 +304,29 @@ def test_td_to_python_across_processes(torch: Any, via_dat: bool, dtype: str, co
                 frame.release()
         child.stop()
         assert child.expect("done") == 0  # every CUDAMemory TD handed out was freed once the ring let go
+    finally:
+        child.join()
+
+
+@pytest.mark.parametrize(("dtype", "comps"), [("uint8", 4), ("float32", 4)])
+def test_td_to_python_over_legacy_handles(torch: Any, dtype: str, comps: int) -> None:
+    """Windows has only cuIpc (legacy) handles: the bridge must work over them too (run here on Linux)."""
+    name, shape = link_name(), (48, 64, comps)
+    child = Child(td_producer_legacy, name, shape, dtype)
+    try:
+        child.expect("sent")
+        with cudalink.Receiver(name, timeout=60) as rx:
+            for k in (0, 1):
+                if k:
+                    child.send(k)
+                frame = rx.recv(timeout=60)
+                assert rx._att is not None and rx._att.fixed.backend == 2  # BACKEND_CUDA_LEGACY, from the header
+                t = torch.from_dlpack(frame)
+                assert same(torch, t, pattern(torch, shape, dtype, k)), k
+                del t
+                frame.release()
+        child.stop()
+        assert child.expect("done") == 0
     finally:
         child.join()
 

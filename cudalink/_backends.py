@@ -8,7 +8,6 @@ on the GPU). Host and CUDA links therefore share every line of protocol code.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -79,9 +78,6 @@ class HostSlots:
         )
 
     def commit(self, slot: int, streams: list[int], stream: Any) -> None:
-        pass
-
-    def wait_release(self, slot: int, fences: list[Any]) -> None:
         pass
 
     def close(self, timeout: float) -> None:
@@ -185,9 +181,6 @@ class CudaSlots:
             sync=_ProducerSync(fences),
         )
 
-    def wait_release(self, slot: int, fences: list[Any]) -> None:
-        pass
-
     def commit(self, slot: int, streams: list[int], stream: Any) -> None:
         s = self._stream(stream)
         _cuda.join_streams(s, streams)
@@ -207,9 +200,8 @@ class CudaSlots:
 
 class HostView:
     def __init__(self, fixed: wire.Fixed, client: Any, fds: list[int]) -> None:
-        self.data = client.map_data(fixed.generation, fixed.data_size)
+        client.map_data(fixed.generation, fixed.data_size)
         self.region = client.data_segment
-        self.handles = fixed
 
     def setup(self, header: Any, layout: wire.Layout, index: int) -> None:
         pass
@@ -343,6 +335,3 @@ def make_consumer_view(fixed: wire.Fixed, client: Any, fds: list[int]) -> HostVi
     if fixed.backend == wire.BACKEND_HOST:
         return HostView(fixed, client, fds)
     return CudaView(fixed, client, fds)
-
-
-ReleaseHook = Callable[[int, int, list[int]], None]

@@ -7,7 +7,6 @@ diagnosis needs it, so a machine with no driver imports cudalink fine and gets a
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -210,16 +209,6 @@ def parse_device(device: object) -> int:
         if text.startswith("cuda:") and text[5:].isdigit():
             return int(text[5:])
     raise LinkError(f"cudalink: device must be 'cpu', a CUDA ordinal like 0, or 'cuda:N'; got {device!r}")
-
-
-@functools.cache
-def _device_count() -> int:
-    try:
-        from cuda.core import system
-
-        return int(system.get_num_devices())
-    except Exception:
-        return 0
 
 
 def device(ordinal: int) -> Any:

@@ -9,7 +9,6 @@ ring protocol in ``cudalink._ring`` works over whatever memory a transport hands
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Client", "NoProducer", "Peer", "Server", "ServerHandler", "Transport"]
@@ -118,13 +117,3 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def connect(self, name: str) -> Client:
         """Map an existing link's header; raise :class:`NoProducer` when none is there."""
-
-    def exists(self, name: str) -> bool:
-        try:
-            self.connect(name).close()
-        except NoProducer:
-            return False
-        return True
-
-
-Wake = Callable[[], None]

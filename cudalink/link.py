@@ -221,9 +221,12 @@ class Sender:
 
     # -- publishing -------------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_open(self, meta: bytes = b"") -> None:
+        """Refuse what cannot be published before a slot is taken: a closed link, or meta that cannot travel."""
         if self._closed:
             raise LinkClosed(f"cudalink: Sender {self.name!r} is closed; create a new one")
+        if len(meta) > wire.META_MAX:
+            raise FormatError(f"cudalink: meta is {len(meta)} bytes; at most {wire.META_MAX} travel with a frame")
 
     def _claim(self, timeout: float | None) -> int | None:
         slot = self._ring.claim(self._seq + 1)
@@ -287,9 +290,7 @@ class Sender:
         array's producer through DLPack) and the CPU never waits for it.
         """
         with self._lock:
-            self._check_open()
-            if len(meta) > wire.META_MAX:
-                raise FormatError(f"cudalink: meta is {len(meta)} bytes; at most {wire.META_MAX} travel with a frame")
+            self._check_open(meta)
             spec = self._spec
             slot = self._claim(timeout)
             if slot is None:
@@ -322,7 +323,7 @@ class Sender:
         :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
         """
         with self._lock:
-            self._check_open()
+            self._check_open(meta)
             spec = self._spec
             slot = self._claim(timeout)
             if slot is None:

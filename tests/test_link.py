@@ -242,3 +242,15 @@ def test_close_with_frames_held_keeps_them_valid(name: str, transport: object) -
     tx.close()
     gc.collect()
     assert view[2, 2] == 7  # mapping outlives both ends while a view exists
+
+
+def test_reserve_refuses_oversized_meta_before_taking_a_slot(name: str, transport: object) -> None:
+    tx, rx = _pair(name, transport, slots=1)
+    with tx, rx:
+        with pytest.raises(cudalink.FormatError, match="meta"), tx.reserve(meta=b"x" * 100) as w:
+            np.from_dlpack(w)[...] = 1
+        assert tx.stats()["published"] == 0
+        with tx.reserve(meta=b"ok") as w:  # the single slot is still free: nothing leaked
+            np.from_dlpack(w)[...] = 2
+        f = rx.recv(1)
+        assert f.meta == b"ok" and np.from_dlpack(f)[0, 0] == 2

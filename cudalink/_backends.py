@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda
+from . import _cuda, _platform
 from .errors import FormatError, LinkError
 from .frames.frame import Frame, ReleaseCallback
 from .frames.spec import FrameSpec
@@ -318,17 +318,27 @@ class CudaView:
             pass
 
 
-def make_producer_slots(device: int | str, nslots: int, capacity: int, handles: str) -> HostSlots | CudaSlots:
-    if device == "cpu":
-        return HostSlots(nslots, capacity)
+def resolve_handles(handles: str, passes_fds: bool) -> str:
+    """``auto`` -> pool on native Linux, legacy elsewhere (Windows, WSL) and over channels without fds."""
     if handles not in ("auto", "pool", "legacy"):
         raise LinkError(f"cudalink: handles must be 'auto', 'pool' or 'legacy', got {handles!r}")
-    ordinal = _cuda.parse_device(device)
     if handles == "auto":
-        from ._platform import IS_LINUX
+        return _platform.default_handles() if passes_fds else "legacy"
+    if handles == "pool" and not passes_fds:
+        raise LinkError(
+            "cudalink: handles='pool' needs a control channel that passes file descriptors (a Unix socket), "
+            "and this transport's cannot (loopback TCP, as on Windows); use handles='legacy' or 'auto'"
+        )
+    return handles
 
-        handles = "pool" if IS_LINUX else "legacy"
-    return CudaSlots(ordinal, nslots, capacity, handles)
+
+def make_producer_slots(
+    device: int | str, nslots: int, capacity: int, handles: str, passes_fds: bool = True
+) -> HostSlots | CudaSlots:
+    if device == "cpu":
+        return HostSlots(nslots, capacity)
+    handles = resolve_handles(handles, passes_fds)
+    return CudaSlots(_cuda.parse_device(device), nslots, capacity, handles)
 
 
 def make_consumer_view(fixed: wire.Fixed, client: Any, fds: list[int]) -> HostView | CudaView:

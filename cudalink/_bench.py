@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda
+from . import _cuda, _platform
 from ._version import __version__
 from .errors import CudaUnavailable, LinkError, LinkTimeout, ProducerGone
 
@@ -1382,6 +1382,7 @@ def machine_info(backend: Backend) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "numpy": np.__version__,
+        "control": _platform.default_control(),
     }
     if backend.is_cuda:
         with contextlib.suppress(Exception):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -96,7 +98,7 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
         if stream_ptr != -1 and obj._sync is not None:
             obj._sync.wait(stream_ptr)
         spec = obj.spec
-        return ArrayInfo(obj.ptr, spec.shape, spec.dtype, spec.strides, int(obj.device.split(":")[1]), False, obj)
+        return ArrayInfo(obj.ptr, spec.shape, spec.dtype, spec.strides, int(obj.__dlpack_device__()[1]), False, obj)
     cls = type(obj)
     has_cai = hasattr(cls, "__cuda_array_interface__")  # on the type: never evaluate a property here
     if cls is np.ndarray or (not has_cai and hasattr(cls, "__array_interface__")):
@@ -432,12 +434,46 @@ class LegacyExporter:
         return []
 
     def close(self, stream: Any) -> None:
-        drv = _drv()
         stream.sync()
         for s in self.slots:
             unregister_local(s.handle)
-            drv.cuMemFree(s.keep)
+        free_bounded([s.keep for s in self.slots])
         self.slots.clear()
+
+
+#: how long a producer's close waits for cuMemFree before it leaks the slots instead
+FREE_TIMEOUT = 5.0
+
+
+def free_bounded(ptrs: list[Any], timeout: float = FREE_TIMEOUT) -> bool:
+    """``cuMemFree`` each pointer, giving up after ``timeout`` seconds.
+
+    On Windows ``cuMemFree`` can hang while a crashed peer still maps the allocation; a producer's
+    ``close()`` must return anyway. The frees run on a daemon thread (bound to this thread's context);
+    if it does not finish in time the memory is leaked until the process exits, with a warning.
+    """
+    if not ptrs:
+        return True
+    drv = _drv()
+    ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+
+    def run() -> None:
+        drv.cuCtxSetCurrent(ctx)
+        for ptr in ptrs:
+            drv.cuMemFree(ptr)
+
+    worker = threading.Thread(target=run, name="cudalink-free", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        warnings.warn(
+            f"cudalink: cuMemFree did not return within {timeout}s (a crashed consumer may still map the "
+            f"slots); leaving {len(ptrs)} slot(s) to be freed when this process exits",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 class PoolImporter:

@@ -1,20 +1,34 @@
-"""Everything that differs between operating systems lives here, and only here."""
+"""Everything that differs between operating systems lives here, and only here.
+
+Each Windows branch is a few lines next to its POSIX twin, and takes its OS module or DLL as an
+argument where it can, so ``tests/test_platform.py`` runs it on Linux against a stub.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import getpass
+import hashlib
+import mmap
 import os
+import platform
 import re
 import socket
 import stat
 import struct
 import sys
 import tempfile
+import time
+from typing import Any
 
 from .errors import LinkError
 
 IS_LINUX = sys.platform.startswith("linux")
 IS_WINDOWS = sys.platform == "win32"
+#: fds can cross the control channel (SCM_RIGHTS): needed for cuda.core IPC pools
+HAS_FD_PASSING = hasattr(socket, "AF_UNIX") and hasattr(socket, "send_fds")
 
+CONTROLS = ("unix", "tcp")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")
 
 
@@ -28,19 +42,61 @@ def check_name(name: object) -> str:
     return name
 
 
+def is_wsl(release: str | None = None) -> bool:
+    """WSL2 kernels say so in their release string; its driver refuses cuda.core IPC pools."""
+    return IS_LINUX and "microsoft" in (platform.uname().release if release is None else release).lower()
+
+
+def default_handles(linux: bool = IS_LINUX, wsl: bool | None = None) -> str:
+    """``handles="auto"``: IPC pools where the driver has them (native Linux), cuIpc handles elsewhere."""
+    return "pool" if linux and not (is_wsl() if wsl is None else wsl) else "legacy"
+
+
+def default_control(env: str | None = None) -> str:
+    """The control channel a producer opens: a Unix socket where fds can be passed, else loopback TCP.
+
+    ``CUDALINK_CONTROL=tcp`` forces the loopback channel (what Windows uses) on any OS, so it can be
+    tested and used where Unix sockets are unavailable (some sandboxes).
+    """
+    want = os.environ.get("CUDALINK_CONTROL", "auto") if env is None else env
+    if want in ("", "auto"):
+        return "unix" if HAS_FD_PASSING else "tcp"
+    if want not in CONTROLS:
+        raise LinkError(f"cudalink: CUDALINK_CONTROL must be 'auto', 'unix' or 'tcp', got {want!r}")
+    if want == "unix" and not hasattr(socket, "AF_UNIX"):
+        raise LinkError("cudalink: this Python has no Unix sockets; set CUDALINK_CONTROL=tcp (or unset it)")
+    return want
+
+
+# -- users --------------------------------------------------------------------------------------------------
+
+
 def uid() -> int:
+    """The uid the Unix channel compares with SO_PEERCRED (0 where uids do not exist)."""
     return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def user_tag(user: str | None = None) -> str:
+    """Names are per user: the uid on POSIX, a digest of the account name on Windows."""
+    if hasattr(os, "getuid") and user is None:
+        return str(uid())
+    name = getpass.getuser() if user is None else user
+    return "u" + hashlib.sha256(name.lower().encode()).hexdigest()[:12]
 
 
 def segment_name(name: str, suffix: str = "") -> str:
     """Per-user shared-memory name, so two users' ``cam0`` never meet."""
-    return f"cudalink-{uid()}-{name}{suffix}"
+    return f"cudalink-{user_tag()}-{name}{suffix}"
+
+
+# -- files ------------------------------------------------------------------------------------------------
 
 
 def runtime_dir() -> str:
-    """A private (0700, ours, not a symlink) directory for control sockets, next to /dev/shm where it exists."""
+    """A private directory for control sockets, locks and keys: 0700 and ours on POSIX (next to /dev/shm
+    where it exists); on Windows the per-user temp directory, which the profile's ACL keeps private."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    path = os.path.join(base, f"cudalink-{uid()}")
+    path = os.path.join(base, f"cudalink-{user_tag()}")
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -48,13 +104,97 @@ def runtime_dir() -> str:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != uid()):
         raise LinkError(f"cudalink: {path} is not a directory owned by you; remove it and retry")
-    if st.st_mode & 0o077:
+    if hasattr(os, "getuid") and st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
 
 
 def socket_path(name: str) -> str:
     return os.path.join(runtime_dir(), f"{name}.sock")
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Replace ``path`` atomically with a 0600 file, so a reader sees the old bytes or the new, never half."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    for attempt in range(50):
+        try:
+            os.replace(tmp, path)
+            return
+        except PermissionError:  # Windows: a reader has the old file open for a moment
+            if not IS_WINDOWS or attempt == 49:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            time.sleep(0.002)
+
+
+class ProcessLock:
+    """An exclusive lock that the OS drops when its holder dies: the liveness test that cannot go stale.
+
+    POSIX uses ``flock`` (per open file, so two Senders in one process exclude each other too);
+    Windows uses ``msvcrt.locking`` on byte 0. The file itself is never deleted: unlinking a lock file
+    lets two processes hold "the" lock on different inodes.
+    """
+
+    def __init__(self, path: str, windows: bool = IS_WINDOWS) -> None:
+        self.path = path
+        self._windows = windows
+        self._fd = -1
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if self._windows:
+                import msvcrt
+
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
+            else:
+                import fcntl
+
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # BlockingIOError on POSIX, PermissionError (EACCES) on Windows
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            if self._windows:
+                import msvcrt
+
+                os.lseek(fd, 0, os.SEEK_SET)
+                msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
+        os.close(fd)  # POSIX: closing drops the flock
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+
+def shm_map_readonly(segment: str) -> mmap.mmap | bytes | None:
+    """A POSIX shared-memory segment mapped PROT_READ (b"" if empty); None where POSIX shm does not exist."""
+    try:
+        import _posixshmem  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    fd = _posixshmem.shm_open("/" + segment, os.O_RDONLY, 0)
+    try:
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else b""
+    finally:
+        os.close(fd)
+
+
+# -- sockets ----------------------------------------------------------------------------------------------
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -71,9 +211,46 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     return 0, uid()
 
 
+def loopback_listener(sock: socket.socket | None = None) -> socket.socket:
+    """A TCP listener on 127.0.0.1 with an OS-chosen port.
+
+    On Windows, ``SO_EXCLUSIVEADDRUSE`` stops another process from binding the same port with
+    ``SO_REUSEADDR`` and stealing connections (POSIX refuses that across users by default).
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM) if sock is None else sock
+    try:
+        exclusive = getattr(socket, "SO_EXCLUSIVEADDRUSE", None)
+        if exclusive is not None:
+            s.setsockopt(socket.SOL_SOCKET, exclusive, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def no_delay(sock: socket.socket) -> None:
+    """Wake-ups are single bytes: Nagle would hold each one back for an ACK."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# -- processes --------------------------------------------------------------------------------------------
+
+_STILL_ACTIVE = 259
+_PROCESS_QUERY_LIMITED_INFORMATION = 0x1000
+_ERROR_ACCESS_DENIED = 5
+
+
 def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
+    if IS_WINDOWS:  # os.kill(pid, 0) would *terminate* the process there
+        import ctypes
+
+        return _pid_alive_windows(pid, _kernel32(), ctypes.get_last_error)  # type: ignore[attr-defined]
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -81,3 +258,33 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _kernel32() -> Any:
+    """kernel32 with the prototypes spelled out: a HANDLE is pointer-sized, ctypes' default int is not."""
+    import ctypes
+    from ctypes import wintypes
+
+    k = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
+    k.OpenProcess.argtypes = (wintypes.DWORD, wintypes.BOOL, wintypes.DWORD)
+    k.OpenProcess.restype = wintypes.HANDLE
+    k.GetExitCodeProcess.argtypes = (wintypes.HANDLE, ctypes.POINTER(wintypes.DWORD))
+    k.GetExitCodeProcess.restype = wintypes.BOOL
+    k.CloseHandle.argtypes = (wintypes.HANDLE,)
+    k.CloseHandle.restype = wintypes.BOOL
+    return k
+
+
+def _pid_alive_windows(pid: int, kernel32: Any, last_error: Any) -> bool:
+    import ctypes
+
+    handle = kernel32.OpenProcess(_PROCESS_QUERY_LIMITED_INFORMATION, False, pid)
+    if not handle:
+        return bool(last_error() == _ERROR_ACCESS_DENIED)  # exists, but not ours to query
+    try:
+        code = ctypes.c_ulong(0)  # a DWORD
+        if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
+            return True
+        return code.value == _STILL_ACTIVE
+    finally:
+        kernel32.CloseHandle(handle)

@@ -13,7 +13,6 @@ import importlib
 import importlib.metadata
 import json
 import math
-import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -110,36 +109,21 @@ class Snapshot:
 
 
 def _map_readonly(name: str) -> tuple[Any, Callable[[], None]]:
-    """The header segment mapped PROT_READ (POSIX), or a byte copy (Windows): we can never write to it."""
-    seg = _platform.segment_name(_platform.check_name(name))
-    missing = (
-        f"cudalink: no link named {name!r} here (no shared-memory segment {seg}); "
-        "check the name, and that its producer runs on this machine as this user"
-    )
-    try:
-        posixshm: Any = importlib.import_module("_posixshmem")
-    except ImportError:
-        from .transport.shm import _open_segment
+    """The header segment mapped read-only (POSIX) or copied (Windows): a monitor can never write to it."""
+    from .transport.shm import header_segment, map_readonly
 
-        try:
-            shm = _open_segment(seg)
-        except FileNotFoundError:
-            raise LinkError(missing) from None
-        data = bytes(shm.buf or b"")
-        shm.close()
-        return data, lambda: None
+    seg = header_segment(name)
     try:
-        fd = posixshm.shm_open("/" + seg, os.O_RDONLY, 0)
+        buf, close = map_readonly(seg)
     except FileNotFoundError:
-        raise LinkError(missing) from None
-    try:
-        size = os.fstat(fd).st_size
-        if size < wire.FIXED_SIZE:
-            raise LinkError(f"cudalink: segment {seg} is {size} bytes: not a cudalink link (or still being created)")
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return mm, mm.close
+        raise LinkError(
+            f"cudalink: no link named {name!r} here (no shared-memory segment {seg}); "
+            "check the name, and that its producer runs on this machine as this user"
+        ) from None
+    if len(buf) < wire.FIXED_SIZE:
+        close()
+        raise LinkError(f"cudalink: segment {seg} is {len(buf)} bytes: not a cudalink link (or still being created)")
+    return buf, close
 
 
 def _read_record(buf: Any, layout: wire.Layout, slot: int, capacity: int) -> wire.SlotRecord | None:

@@ -16,7 +16,7 @@ from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGon
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import wire
-from .transport.base import NoProducer, Peer, Reply, ServerHandler, Transport
+from .transport.base import UNVERIFIED_UID, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
 
 __all__ = ["Receiver", "Sender"]
@@ -52,6 +52,11 @@ class _Handler(ServerHandler):
             hello = wire.unpack_hello(message)
         except ProtocolError as exc:
             return Reply(wire.pack_reject(wire.REJECT_BAD_HELLO, str(exc)), accepted=False)
+        if peer.uid == UNVERIFIED_UID:
+            return Reply(
+                wire.pack_reject(wire.REJECT_KEY, "wrong rendezvous key (the producer restarted); re-read it"),
+                accepted=False,
+            )
         if peer.uid != _platform.uid():
             return Reply(
                 wire.pack_reject(wire.REJECT_UID, "links are private to the user that created them"),
@@ -139,9 +144,9 @@ class Sender:
         self._lock = threading.RLock()
         self._released = threading.Event()
         self._release_events: dict[tuple[int, int, int], Any] = {}
-        self._slots = _backends.make_producer_slots(device, slots, cap, handles)
-        self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
         self._transport = transport or default_transport()
+        self._slots = _backends.make_producer_slots(device, slots, cap, handles, self._transport.passes_fds)
+        self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
         try:
             self._server = self._transport.serve(self.name, self._layout.size, self._slots.data_size, self.generation)
         except BaseException:
@@ -423,11 +428,6 @@ class Sender:
 # ============================================================================================ Receiver
 
 
-def _wake_future(fut: Any) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 class _Attachment:
     """One producer generation as seen by one Receiver. Lives until its last frame is released."""
 
@@ -595,7 +595,7 @@ class Receiver:
             except ProtocolError as exc:
                 for fd in fds:
                     os.close(fd)
-                if "(reason 1)" in str(exc) or "(reason 5)" in str(exc) or not data:
+                if any(f"(reason {r})" in str(exc) for r in wire.RETRY_REASONS) or not data:
                     raise NoProducer(str(exc)) from None
                 raise
             view = _backends.make_consumer_view(fixed, client, fds)
@@ -735,19 +735,13 @@ class Receiver:
             left = deadline - loop.time()
             if left <= 0:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
-            fut: asyncio.Future[None] = loop.create_future()
-            fd = att.client.fileno()
             att.ring.set_waiting(True)
-            loop.add_reader(fd, _wake_future, fut)
             try:
                 frame = self._try_take()  # published before our flag was visible
                 if frame is not None:
                     return frame
-                await asyncio.wait_for(fut, None if left == float("inf") else left)
-            except asyncio.TimeoutError:
-                pass
+                await att.client.wait_async(None if left == float("inf") else left)
             finally:
-                loop.remove_reader(fd)
                 self._unwait(att)
 
     def __aiter__(self) -> AsyncIterator[Frame]:

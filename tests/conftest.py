@@ -48,3 +48,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def ctx() -> mp.context.SpawnContext:
     """Processes are spawned, never forked: forking after CUDA init is undefined."""
     return mp.get_context("spawn")
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def control(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test over each control channel: the Unix socket, and the loopback TCP one Windows uses.
+
+    Spawned children inherit the variable, so producers and consumers in other processes follow it.
+    """
+    monkeypatch.setenv("CUDALINK_CONTROL", request.param)
+    return str(request.param)

@@ -17,6 +17,8 @@ from cudalink.transport import MemoryTransport
 
 from . import _async_procs as ap
 
+pytestmark = pytest.mark.usefixtures("control")  # every test runs over the Unix and the TCP channel
+
 
 def test_async_for_gets_every_frame_in_order_across_processes(ctx: Any, name: str) -> None:
     ready, start, result = ctx.Event(), ctx.Event(), ctx.Queue()

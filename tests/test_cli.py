@@ -129,8 +129,8 @@ def test_info_prints_a_verdict() -> None:
 # -- monitor ----------------------------------------------------------------------------------------
 
 
-def test_monitor_once_is_read_only() -> None:
-    name = f"clitest-mon-{os.getpid()}"
+def test_monitor_once_is_read_only(control: str) -> None:
+    name = f"clitest-mon-{os.getpid()}-{control}"
     with cudalink.Sender(name, shape=(24, 32, 4), dtype="uint8", pixel_format="RGBA") as tx:
         for i in range(3):
             tx.send(np.full((24, 32, 4), i, np.uint8))

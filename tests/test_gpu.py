@@ -15,6 +15,7 @@ import pytest
 
 import cudalink
 from cudalink.frames.frame import Frame
+from cudalink.transport import wire
 
 from . import _gpu_procs as gp
 
@@ -110,9 +111,16 @@ def _run(ctx: Any, target: Any, *args: Any) -> Any:
     return p
 
 
-@pytest.mark.parametrize("handles", ["pool", "legacy"])
-def test_ipc_every_consumer_framework_and_a_slow_consumer(ctx: Any, name: str, handles: str) -> None:
+# pool and legacy handles over the Unix socket, and what Windows runs: "auto" handles over loopback TCP (legacy)
+HANDLES_AND_CONTROL = [("pool", "unix"), ("legacy", "unix"), ("auto", "tcp")]
+
+
+@pytest.mark.parametrize(("handles", "control"), HANDLES_AND_CONTROL)
+def test_ipc_every_consumer_framework_and_a_slow_consumer(
+    ctx: Any, name: str, handles: str, control: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """20,000 distinct frames; torch, cupy, jax and a slow torch consumer verify what they get on the device."""
+    monkeypatch.setenv("CUDALINK_CONTROL", control)
     ready, result = ctx.Event(), ctx.Queue()
     prod = _run(
         ctx,
@@ -163,8 +171,11 @@ def test_ipc_modes_dtypes_and_sizes(ctx: Any, name: str, mode: str, dtype: str, 
     assert mism == 0 and got > 0, (got, mism, err)
 
 
-@pytest.mark.parametrize("handles", ["pool", "legacy"])
-def test_producer_kill_restart_and_consumer_kill(ctx: Any, name: str, handles: str) -> None:
+@pytest.mark.parametrize(("handles", "control"), HANDLES_AND_CONTROL)
+def test_producer_kill_restart_and_consumer_kill(
+    ctx: Any, name: str, handles: str, control: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDALINK_CONTROL", control)
     ready = ctx.Event()
     prod = _run(ctx, gp.gpu_producer_forever, name, (32, 32, 4), ready, handles)
     assert ready.wait(60)
@@ -175,6 +186,9 @@ def test_producer_kill_restart_and_consumer_kill(ctx: Any, name: str, handles: s
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(10)
     with cudalink.Receiver(name, timeout=20.0) as rx:
+        assert rx._att is not None
+        want = wire.BACKEND_CUDA_POOL if handles == "pool" else wire.BACKEND_CUDA_LEGACY
+        assert rx._att.fixed.backend == want
         first = rx.recv(timeout=5.0).seq
         time.sleep(0.3)
         assert rx.recv(timeout=5.0).seq > first + 10  # still publishing

@@ -66,7 +66,7 @@ def _chaos_cycles(ctx: Any, name: str, cycles: int) -> dict[str, float]:
     return {"max_gone_s": max(gone_after), "frames": frames, "cycles": cycles}
 
 
-def test_producer_kill_restart_chaos(ctx: Any, name: str) -> None:
+def test_producer_kill_restart_chaos(ctx: Any, name: str, control: str) -> None:
     stats = _chaos_cycles(ctx, name, 15)
     assert stats["max_gone_s"] < 0.1, stats  # EOF on the control socket, not a timeout
 
@@ -113,7 +113,7 @@ def _churn(ctx: Any, name: str, seconds: float) -> None:
         assert not any(_lease_cells(tx)), "leases of departed consumers were not reclaimed"
 
 
-def test_eight_consumers_join_leave_and_die_at_random(ctx: Any, name: str) -> None:
+def test_eight_consumers_join_leave_and_die_at_random(ctx: Any, name: str, control: str) -> None:
     _churn(ctx, name, 4.0)
 
 
@@ -161,7 +161,7 @@ def _flat_resources(ctx: Any, name: str, cycles: int) -> tuple[int, int, int, in
         return f0, fds(), s0, segs()
 
 
-def test_fds_and_segments_stay_flat(ctx: Any, name: str) -> None:
+def test_fds_and_segments_stay_flat(ctx: Any, name: str, control: str) -> None:
     f0, f1, s0, s1 = _flat_resources(ctx, name, 100)
     assert (f1, s1) == (f0, s0)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"cudalink-{_platform.uid()}-{name}")]

@@ -309,8 +309,10 @@ def test_td_to_python_across_processes(torch: Any, via_dat: bool, dtype: str, co
 
 
 @pytest.mark.parametrize(("dtype", "comps"), [("uint8", 4), ("float32", 4)])
-def test_td_to_python_over_legacy_handles(torch: Any, dtype: str, comps: int) -> None:
-    """Windows has only cuIpc (legacy) handles: the bridge must work over them too (run here on Linux)."""
+def test_td_to_python_over_legacy_handles(torch: Any, dtype: str, comps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows has only cuIpc (legacy) handles and the loopback TCP channel: the bridge must work over both
+    (run here on Linux)."""
+    monkeypatch.setenv("CUDALINK_CONTROL", "tcp")  # the TD child inherits it
     name, shape = link_name(), (48, 64, comps)
     child = Child(td_producer_legacy, name, shape, dtype)
     try:

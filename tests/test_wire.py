@@ -225,3 +225,58 @@ def test_layout_regions_do_not_overlap() -> None:
     with pytest.raises(cudalink.ProtocolError):
         wire.Layout(1, wire.MAX_CONSUMERS + 1)
     assert np.dtype("uint8").name in wire.DTYPE_CODES
+
+
+@settings(max_examples=300)
+@given(
+    handles=st.lists(st.binary(min_size=64, max_size=64), min_size=4, max_size=4),
+    flips=st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 255)), max_size=4),
+)
+def test_a_legacy_handle_header_survives_fuzzing_as_an_error_or_a_valid_header(
+    handles: list[bytes], flips: list[tuple[int, int]]
+) -> None:
+    """What a Windows (legacy-handle) producer writes, with random bytes flipped anywhere in it."""
+    layout = wire.Layout(4, 8)
+    buf = bytearray(layout.size)
+    wire.write_fixed(buf, _fixed(backend=wire.BACKEND_CUDA_LEGACY, device=0, data_size=0))
+    for slot, h in enumerate(handles):
+        wire.pack_handle(buf, layout.handle(slot), wire.SlotHandle(h, 4096, h[::-1], 1))
+    for off, value in flips:
+        buf[off % len(buf)] = value
+    try:
+        f = wire.read_fixed(buf)
+    except cudalink.ProtocolError:
+        return
+    assert f.backend in wire.BACKEND_NAMES and f.layout.size <= len(buf)
+    for slot in range(f.nslots):
+        h = wire.unpack_handle(buf, f.layout.handle(slot))
+        assert len(h.memory) == len(h.event) == 64
+
+
+@given(
+    port=st.integers(1, 65535),
+    pid=st.integers(0, 2**32 - 1),
+    gen=st.integers(1, 2**64 - 1),
+    key=st.binary(min_size=32, max_size=32),
+)
+def test_rendezvous_roundtrip(port: int, pid: int, gen: int, key: bytes) -> None:
+    r = wire.Rendezvous(port, pid, gen, key)
+    assert wire.unpack_rendezvous(wire.pack_rendezvous(r)) == r
+
+
+@settings(max_examples=400)
+@given(data=st.binary(max_size=80))
+def test_random_rendezvous_bytes_are_refused_or_valid(data: bytes) -> None:
+    try:
+        r = wire.unpack_rendezvous(data)
+    except cudalink.ProtocolError:
+        return
+    assert data[:4] == b"CLRV" and r.port > 0 and r.generation > 0 and len(r.key) == 32
+
+
+@given(key=st.binary(min_size=32, max_size=32), challenge=st.binary(min_size=32, max_size=32), other=st.binary())
+def test_only_the_keys_proof_passes(key: bytes, challenge: bytes, other: bytes) -> None:
+    good = wire.proof(key, challenge)
+    assert wire.check_proof(key, challenge, good)
+    assert wire.check_proof(key, challenge, other) is (other == good)
+    assert not wire.check_proof(bytes(b ^ 1 for b in key), challenge, good)

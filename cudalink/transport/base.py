@@ -11,16 +11,20 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-__all__ = ["Client", "NoProducer", "Peer", "Server", "ServerHandler", "Transport"]
+__all__ = ["UNVERIFIED_UID", "Client", "NoProducer", "Peer", "Server", "ServerHandler", "Transport"]
 
 
 class NoProducer(Exception):
     """Nothing is published under that name right now (the caller decides whether to wait)."""
 
 
+#: the uid of a peer that failed its channel's access check (the loopback channel's key proof)
+UNVERIFIED_UID = -1
+
+
 @dataclass(frozen=True)
 class Peer:
-    """Who is on the other end of a control connection, as the OS reports it."""
+    """Who is on the other end of a control connection, as the OS (or the channel's proof) says."""
 
     pid: int
     uid: int
@@ -100,6 +104,10 @@ class Client(abc.ABC):
         """Non-blocking :meth:`wait`: False = producer gone."""
 
     @abc.abstractmethod
+    async def wait_async(self, timeout: float | None) -> None:
+        """Return when a wake-up or EOF may have arrived, or after ``timeout``; then call :meth:`drain`."""
+
+    @abc.abstractmethod
     def hint(self) -> None:
         """Tell a waiting producer that a lease was released."""
 
@@ -109,6 +117,9 @@ class Client(abc.ABC):
 
 class Transport(abc.ABC):
     """A way to share a link: SharedMemory + Unix socket by default, in-process for tests."""
+
+    #: the control channel can carry file descriptors (cuda.core IPC pools need this)
+    passes_fds: bool = True
 
     @abc.abstractmethod
     def serve(self, name: str, header_size: int, data_size: int, generation: int = 0) -> Server:

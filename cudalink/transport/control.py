@@ -1,40 +1,90 @@
 """The control channel over stream sockets: a producer-side thread and consumer-side helpers.
 
-The producer thread accepts consumers, reads each HELLO, answers (passing fds with SCM_RIGHTS),
-notices EOF at once (a crashed consumer's leases are reclaimed right away), and turns consumer
-hints into a callback. Wake-ups go out from the publishing thread with non-blocking sends.
+The producer thread accepts consumers, admits each through its channel's :class:`Gate`, reads each
+HELLO, answers (passing fds with SCM_RIGHTS where the socket can), notices EOF at once (a crashed
+consumer's leases are reclaimed right away), and turns consumer hints into a callback. Wake-ups go
+out from the publishing thread with non-blocking sends. Nothing here is OS-specific: the same code
+runs over Unix sockets, loopback TCP and in-process socket pairs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import secrets
 import select
 import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from .. import _platform
 from ..errors import LinkError
-from .base import Client, Peer, ServerHandler
+from . import wire
+from .base import UNVERIFIED_UID, Client, Peer, ServerHandler
 from .wire import HELLO
 
 HANDSHAKE_TIMEOUT = 2.0
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # Windows has none; our sockets are non-blocking anyway
+
+
+class Gate:
+    """How a channel admits a connection: what the producer says first, and who the peer proves to be."""
+
+    #: bytes the consumer sends before its HELLO
+    prefix = 0
+
+    def greet(self) -> bytes:
+        """Bytes sent to a new connection at accept (a challenge), or nothing."""
+        return b""
+
+    def peer(self, sock: socket.socket, greeting: bytes, prefix: bytes) -> Peer:
+        raise NotImplementedError
+
+
+class CredentialGate(Gate):
+    """Unix sockets: the kernel says who connected (SO_PEERCRED / getpeereid)."""
+
+    def peer(self, sock: socket.socket, greeting: bytes, prefix: bytes) -> Peer:
+        pid, uid = _platform.peer_credentials(sock)
+        return Peer(pid, uid)
+
+
+class SameProcessGate(Gate):
+    """In-process socket pairs: the peer is this process."""
+
+    def peer(self, sock: socket.socket, greeting: bytes, prefix: bytes) -> Peer:
+        return Peer(os.getpid(), _platform.uid())
+
+
+class KeyGate(Gate):
+    """Loopback TCP: anyone may connect, so a consumer proves it could read the private rendezvous file."""
+
+    prefix = wire.PROOF_SIZE
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def greet(self) -> bytes:
+        return secrets.token_bytes(wire.CHALLENGE_SIZE)
+
+    def peer(self, sock: socket.socket, greeting: bytes, prefix: bytes) -> Peer:
+        ok = wire.check_proof(self._key, greeting, prefix)
+        return Peer(0, _platform.uid() if ok else UNVERIFIED_UID)
 
 
 class ControlLoop:
     """One daemon thread per producer: accept, handshake, watch for EOF and hints."""
 
-    def __init__(self, listener: socket.socket | None, peer_of: Callable[[socket.socket], Peer]) -> None:
+    def __init__(self, listener: socket.socket | None, gate: Gate) -> None:
         self._listener = listener
-        self._peer_of = peer_of
+        self._gate = gate
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._handler: ServerHandler | None = None
-        self._pending: dict[int, tuple[socket.socket, bytearray, float, Peer]] = {}
+        self._pending: dict[int, tuple[socket.socket, bytearray, float, bytes]] = {}
         self._joined: dict[int, socket.socket] = {}
         self._joined_list: tuple[socket.socket, ...] = ()
         self._incoming: list[socket.socket] = []
@@ -69,7 +119,7 @@ class ControlLoop:
             targets = [s for s in (joined.get(c) for c in conns) if s is not None]
         for sock in targets:
             try:
-                sock.send(byte, socket.MSG_DONTWAIT)
+                sock.send(byte, _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 pass  # the consumer has unread wake-ups already
             except OSError:
@@ -132,7 +182,7 @@ class ControlLoop:
         with self._lock:
             socks, self._incoming = self._incoming, []
         for sock in socks:
-            self._register_new(sock, Peer(os.getpid(), _platform.uid()))
+            self._register_new(sock)
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -143,24 +193,29 @@ class ControlLoop:
                 return
             except OSError:
                 return
-            try:
-                peer = self._peer_of(sock)
-            except OSError:
-                sock.close()
-                continue
-            self._register_new(sock, peer)
+            self._register_new(sock)
 
-    def _register_new(self, sock: socket.socket, peer: Peer) -> None:
-        sock.setblocking(False)
+    def _register_new(self, sock: socket.socket) -> None:
+        _platform.no_delay(sock)
+        greeting = self._gate.greet()
+        try:
+            if greeting:  # a few bytes into a fresh socket's empty buffer: never blocks for long
+                sock.settimeout(HANDSHAKE_TIMEOUT)
+                sock.sendall(greeting)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            return
         conn = self._next
         self._next += 1
-        self._pending[conn] = (sock, bytearray(), time.monotonic() + HANDSHAKE_TIMEOUT, peer)
+        self._pending[conn] = (sock, bytearray(), time.monotonic() + HANDSHAKE_TIMEOUT, greeting)
         self._sel.register(sock, selectors.EVENT_READ, ("pending", conn))
 
     def _read_hello(self, conn: int) -> None:
-        sock, buf, _deadline, peer = self._pending[conn]
+        sock, buf, _deadline, greeting = self._pending[conn]
+        want = self._gate.prefix + HELLO.size
         try:
-            chunk = sock.recv(HELLO.size - len(buf))
+            chunk = sock.recv(want - len(buf))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -169,17 +224,21 @@ class ControlLoop:
             self._forget_pending(conn, close=True)
             return
         buf += chunk
-        if len(buf) < HELLO.size:
+        if len(buf) < want:
             return
         self._forget_pending(conn, close=False)
         assert self._handler is not None
         try:
-            reply = self._handler.on_hello(conn, bytes(buf), peer)
+            peer = self._gate.peer(sock, greeting, bytes(buf[: self._gate.prefix]))
+        except OSError:
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        try:
+            reply = self._handler.on_hello(conn, bytes(buf[self._gate.prefix :]), peer)
         except Exception as exc:  # a handler bug must not kill the loop
-            from .wire import REJECT_BAD_HELLO, pack_reject
-
             reply_data, fds, accepted = (
-                pack_reject(REJECT_BAD_HELLO, f"producer error: {exc}"),
+                wire.pack_reject(wire.REJECT_BAD_HELLO, f"producer error: {exc}"),
                 tuple[int, ...](),
                 False,
             )
@@ -261,23 +320,44 @@ class ControlLoop:
 
 
 class ClientSocket:
-    """The consumer's control connection: handshake, then wake-ups and EOF."""
+    """The consumer's control connection: admission, handshake, then wake-ups and EOF.
 
-    def __init__(self, sock: socket.socket) -> None:
+    ``key`` is the loopback channel's rendezvous key: the producer's challenge is answered with a proof
+    before HELLO. fds are received only where the socket can carry them (Unix sockets).
+    """
+
+    def __init__(self, sock: socket.socket, key: bytes | None = None) -> None:
         self.sock = sock
         self.gone = False
+        self._key = key
+        self._fds = hasattr(socket, "AF_UNIX") and sock.family == socket.AF_UNIX
         self._poll = select.poll() if hasattr(select, "poll") else None
         if self._poll is not None:
             self._poll.register(sock, select.POLLIN)
 
+    def _recv_exact(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionResetError("producer closed the connection during admission")
+            data += chunk
+        return data
+
     def handshake(self, hello: bytes, reply_size: int, timeout: float) -> tuple[bytes, list[int]]:
         self.sock.settimeout(timeout)
+        if self._key is not None:
+            challenge = self._recv_exact(wire.CHALLENGE_SIZE)
+            hello = wire.proof(self._key, challenge) + hello
         self.sock.sendall(hello)
         data = b""
         fds: list[int] = []
         while len(data) < reply_size:
-            chunk, more, _flags, _addr = socket.recv_fds(self.sock, reply_size - len(data), 4)
-            fds.extend(more)
+            if self._fds:
+                chunk, more, _flags, _addr = socket.recv_fds(self.sock, reply_size - len(data), 4)
+                fds.extend(more)
+            else:
+                chunk = self.sock.recv(reply_size - len(data))
             if not chunk:
                 break
             data += chunk
@@ -292,6 +372,13 @@ class ClientSocket:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def _seen(self, data: bytes) -> bool:
+        """False (and gone) on EOF or the shutdown byte."""
+        if not data or b"\x00" in data:
+            self.gone = True
+            return False
+        return True
+
     def drain(self) -> bool:
         if self.gone:
             return False
@@ -302,8 +389,7 @@ class ClientSocket:
                 return True
             except OSError:
                 data = b""
-            if not data or b"\x00" in data:
-                self.gone = True
+            if not self._seen(data):
                 return False
             if len(data) < 65536:
                 return True
@@ -324,14 +410,51 @@ class ClientSocket:
             return self.drain()
         return True
 
+    async def wait_async(self, timeout: float | None) -> None:
+        """Return when readable (a wake-up, EOF) or after ``timeout``; the caller then drains.
+
+        Selector loops (Linux, macOS, uvloop) watch the fd. Windows' default proactor loop has no
+        ``add_reader``, so there the wake-up bytes are received through the loop instead.
+        """
+        if self.gone:
+            return
+        loop = asyncio.get_running_loop()
+        fd = self.sock.fileno()
+        fut: asyncio.Future[None] = loop.create_future()
+        try:
+            loop.add_reader(fd, _resolve, fut)
+        except NotImplementedError:
+            await self._recv_async(loop, timeout)
+            return
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(fd)
+
+    async def _recv_async(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(self.sock, 4096), timeout)
+        except asyncio.TimeoutError:
+            return
+        except OSError:
+            data = b""
+        self._seen(data)
+
     def hint(self) -> None:
         with contextlib.suppress(OSError):
-            self.sock.send(b"R", socket.MSG_DONTWAIT)
+            self.sock.send(b"R", _DONTWAIT)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
         self.gone = True
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class SocketClient(Client):
@@ -352,6 +475,9 @@ class SocketClient(Client):
 
     def drain(self) -> bool:
         return self._s().drain()
+
+    async def wait_async(self, timeout: float | None) -> None:
+        await self._s().wait_async(timeout)
 
     def hint(self) -> None:
         self._s().hint()

@@ -6,7 +6,6 @@ processes; only the memory is private to this process.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 
@@ -14,8 +13,8 @@ import numpy as np
 
 from .. import _platform
 from ..errors import LinkError
-from .base import NoProducer, Peer, Server, ServerHandler, Transport
-from .control import ClientSocket, ControlLoop, SocketClient
+from .base import NoProducer, Server, ServerHandler, Transport
+from .control import ClientSocket, ControlLoop, SameProcessGate, SocketClient
 
 __all__ = ["MemoryTransport"]
 
@@ -38,7 +37,7 @@ class _MemoryServer(Server):
         self.header = header.buf
         self.data = data.buf if data is not None else None
         self.generation = gen
-        self.loop = ControlLoop(None, lambda s: Peer(os.getpid(), _platform.uid()))
+        self.loop = ControlLoop(None, SameProcessGate())
         self._closed = False
 
     def start(self, handler: ServerHandler) -> None:
@@ -92,6 +91,8 @@ class _MemoryClient(SocketClient):
 
 class MemoryTransport(Transport):
     """Links live in this object; share one instance between a Sender and its Receivers."""
+
+    passes_fds = _platform.HAS_FD_PASSING  # its socket pairs are Unix sockets where those exist
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -1,35 +1,34 @@
-"""The default transport: ``multiprocessing.shared_memory`` segments plus a Unix control socket.
+"""The default transport: ``multiprocessing.shared_memory`` segments plus a control channel.
 
-Names are per user (``cudalink-<uid>-<name>``), segments and the socket are 0600, and the socket
-sits in a private 0700 directory. A name whose socket refuses connections is stale (its producer
-died) and is cleaned and reused; a name whose socket answers is live and is refused.
+Names are per user (``cudalink-<user>-<name>``); segments, sockets and rendezvous files are 0600 in a
+private directory. A producer holds ``<name>.lock`` (an OS lock, dropped when it dies) for its whole
+life: a name whose lock is held is live and refused; otherwise whatever carries the name is a dead
+producer's leftovers, cleaned and reused. Data segments (and, over TCP, the header) carry the
+generation id, so a restart never collides with leftovers that Windows keeps while anyone maps them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import socket
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing import shared_memory
+from typing import Any
 
 import numpy as np
 
 from .. import _platform
 from ..errors import LinkError
 from . import wire
-from .base import NoProducer, Peer, Server, ServerHandler, Transport
+from .base import NoProducer, Server, ServerHandler, Transport
+from .channel import CHANNELS, DENIED, Channel, Found, Listening, channel, find
 from .control import ClientSocket, ControlLoop, SocketClient
 
 __all__ = ["SharedMemoryTransport"]
 
 _track_lock = threading.Lock()
-_DENIED = (
-    "cudalink: permission denied for link {name!r}: links are private to the user that created them; "
-    "run the consumer as the same user"
-)
 
 
 def _open_segment(name: str, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:
@@ -91,21 +90,18 @@ class Segment:
             self._shm.close()
 
 
-def _peer(sock: socket.socket) -> Peer:
-    pid, uid = _platform.peer_credentials(sock)
-    return Peer(pid, uid)
-
-
 class _ShmServer(Server):
-    def __init__(self, name: str, header: Segment, data: Segment | None, listener: socket.socket, path: str) -> None:
+    def __init__(
+        self, name: str, header: Segment, data: Segment | None, listening: Listening, lock: _platform.ProcessLock
+    ) -> None:
         self._name = name
         self.header_segment = header
         self.data_segment = data
         self.header = header.buf
         self.data = data.buf if data is not None else None
-        self._listener = listener
-        self._path = path
-        self._loop = ControlLoop(listener, _peer)
+        self._listening = listening
+        self._lock = lock
+        self._loop = ControlLoop(listening.listener, listening.gate)
         self._closed = False
 
     def start(self, handler: ServerHandler) -> None:
@@ -124,39 +120,25 @@ class _ShmServer(Server):
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(OSError):
-            os.unlink(self._path)
+        self._listening.close()
         self._loop.close()
-        with contextlib.suppress(OSError):
-            self._listener.close()
         self.header_segment.unlink()
         if self.data_segment is not None:
             self.data_segment.unlink()
+        self._lock.release()
 
 
 class _ShmClient(SocketClient):
-    def __init__(self, name: str, header: Segment) -> None:
+    def __init__(self, name: str, header: Segment, found: Found) -> None:
         self._name = name
         self.header_segment = header
         self.header = header.buf
+        self._found = found
         self._sock: ClientSocket | None = None
         self.data_segment: Segment | None = None
 
     def handshake(self, hello: bytes, reply_size: int, timeout: float) -> tuple[bytes, list[int]]:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(_platform.socket_path(self._name))
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            sock.close()
-            raise NoProducer(str(exc)) from None
-        except PermissionError:
-            sock.close()
-            raise LinkError(_DENIED.format(name=self._name)) from None
-        except OSError:
-            sock.close()
-            raise
-        self._sock = ClientSocket(sock)
+        self._sock = self._found.connect(timeout)
         return self._sock.handshake(hello, reply_size, timeout)
 
     def map_data(self, generation: int, size: int) -> memoryview:
@@ -171,85 +153,110 @@ class _ShmClient(SocketClient):
 
 
 class SharedMemoryTransport(Transport):
-    """POSIX/Windows shared memory for state and frames, a Unix socket for the handshake and wake-ups."""
+    """POSIX/Windows shared memory for state and frames, and a control channel (see ``channel.py``).
+
+    ``control`` picks the producer's channel: ``"unix"``, ``"tcp"``, or ``None`` for the
+    ``CUDALINK_CONTROL`` variable / the platform's best. Consumers find either kind by themselves.
+    """
+
+    def __init__(self, control: str | None = None) -> None:
+        self._control = control
+        self._channel = channel(control) if control is not None else None
+
+    @property
+    def channel(self) -> Channel:
+        return self._channel if self._channel is not None else channel(None)
+
+    @property
+    def passes_fds(self) -> bool:  # type: ignore[override]
+        return self.channel.passes_fds
 
     def serve(self, name: str, header_size: int, data_size: int, generation: int = 0) -> _ShmServer:
         _platform.check_name(name)
-        path = _platform.socket_path(name)
-        listener = self._bind(name, path)
+        chan = self.channel
+        lock = _platform.ProcessLock(os.path.join(_platform.runtime_dir(), f"{name}.lock"))
+        if not lock.acquire():
+            raise LinkError(
+                f"cudalink: link {name!r} is already published by a live producer; close it or choose another name"
+            )
+        listening: Listening | None = None
+        segments: list[Segment] = []
         try:
             self._clean_stale(name)
-            header = Segment(_open_segment(_platform.segment_name(name), create=True, size=header_size))
+            header = Segment(_open_segment(chan.header(name, generation), create=True, size=header_size))
+            segments.append(header)
             data = None
             if data_size:
                 data = Segment(
                     _open_segment(_platform.segment_name(name, f"-{generation:016x}"), create=True, size=data_size)
                 )
+                segments.append(data)
+            listening = chan.listen(name, generation)
         except BaseException:
-            listener.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            for seg in segments:
+                seg.unlink()
+            lock.release()
             raise
-        return _ShmServer(name, header, data, listener, path)
-
-    @staticmethod
-    def _bind(name: str, path: str) -> socket.socket:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # stale: its producer died without cleaning up
-        except OSError:
-            pass
-        else:
-            raise LinkError(
-                f"cudalink: link {name!r} is already published by a live producer; close it or choose another name"
-            )
-        finally:
-            probe.close()
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077)
-        try:
-            listener.bind(path)
-        except OSError as exc:
-            listener.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise LinkError(f"cudalink: link {name!r} was just claimed by another producer") from None
-            raise
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        listener.listen(64)
-        return listener
+        return _ShmServer(name, header, data, listening, lock)
 
     @staticmethod
     def _clean_stale(name: str) -> None:
-        """We own the socket now: whatever segments carry the name are a dead producer's leftovers."""
+        """We hold the name's lock: whatever carries the name is a dead producer's leftovers."""
+        generations: list[int] = []
+        for chan in CHANNELS.values():
+            files, gens = chan.leftovers(name)
+            generations += gens
+            for path in files:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         seg_name = _platform.segment_name(name)
         try:
             old = _open_segment(seg_name)
         except FileNotFoundError:
-            return
-        try:
-            buf = old.buf
-            if buf is not None and len(buf) >= wire.FIXED.size:
-                magic, *_rest = wire.FIXED.unpack_from(buf, 0)
-                if magic == wire.MAGIC:
-                    gen = wire.read_u64(buf, 16)
-                    _unlink_segment(_platform.segment_name(name, f"-{gen:016x}"))
-        finally:
-            with contextlib.suppress(Exception):
-                old.close()
-        _unlink_segment(seg_name)
+            pass
+        else:
+            try:
+                buf = old.buf
+                if buf is not None and len(buf) >= wire.FIXED.size:
+                    magic, *_rest = wire.FIXED.unpack_from(buf, 0)
+                    if magic == wire.MAGIC:
+                        generations.append(wire.read_u64(buf, 16))
+            finally:
+                with contextlib.suppress(Exception):
+                    old.close()
+            _unlink_segment(seg_name)
+        for gen in generations:
+            _unlink_segment(_platform.segment_name(name, f"-{gen:016x}"))
+            _unlink_segment(_platform.segment_name(name, f"-h{gen:016x}"))
 
     def connect(self, name: str) -> _ShmClient:
         _platform.check_name(name)
+        found = find(name)
+        if found is None:
+            raise NoProducer(f"no link named {name!r}")
         try:
-            seg = _open_segment(_platform.segment_name(name))
+            seg = _open_segment(found.header)
         except FileNotFoundError:
             raise NoProducer(f"no link named {name!r}") from None
         except PermissionError:
-            raise LinkError(_DENIED.format(name=name)) from None
-        return _ShmClient(name, Segment(seg))
+            raise LinkError(DENIED.format(name=name)) from None
+        return _ShmClient(name, Segment(seg), found)
+
+
+def header_segment(name: str) -> str:
+    """The header segment's name for a published link (monitors map it read-only)."""
+    found = find(_platform.check_name(name))
+    return found.header if found is not None else _platform.segment_name(name)
+
+
+def map_readonly(segment: str) -> tuple[Any, Callable[[], None]]:
+    """``segment`` mapped PROT_READ where POSIX shm exists, else a byte copy; and how to let go of it."""
+    mm = _platform.shm_map_readonly(segment)
+    if isinstance(mm, bytes):
+        return mm, lambda: None
+    if mm is not None:
+        return mm, mm.close
+    shm = _open_segment(segment)
+    data = bytes(shm.buf or b"")
+    shm.close()
+    return data, lambda: None

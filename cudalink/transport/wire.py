@@ -73,10 +73,24 @@ Control messages (a Unix socket; each message is one ``send``)::
     REJECT  producer -> consumer  b"CLNO" u16 version u16 reason, then up to 200 bytes of UTF-8 text
     then    producer -> consumer  b"\\x01" per publish while the consumer is waiting, b"\\x00" on shutdown; EOF = gone
             consumer -> producer  b"R": "I released a lease" (only while FLAG_PRODUCER_WAITING is set)
+
+The control channel is a Unix socket (the peer's uid is checked with SO_PEERCRED, fds can be passed) or,
+where those are missing (Windows), loopback TCP. The TCP channel publishes a rendezvous file
+``<name>.tcp`` (0600, in the private runtime directory) and admits only consumers that prove they
+could read it::
+
+    RENDEZVOUS  file                  b"CLRV" u16 version u16 port u32 pid u64 generation 32s key    (52 bytes)
+    CHALLENGE   producer -> consumer  32 random bytes, sent at accept
+    PROOF       consumer -> producer  HMAC-SHA256(key, b"cudalink-proof" + challenge), then HELLO
+                                      (a wrong proof gets REJECT_KEY: the consumer re-reads the file and retries)
+
+Over TCP the header segment is named per generation (``-h<generation>``, from the rendezvous file):
+Windows keeps a segment alive while any process maps it, so a restarted producer needs a fresh name.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +129,10 @@ HELLO = struct.Struct("<4sHHQQI")
 WELCOME = struct.Struct("<4sHHQI")
 REJECT = struct.Struct("<4sHH")
 REJECT_TEXT_MAX = 200
+RENDEZVOUS = struct.Struct("<4sHHIQ32s")
+CHALLENGE_SIZE = 32
+PROOF_SIZE = 32
+KEY_SIZE = 32
 
 # stable codes: append only
 DTYPE_CODES: dict[str, int] = {name: i + 1 for i, name in enumerate(SUPPORTED_DTYPES)}
@@ -136,6 +154,9 @@ REJECT_FULL = 2
 REJECT_UID = 3
 REJECT_BAD_HELLO = 4
 REJECT_CLOSING = 5
+REJECT_KEY = 6  # the loopback channel's proof failed: a stale rendezvous file, so re-read it
+#: reasons after which a consumer simply retries (the producer restarted or is going away)
+RETRY_REASONS = (REJECT_GENERATION, REJECT_CLOSING, REJECT_KEY)
 
 assert FIXED.size <= FIXED_SIZE and RECORD.size <= RECORD_SIZE and HANDLE.size <= HANDLE_SIZE
 assert CONSUMER.size == CONSUMER_FIXED
@@ -439,14 +460,20 @@ def pack_hello(h: Hello) -> bytes:
     return HELLO.pack(b"CLHI", LAYOUT_VERSION, 0, h.generation, h.token, h.pid)
 
 
-def unpack_hello(data: bytes) -> Hello:
-    if len(data) != HELLO.size:
-        raise ProtocolError(f"cudalink: HELLO is {len(data)} bytes, expected {HELLO.size}")
-    magic, version, _, gen, token, pid = HELLO.unpack(data)
-    if magic != b"CLHI":
-        raise ProtocolError(f"cudalink: bad HELLO magic {magic!r}")
+def _unpack_checked(st: struct.Struct, data: bytes, magic: bytes, what: str) -> tuple[Any, ...]:
+    """The size, magic and version checks every fixed-size message shares; returns the fields after them."""
+    if len(data) != st.size:
+        raise ProtocolError(f"cudalink: {what} is {len(data)} bytes, expected {st.size}")
+    got, version, *rest = st.unpack(data)
+    if got != magic:
+        raise ProtocolError(f"cudalink: bad {what} magic {got!r}")
     if version != LAYOUT_VERSION:
-        raise ProtocolError(f"cudalink: consumer speaks version {version}, producer {LAYOUT_VERSION}")
+        raise ProtocolError(f"cudalink: {what} is version {version}, this cudalink speaks {LAYOUT_VERSION}")
+    return tuple(rest)
+
+
+def unpack_hello(data: bytes) -> Hello:
+    _, gen, token, pid = _unpack_checked(HELLO, data, b"CLHI", "HELLO")
     return Hello(gen, token, pid)
 
 
@@ -474,3 +501,34 @@ def unpack_reply(data: bytes, max_consumers: int) -> Welcome:
     if nfds > 4:
         raise ProtocolError(f"cudalink: WELCOME announces {nfds} descriptors")
     return Welcome(index, gen, nfds)
+
+
+# -- loopback channel: rendezvous file and admission proof ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    port: int
+    pid: int
+    generation: int
+    key: bytes
+
+
+def pack_rendezvous(r: Rendezvous) -> bytes:
+    return RENDEZVOUS.pack(b"CLRV", LAYOUT_VERSION, r.port, r.pid, r.generation, r.key)
+
+
+def unpack_rendezvous(data: bytes) -> Rendezvous:
+    port, pid, gen, key = _unpack_checked(RENDEZVOUS, data, b"CLRV", "rendezvous file")
+    if port == 0 or gen == 0:
+        raise ProtocolError(f"cudalink: rendezvous file names port {port}, generation {gen}")
+    return Rendezvous(port, pid, gen, key)
+
+
+def proof(key: bytes, challenge: bytes) -> bytes:
+    """What a consumer sends back for a challenge: only a reader of the 0600 rendezvous file can make it."""
+    return hmac.new(key, b"cudalink-proof" + challenge, "sha256").digest()
+
+
+def check_proof(key: bytes, challenge: bytes, answer: bytes) -> bool:
+    return len(answer) == PROOF_SIZE and hmac.compare_digest(proof(key, challenge), answer)

@@ -1,0 +1,318 @@
+"""The portable control channel (issue 9): the loopback TCP channel Windows uses, run here on Linux.
+
+The whole cross-process suite (test_multiprocess, test_async, the chaos tests) also runs over both
+channels through the ``control`` fixture; this file covers what only the TCP channel has: the
+rendezvous file, the key challenge, per-generation header names, and asyncio without add_reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cudalink
+from cudalink import _backends, _platform
+from cudalink.transport import wire
+from cudalink.transport.channel import LoopbackChannel, find
+from cudalink.transport.shm import SharedMemoryTransport, header_segment
+
+from . import _async_procs as ap
+from . import _procs
+
+
+@pytest.fixture
+def tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDALINK_CONTROL", "tcp")
+
+
+def _record(name: str) -> wire.Rendezvous:
+    with open(LoopbackChannel.record_path(name), "rb") as f:
+        return wire.unpack_rendezvous(f.read())
+
+
+def _admit(port: int, key: bytes, hello: bytes) -> bytes:
+    """Speak the loopback admission by hand: read the challenge, answer with a proof made from ``key``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        challenge = b""
+        while len(challenge) < wire.CHALLENGE_SIZE:
+            challenge += s.recv(wire.CHALLENGE_SIZE - len(challenge))
+        s.sendall(wire.proof(key, challenge) + hello)
+        return s.recv(4096)
+
+
+@pytest.mark.usefixtures("tcp")
+def test_rendezvous_file_is_private_and_names_this_generation(name: str) -> None:
+    with cudalink.Sender(name, shape=(8,)) as tx:
+        path = LoopbackChannel.record_path(name)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        rec = _record(name)
+        assert (rec.pid, rec.generation) == (os.getpid(), tx.generation)
+        header = _platform.segment_name(name, f"-h{tx.generation:016x}")
+        assert header_segment(name) == header
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{header}").st_mode) == 0o600
+        assert not os.path.exists(_platform.socket_path(name))
+        with cudalink.Receiver(name, timeout=2) as rx:
+            tx.send(np.arange(8, dtype=np.uint8))
+            assert np.from_dlpack(rx.recv(1)).tolist() == list(range(8))
+    assert not os.path.exists(path)
+    assert not os.path.exists(f"/dev/shm/{header}")
+
+
+@pytest.mark.usefixtures("tcp")
+def test_a_wrong_key_is_refused_and_the_right_one_admitted(name: str) -> None:
+    with cudalink.Sender(name, shape=(4,)) as tx:
+        rec = _record(name)
+        hello = wire.pack_hello(wire.Hello(tx.generation, 7, os.getpid()))
+        refused = _admit(rec.port, bytes(32), hello)
+        with pytest.raises(cudalink.ProtocolError, match=rf"reason {wire.REJECT_KEY}\).*rendezvous key"):
+            wire.unpack_reply(refused, 16)
+        welcome = wire.unpack_reply(_admit(rec.port, rec.key, hello), 16)
+        assert welcome.generation == tx.generation
+        with cudalink.Receiver(name, timeout=2) as rx:  # the producer is unharmed
+            tx.send(np.ones(4, np.uint8))
+            assert rx.recv(1).seq == 1
+
+
+@pytest.mark.usefixtures("tcp")
+def test_garbage_before_admission_does_not_hurt_the_producer(name: str) -> None:
+    with cudalink.Sender(name, shape=(4,)) as tx:
+        port = _record(name).port
+        for junk in (b"", b"x", os.urandom(wire.PROOF_SIZE), os.urandom(60), os.urandom(5000)):
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(junk)
+                s.settimeout(0.5)
+                try:
+                    s.recv(4096)
+                except (TimeoutError, ConnectionResetError):
+                    pass
+        assert tx.stats()["consumers"] == 0
+        with cudalink.Receiver(name, timeout=2) as rx:
+            tx.send(np.full(4, 3, np.uint8))
+            assert np.from_dlpack(rx.recv(1)).tolist() == [3, 3, 3, 3]
+
+
+def test_consumers_find_either_channel_without_configuration(
+    ctx: Any, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TCP producer (as on Windows) and a consumer whose own default would be the Unix socket."""
+    monkeypatch.setenv("CUDALINK_CONTROL", "tcp")
+    ready, go, result = ctx.Event(), ctx.Event(), ctx.Queue()
+    prod = ctx.Process(target=_procs.host_producer, args=(name, 200, (16,), "int32", 4, ready, go, 0.0005))
+    prod.start()
+    monkeypatch.setenv("CUDALINK_CONTROL", "unix")
+    try:
+        assert ready.wait(30)
+        found = find(name)
+        assert found is not None and found.kind == "tcp"
+        cons = ctx.Process(target=_procs.host_consumer, args=(name, 200, result, 0.0, False))
+        cons.start()
+        time.sleep(0.5)
+        go.set()
+        _pid, got, mismatches, tail, _skipped, ordered = result.get(timeout=60)
+        cons.join(30)
+        assert got > 0 and mismatches == 0 and ordered, (got, mismatches, tail)
+    finally:
+        prod.join(30)
+        if prod.is_alive():
+            prod.kill()
+
+
+@pytest.mark.usefixtures("tcp")
+def test_a_restart_gets_fresh_segment_names_while_an_old_consumer_still_maps_the_old_ones(name: str) -> None:
+    """Windows keeps a mapped segment alive after the producer goes, so a restart must not reuse its name."""
+    tx = cudalink.Sender(name, shape=(4,))
+    rx = cudalink.Receiver(name, timeout=2)
+    tx.send(np.zeros(4, np.uint8))
+    held = rx.recv(1)
+    old = header_segment(name)
+    tx.close()
+    tx2 = cudalink.Sender(name, shape=(4,))
+    try:
+        assert header_segment(name) != old
+        with pytest.raises(cudalink.ProducerGone):
+            rx.recv(1)
+        tx2.send(np.ones(4, np.uint8))
+        f = rx.recv(2)
+        assert f.seq == 1 and rx.generation == tx2.generation
+        assert np.from_dlpack(held).tolist() == [0, 0, 0, 0]  # the old frame stays readable
+    finally:
+        held.release()
+        rx.close()
+        tx2.close()
+
+
+@pytest.mark.usefixtures("tcp")
+def test_a_dead_producers_rendezvous_is_not_served_and_is_replaced(ctx: Any, name: str) -> None:
+    import signal
+
+    ready = ctx.Event()
+    prod = ctx.Process(target=_procs.host_producer_forever, args=(name, (4,), "int32", ready))
+    prod.start()
+    assert ready.wait(30)
+    os.kill(prod.pid, signal.SIGKILL)
+    prod.join(10)
+    assert os.path.exists(LoopbackChannel.record_path(name))  # leftovers...
+    assert find(name) is None  # ...that no consumer attaches to
+    with pytest.raises(cudalink.LinkTimeout):
+        cudalink.Receiver(name, timeout=0.3)
+    with cudalink.Sender(name, shape=(4,), dtype="int32") as tx, cudalink.Receiver(name, timeout=2) as rx:
+        assert rx.generation == tx.generation
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(_platform.segment_name(name))]
+
+
+def test_second_live_producer_is_refused_across_channels(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDALINK_CONTROL", "unix")
+    with cudalink.Sender(name, shape=(8,)):
+        monkeypatch.setenv("CUDALINK_CONTROL", "tcp")
+        with pytest.raises(cudalink.LinkError, match="already published"):
+            cudalink.Sender(name, shape=(8,))
+
+
+def test_transport_can_pin_its_channel(name: str) -> None:
+    t = SharedMemoryTransport(control="tcp")
+    assert not t.passes_fds
+    with cudalink.Sender(name, shape=(2,), transport=t):
+        found = find(name)
+        assert found is not None and found.kind == "tcp"
+    with pytest.raises(cudalink.LinkError, match="CUDALINK_CONTROL"):
+        SharedMemoryTransport(control="pipe")
+
+
+def test_handle_kind_follows_what_the_channel_can_carry() -> None:
+    assert _backends.resolve_handles("auto", passes_fds=False) == "legacy"
+    assert _backends.resolve_handles("legacy", passes_fds=False) == "legacy"
+    assert _backends.resolve_handles("auto", passes_fds=True) == _platform.default_handles()
+    with pytest.raises(cudalink.LinkError, match="handles='legacy'"):
+        _backends.resolve_handles("pool", passes_fds=False)
+    with pytest.raises(cudalink.LinkError, match="'auto', 'pool' or 'legacy'"):
+        _backends.resolve_handles("cuda", passes_fds=True)
+
+
+def test_a_pool_sender_over_tcp_fails_before_touching_the_gpu(name: str) -> None:
+    with pytest.raises(cudalink.LinkError, match="handles='legacy'"):
+        cudalink.Sender(name, shape=(4,), device=0, handles="pool", transport=SharedMemoryTransport("tcp"))
+
+
+# -- asyncio where the loop has no add_reader (Windows' default proactor loop) ------------------------------
+
+
+class ReaderlessLoop(asyncio.SelectorEventLoop):
+    """Behaves like ``ProactorEventLoop`` for our purposes: ``add_reader`` is not implemented."""
+
+    def add_reader(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+
+def _run(coro: Any) -> Any:
+    loop = ReaderlessLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+@pytest.mark.usefixtures("tcp")
+def test_async_without_add_reader_gets_every_frame_across_processes(ctx: Any, name: str) -> None:
+    ready, start = ctx.Event(), ctx.Event()
+    prod = ctx.Process(target=ap.paced_producer, args=(name, 100, 0.002, ready, start))
+    prod.start()
+    try:
+        assert ready.wait(30)
+
+        async def consume() -> list[int]:
+            seqs: list[int] = []
+            rx = cudalink.Receiver(name, timeout=5, latest=False)
+            start.set()
+            async for frame in rx:
+                seqs.append(frame.seq)
+                frame.release()
+            rx.close()
+            return seqs
+
+        seqs = _run(consume())
+        assert seqs == list(range(1, 101))
+    finally:
+        prod.join(30)
+
+
+@pytest.mark.usefixtures("tcp")
+def test_async_without_add_reader_cancels_cleanly_and_sees_producer_death(name: str) -> None:
+    tx = cudalink.Sender(name, shape=(4,))
+    rx = cudalink.Receiver(name, timeout=5)
+
+    async def go() -> None:
+        task = asyncio.ensure_future(rx.recv_async())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        tx.send(np.arange(4, dtype=np.uint8))
+        frame = await asyncio.wait_for(rx.recv_async(), 2)  # nothing was lost to the cancelled wait
+        assert np.from_dlpack(frame).tolist() == [0, 1, 2, 3]
+        frame.release()
+        waiter = asyncio.ensure_future(rx.recv_async())
+        await asyncio.sleep(0.05)
+        tx.close()
+        with pytest.raises(cudalink.ProducerGone):
+            await asyncio.wait_for(waiter, 2)
+
+    try:
+        _run(go())
+    finally:
+        rx.close()
+        tx.close()
+
+
+@pytest.mark.usefixtures("tcp")
+def test_async_without_add_reader_sees_a_killed_producer_at_once(ctx: Any, name: str) -> None:
+    import signal
+
+    ready, stop = ctx.Event(), ctx.Event()
+    prod = ctx.Process(target=ap.idle_producer, args=(name, ready, stop))
+    prod.start()
+    assert ready.wait(30)
+    rx = cudalink.Receiver(name, timeout=30)
+
+    async def go() -> float:
+        first = await rx.recv_async()
+        first.release()
+        waiter = asyncio.ensure_future(rx.recv_async())
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        os.kill(prod.pid, signal.SIGKILL)
+        with pytest.raises(cudalink.ProducerGone):
+            await asyncio.wait_for(waiter, 10)
+        return time.monotonic() - t0
+
+    try:
+        assert _run(go()) < 2.0  # EOF, not the 30 s receive timeout
+    finally:
+        rx.close()
+        prod.join(10)
+
+
+@pytest.mark.usefixtures("tcp")
+def test_a_stale_key_makes_the_consumer_retry_not_fail(name: str) -> None:
+    """A consumer that read the rendezvous file just before a restart holds the old key: it must re-read."""
+    with cudalink.Sender(name, shape=(4,)) as tx:
+        path = LoopbackChannel.record_path(name)
+        good = _record(name)
+        _platform.write_private(
+            path, wire.pack_rendezvous(wire.Rendezvous(good.port, good.pid, good.generation, bytes(32)))
+        )
+        timer = threading.Timer(0.3, _platform.write_private, (path, wire.pack_rendezvous(good)))
+        timer.start()
+        t0 = time.monotonic()
+        with cudalink.Receiver(name, timeout=5) as rx:
+            assert time.monotonic() - t0 >= 0.25  # it kept retrying with the wrong key until the file was right
+            tx.send(np.arange(4, dtype=np.uint8))
+            assert rx.recv(1).seq == 1
+        timer.join()

@@ -1,0 +1,301 @@
+"""``cudalink._platform`` and the bounded cuMemFree: the Windows branches run here against stubbed OS calls.
+
+What cannot run here (no Windows machine): the real kernel32/msvcrt calls, Windows' SharedMemory
+semantics and Windows' CUDA driver. Each stub records the calls so a test fails if a branch calls the
+OS the wrong way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+import pytest
+
+import cudalink
+from cudalink import _cuda, _platform
+
+# -- names and defaults ---------------------------------------------------------------------------------
+
+
+def test_windows_user_tag_is_a_stable_name_safe_digest() -> None:
+    tag = _platform.user_tag("Alice")
+    assert tag == _platform.user_tag("alice")  # Windows account names are case-insensitive
+    assert tag != _platform.user_tag("bob")
+    assert tag.isalnum() and len(tag) == 13
+    assert _platform.user_tag() == str(os.getuid())
+
+
+def test_wsl_is_detected_from_the_kernel_release() -> None:
+    assert _platform.is_wsl("5.15.153.1-microsoft-standard-WSL2") is _platform.IS_LINUX
+    assert not _platform.is_wsl("6.8.0-45-generic")
+
+
+def test_auto_handles_pick_pools_only_on_native_linux() -> None:
+    assert _platform.default_handles(linux=True, wsl=False) == "pool"
+    assert _platform.default_handles(linux=True, wsl=True) == "legacy"
+    assert _platform.default_handles(linux=False, wsl=False) == "legacy"  # Windows
+
+
+def test_control_channel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _platform.default_control("tcp") == "tcp"
+    assert _platform.default_control("unix") == "unix"
+    assert _platform.default_control("auto") == ("unix" if _platform.HAS_FD_PASSING else "tcp")
+    monkeypatch.setattr(_platform, "HAS_FD_PASSING", False)  # as on Windows
+    assert _platform.default_control("") == "tcp"
+    with pytest.raises(cudalink.LinkError, match="CUDALINK_CONTROL must be"):
+        _platform.default_control("pipe")
+    monkeypatch.delattr(socket, "AF_UNIX")
+    with pytest.raises(cudalink.LinkError, match="CUDALINK_CONTROL=tcp"):
+        _platform.default_control("unix")
+
+
+# -- process liveness -------------------------------------------------------------------------------------
+
+
+class FakeKernel32:
+    """OpenProcess / GetExitCodeProcess / CloseHandle with a scripted outcome."""
+
+    def __init__(self, handle: int, exit_code: int = 259, query_ok: bool = True) -> None:
+        self.handle, self.exit_code, self.query_ok = handle, exit_code, query_ok
+        self.calls: list[tuple[Any, ...]] = []
+
+    def OpenProcess(self, access: int, inherit: bool, pid: int) -> int:
+        self.calls.append(("OpenProcess", access, inherit, pid))
+        return self.handle
+
+    def GetExitCodeProcess(self, handle: int, code: Any) -> int:
+        self.calls.append(("GetExitCodeProcess", handle))
+        ctypes.cast(code, ctypes.POINTER(ctypes.c_ulong))[0] = self.exit_code
+        return 1 if self.query_ok else 0
+
+    def CloseHandle(self, handle: int) -> int:
+        self.calls.append(("CloseHandle", handle))
+        return 1
+
+
+@pytest.mark.parametrize(
+    ("handle", "exit_code", "last_error", "alive"),
+    [
+        (42, 259, 0, True),  # STILL_ACTIVE
+        (42, 0, 0, False),  # exited with 0
+        (42, 1, 0, False),  # exited with 1
+        (0, 0, 5, True),  # ERROR_ACCESS_DENIED: exists, another user's
+        (0, 0, 87, False),  # ERROR_INVALID_PARAMETER: no such pid
+    ],
+)
+def test_windows_pid_alive_never_signals_and_closes_its_handle(
+    handle: int, exit_code: int, last_error: int, alive: bool
+) -> None:
+    k = FakeKernel32(handle, exit_code)
+    assert _platform._pid_alive_windows(1234, k, lambda: last_error) is alive
+    assert k.calls[0] == ("OpenProcess", 0x1000, False, 1234)  # PROCESS_QUERY_LIMITED_INFORMATION only
+    if handle:
+        assert k.calls[-1] == ("CloseHandle", handle)
+
+
+def test_posix_pid_alive() -> None:
+    assert _platform.pid_alive(os.getpid())
+    assert not _platform.pid_alive(0)
+    assert not _platform.pid_alive(2**22 + 12345)
+
+
+# -- the producer lock ---------------------------------------------------------------------------------------
+
+
+def test_process_lock_excludes_a_second_holder_even_in_one_process(tmp_path: Any) -> None:
+    path = str(tmp_path / "x.lock")
+    a, b = _platform.ProcessLock(path), _platform.ProcessLock(path)
+    assert a.acquire() and a.held
+    assert not b.acquire() and not b.held
+    a.release()
+    assert b.acquire()
+    b.release()
+    assert os.path.exists(path)  # never unlinked: see ProcessLock
+
+
+def _hold_lock(path: str, ready: Any) -> None:
+    lock = _platform.ProcessLock(path)
+    assert lock.acquire()
+    ready.set()
+    time.sleep(60)
+
+
+def test_process_lock_is_dropped_when_its_holder_is_killed(ctx: Any, tmp_path: Any) -> None:
+    path = str(tmp_path / "y.lock")
+    ready = ctx.Event()
+    p = ctx.Process(target=_hold_lock, args=(path, ready), daemon=True)
+    p.start()
+    assert ready.wait(30)
+    assert not _platform.ProcessLock(path).acquire()
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    mine = _platform.ProcessLock(path)
+    assert mine.acquire()
+    mine.release()
+
+
+def test_windows_process_lock_uses_msvcrt_byte_zero(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, int]] = []
+    taken: set[str] = set()
+
+    def locking(fd: int, mode: int, nbytes: int) -> None:
+        calls.append((os.lseek(fd, 0, os.SEEK_CUR), mode, nbytes))
+        key = os.readlink(f"/proc/self/fd/{fd}")
+        if mode == fake.LK_NBLCK:
+            if key in taken:
+                raise PermissionError(13, "locked")  # what msvcrt raises for a held range
+            taken.add(key)
+        elif mode == fake.LK_UNLCK:
+            taken.discard(key)
+
+    fake = types.SimpleNamespace(LK_NBLCK=2, LK_UNLCK=0, locking=locking)
+    monkeypatch.setitem(sys.modules, "msvcrt", fake)
+    path = str(tmp_path / "w.lock")
+    a, b = _platform.ProcessLock(path, windows=True), _platform.ProcessLock(path, windows=True)
+    assert a.acquire()
+    assert not b.acquire()
+    a.release()
+    assert b.acquire()
+    b.release()
+    assert calls == [(0, 2, 1), (0, 2, 1), (0, 0, 1), (0, 2, 1), (0, 0, 1)]
+
+
+# -- files and sockets --------------------------------------------------------------------------------------
+
+
+def test_write_private_is_0600_and_atomic(tmp_path: Any) -> None:
+    path = str(tmp_path / "r.tcp")
+    _platform.write_private(path, b"one")
+    _platform.write_private(path, b"two")
+    with open(path, "rb") as f:
+        assert f.read() == b"two"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert os.listdir(tmp_path) == ["r.tcp"]
+
+
+def test_write_private_retries_while_a_windows_reader_holds_the_file(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.replace
+    fails = [2]
+
+    def replace(src: str, dst: str) -> None:
+        if fails[0]:
+            fails[0] -= 1
+            raise PermissionError(13, "sharing violation")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(_platform, "IS_WINDOWS", True)
+    path = str(tmp_path / "r.tcp")
+    _platform.write_private(path, b"x")
+    with open(path, "rb") as f:
+        assert f.read() == b"x"
+    monkeypatch.setattr(_platform, "IS_WINDOWS", False)  # POSIX never retries: an error is an error
+    fails[0] = 1
+    with pytest.raises(PermissionError):
+        _platform.write_private(path, b"y")
+    assert os.listdir(tmp_path) == ["r.tcp"]
+
+
+class RecordingSocket:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def setsockopt(self, *args: Any) -> None:
+        self.calls.append(("setsockopt", *args))
+
+    def bind(self, addr: Any) -> None:
+        self.calls.append(("bind", addr))
+
+    def listen(self, n: int) -> None:
+        self.calls.append(("listen", n))
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+def test_loopback_listener_is_exclusive_on_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "SO_EXCLUSIVEADDRUSE", -5, raising=False)
+    s = RecordingSocket()
+    assert _platform.loopback_listener(s) is s  # type: ignore[arg-type]
+    assert s.calls == [("setsockopt", socket.SOL_SOCKET, -5, 1), ("bind", ("127.0.0.1", 0)), ("listen", 64)]
+
+
+def test_loopback_listener_binds_loopback_only() -> None:
+    s = _platform.loopback_listener()
+    try:
+        host, port = s.getsockname()
+        assert host == "127.0.0.1" and port > 0
+    finally:
+        s.close()
+
+
+# -- bounded cuMemFree -------------------------------------------------------------------------------------
+
+
+class FakeDriver:
+    """cuCtxGetCurrent / cuCtxSetCurrent / cuMemFree, with a cuMemFree that can hang."""
+
+    def __init__(self, hang: threading.Event | None = None) -> None:
+        self.hang = hang
+        self.freed: list[int] = []
+        self.ctx_in_worker: list[Any] = []
+
+    def cuCtxGetCurrent(self) -> tuple[int, str]:
+        return 0, "ctx0"
+
+    def cuCtxSetCurrent(self, ctx: Any) -> tuple[int]:
+        self.ctx_in_worker.append(ctx)
+        return (0,)
+
+    def cuMemFree(self, ptr: int) -> tuple[int]:
+        if self.hang is not None:
+            self.hang.wait(30)
+        self.freed.append(ptr)
+        return (0,)
+
+
+def test_free_bounded_frees_on_the_callers_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    drv = FakeDriver()
+    monkeypatch.setattr(_cuda, "_drv", lambda: drv)
+    assert _cuda.free_bounded([1, 2, 3], timeout=5)
+    assert drv.freed == [1, 2, 3] and drv.ctx_in_worker == ["ctx0"]
+
+
+def test_free_bounded_gives_up_on_a_hung_cumemfree(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    drv = FakeDriver(hang=release)
+    monkeypatch.setattr(_cuda, "_drv", lambda: drv)
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="cuMemFree did not return"):
+        assert not _cuda.free_bounded([7], timeout=0.2)
+    assert time.monotonic() - t0 < 2
+    release.set()
+
+
+def test_kernel32_prototypes_use_pointer_sized_handles(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ctypes import wintypes
+
+    fns = {n: types.SimpleNamespace() for n in ("OpenProcess", "GetExitCodeProcess", "CloseHandle")}
+    opened: list[tuple[str, bool]] = []
+
+    def windll(name: str, use_last_error: bool = False) -> Any:
+        opened.append((name, use_last_error))
+        return types.SimpleNamespace(**fns)
+
+    monkeypatch.setattr(ctypes, "WinDLL", windll, raising=False)
+    _platform._kernel32()
+    assert opened == [("kernel32", True)]  # so ctypes.get_last_error() sees OpenProcess's error
+    assert fns["OpenProcess"].restype is wintypes.HANDLE
+    assert fns["CloseHandle"].argtypes == (wintypes.HANDLE,)
+    assert fns["GetExitCodeProcess"].argtypes[0] is wintypes.HANDLE

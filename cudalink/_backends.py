@@ -300,12 +300,19 @@ class CudaView:
         return True
 
     def close(self) -> None:
-        """Unmap what we imported, before the producer frees it (the driver's rule)."""
+        """Unmap what we imported, before the producer frees it (the driver's rule).
+
+        Frames are released CPU-side while the user's kernels may still read them; each slot's release
+        event marks the end of those reads, so wait for all of them first. Only then is the mapping
+        closed and the connection dropped, which is what lets a closing producer free the memory.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             self.dev.set_current()
+            for ev in self.release_events:
+                ev.sync()
             self.stream.sync()
             for got in self._bufs:
                 if got is not None:

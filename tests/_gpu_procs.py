@@ -21,6 +21,15 @@ def torch_pattern(torch: Any, seq: int, shape: tuple[int, ...], dtype: str) -> A
     return ((base * 2654435761 + seq * 40503) % 251).to(getattr(torch, dtype)).view(shape)
 
 
+def cupy_pattern(cp: Any, seq: int, shape: tuple[int, ...], dtype: str) -> Any:
+    """:func:`torch_pattern`, made by cupy on its current stream."""
+    n = 1
+    for d in shape:
+        n *= d
+    base = cp.arange(n, dtype=cp.int64)
+    return ((base * 2654435761 + seq * 40503) % 251).astype(dtype).reshape(shape)
+
+
 def wait_consumers(tx: cudalink.Sender, want: int, timeout: float = 120.0) -> None:
     """Start only once ``want`` consumers joined, so slow-starting (torch/jax) consumers miss nothing."""
     end = time.monotonic() + timeout
@@ -109,7 +118,6 @@ def gpu_consumer(
                 mism = int(bad.item())
             elif framework == "cupy":
                 import cupy as cp
-                import torch
 
                 mism = 0
                 s = cp.cuda.Stream(non_blocking=True)
@@ -121,7 +129,9 @@ def gpu_consumer(
                         except cudalink.ProducerGone:
                             break
                         a = cp.from_dlpack(frame)
-                        exp = cp.from_dlpack(torch_pattern(torch, frame.seq, a.shape, frame.dtype.name))
+                        # the expected pattern is made on `s` too: a torch tensor from torch's stream, read
+                        # here on `s`, could be freed and reused by torch before our comparison ran
+                        exp = cupy_pattern(cp, frame.seq, a.shape, frame.dtype.name)
                         iv = INT_VIEW[frame.dtype.name]
                         bad += cp.any(a.view(iv) != exp.view(iv)).astype(cp.int64)
                         del a
@@ -211,3 +221,21 @@ def gpu_chaos_producer(name: str, ready: Any) -> None:
             arr = _chaos.content(tx.generation, tx.seq + 1)
             with tx.reserve(meta=_chaos.checksum(arr)) as f:
                 _cuda.memcpy_htod(f.ptr, arr.ctypes.data, arr.nbytes, tx._slots.stream_int)  # type: ignore[union-attr]
+
+
+def gpu_producer_then_close(name: str, shape: tuple[int, ...], handles: str, ready: Any, taken: Any) -> None:
+    """Publish one frame, then close the moment the consumer has taken it (and freed its slot CPU-side)."""
+    import torch
+
+    torch.cuda.init()
+    tx = cudalink.Sender(name, shape=shape, dtype="uint8", slots=2, device=0, handles=handles)
+    ready.set()
+    wait_consumers(tx, 1)
+    tx.send(torch_pattern(torch, 1, shape, "uint8"))
+    torch.cuda.synchronize()
+    taken.wait(60)
+    tx.close()
+    # reuse the freed memory at once, so a consumer still reading the old slot would see this
+    junk = [torch.full(shape, 7, dtype=torch.uint8, device="cuda") for _ in range(64)]
+    torch.cuda.synchronize()
+    del junk

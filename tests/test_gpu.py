@@ -214,6 +214,38 @@ def test_producer_kill_restart_and_consumer_kill(
         prod2.join(10)
 
 
+@pytest.mark.parametrize("handles", ["pool", "legacy"])
+def test_a_closing_producer_never_frees_a_slot_the_consumer_still_reads(ctx: Any, name: str, handles: str) -> None:
+    """The consumer releases a frame CPU-side with ~100 ms of GPU reads still queued; the producer closes at once.
+
+    The consumer's reads must still see the frame: it unmaps (and lets the producer free) only after its
+    release events complete.
+    """
+    torch = _torch()
+    shape = (256, 256, 4)
+    ready, taken = ctx.Event(), ctx.Event()
+    prod = _run(ctx, gp.gpu_producer_then_close, name, shape, handles, ready, taken)
+    try:
+        assert ready.wait(60)
+        with cudalink.Receiver(name, timeout=30.0) as rx:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                frame = rx.recv(timeout=30.0)
+                t = torch.from_dlpack(frame)
+                torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time before the slot is read
+                copy = t.clone()
+                del t
+                frame.release()
+                taken.set()
+                with pytest.raises(cudalink.ProducerGone):
+                    rx.recv(timeout=30.0)
+            s.synchronize()
+        assert torch.equal(copy, gp.torch_pattern(torch, 1, shape, "uint8"))
+    finally:
+        prod.join(60)
+    assert prod.exitcode == 0
+
+
 def test_gpu_memory_and_fds_flat_over_attach_cycles(ctx: Any, name: str) -> None:
     ready, result = ctx.Event(), ctx.Queue()
     prod = _run(ctx, gp.gpu_producer_forever, name, (256, 256, 4), ready, "auto")

@@ -329,6 +329,7 @@ def test_gpu_kill_restart_chaos_200(ctx: Any, name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 260 s on an H200: past the default 300 s limit on a slower GPU
 def test_gpu_torn_read_soak_one_million(ctx: Any, name: str) -> None:
     """1,000,000 frames; a fast and a slow torch consumer verify each frame they get on the device."""
     ready, result = ctx.Event(), ctx.Queue()

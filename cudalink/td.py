@@ -412,7 +412,8 @@ class _Plan:
         return [2, 1, 0, 3] if self.comps == 4 else [2, 1, 0]
 
 
-def _convert_host(arr: np.ndarray[Any, Any], plan: _Plan) -> np.ndarray[Any, Any]:
+def _apply_plan(xp: Any, arr: Any, plan: _Plan) -> Any:
+    """The plan's steps with a numpy-like module: numpy on the host, cupy on the GPU (torch differs)."""
     if arr.ndim == 2:
         arr = arr[:, :, None]
     if plan.flip:
@@ -421,7 +422,12 @@ def _convert_host(arr: np.ndarray[Any, Any], plan: _Plan) -> np.ndarray[Any, Any
         arr = arr[..., plan.swap_index]
     if arr.dtype != plan.dtype:
         arr = arr.astype(plan.dtype)
-    return np.ascontiguousarray(arr)
+    return xp.ascontiguousarray(arr)
+
+
+def _convert_host(arr: np.ndarray[Any, Any], plan: _Plan) -> np.ndarray[Any, Any]:
+    out: np.ndarray[Any, Any] = _apply_plan(np, arr, plan)
+    return out
 
 
 _BACKENDS = ("cupy", "torch")
@@ -462,16 +468,7 @@ def _convert_cuda(frame: Frame, plan: _Plan, stream: int, backend: str | None) -
     if name == "cupy":
         cp = mod
         with cp.cuda.Device(dev), cp.cuda.ExternalStream(stream):
-            a = cp.from_dlpack(frame)
-            if a.ndim == 2:
-                a = a[:, :, None]
-            if plan.flip:
-                a = a[::-1]
-            if plan.swap:
-                a = a[..., plan.swap_index]
-            if a.dtype != plan.dtype:
-                a = a.astype(plan.dtype)
-            out = cp.ascontiguousarray(a)
+            out = _apply_plan(cp, cp.from_dlpack(frame), plan)
         return out, int(out.data.ptr), int(out.nbytes)
     torch = mod
     with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=f"cuda:{dev}")):

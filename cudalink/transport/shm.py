@@ -160,7 +160,6 @@ class SharedMemoryTransport(Transport):
     """
 
     def __init__(self, control: str | None = None) -> None:
-        self._control = control
         self._channel = channel(control) if control is not None else None
 
     @property

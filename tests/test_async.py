@@ -17,10 +17,8 @@ from cudalink.transport import MemoryTransport
 
 from . import _async_procs as ap
 
-pytestmark = pytest.mark.usefixtures("control")  # every test runs over the Unix and the TCP channel
 
-
-def test_async_for_gets_every_frame_in_order_across_processes(ctx: Any, name: str) -> None:
+def test_async_for_gets_every_frame_in_order_across_processes(ctx: Any, name: str, control: str) -> None:
     ready, start, result = ctx.Event(), ctx.Event(), ctx.Queue()
     prod = ctx.Process(target=ap.paced_producer, args=(name, 200, 0.002, ready, start))
     prod.start()
@@ -105,7 +103,7 @@ def test_cancel_races_with_a_publish(name: str) -> None:
     asyncio.run(main())
 
 
-def test_producer_gone_surfaces_inside_the_loop(ctx: Any, name: str) -> None:
+def test_producer_gone_surfaces_inside_the_loop(ctx: Any, name: str, control: str) -> None:
     ready, stop = ctx.Event(), ctx.Event()
     prod = ctx.Process(target=ap.idle_producer, args=(name, ready, stop))
     prod.start()
@@ -151,7 +149,7 @@ def test_async_for_ends_when_the_producer_closes(name: str) -> None:
     assert asyncio.run(main()) == [0, 1, 2, 3, 4]
 
 
-def test_idle_async_consumer_uses_almost_no_cpu(ctx: Any, name: str) -> None:
+def test_idle_async_consumer_uses_almost_no_cpu(ctx: Any, name: str, control: str) -> None:
     ready, stop, result = ctx.Event(), ctx.Event(), ctx.Queue()
     prod = ctx.Process(target=ap.idle_producer, args=(name, ready, stop))
     prod.start()

@@ -14,6 +14,7 @@ import itertools
 import multiprocessing as mp
 import os
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -282,6 +283,32 @@ def test_no_gpu_array_library_is_a_clear_error(torch: Any, monkeypatch: pytest.M
 # ========================================================================================== across processes
 
 
+def receive_td_frames(
+    torch: Any,
+    child: Child,
+    name: str,
+    shape: tuple[int, int, int],
+    dtype: str,
+    ks: tuple[int, ...],
+    check: Callable[[cudalink.Receiver, cudalink.Frame], None],
+) -> None:
+    """Take TD's frame k for each k (asking the child for every one after the first), ``check`` it, and
+    compare its pixels with pattern k on the GPU; then stop the child, which must have freed every
+    CUDAMemory TD handed out once the ring let go."""
+    with cudalink.Receiver(name, timeout=60) as rx:
+        for k in ks:
+            if k:
+                child.send(k)
+            frame = rx.recv(timeout=60)
+            check(rx, frame)
+            t = torch.from_dlpack(frame)
+            assert same(torch, t, pattern(torch, shape, dtype, k)), k
+            del t
+            frame.release()
+    child.stop()
+    assert child.expect("done") == 0
+
+
 @pytest.mark.parametrize("via_dat", [False, True], ids=["TDSender", "execute-dat"])
 @pytest.mark.parametrize(("dtype", "comps"), [("uint8", 4), ("float32", 4), ("uint16", 1), ("float32", 2)])
 def test_td_to_python_across_processes(torch: Any, via_dat: bool, dtype: str, comps: int) -> None:
@@ -290,20 +317,13 @@ def test_td_to_python_across_processes(torch: Any, via_dat: bool, dtype: str, co
     try:
         stream, used = child.expect("sent")
         assert isinstance(stream, int) and stream > 2 and used == stream  # cudaMemory on our own stream
-        with cudalink.Receiver(name, timeout=60) as rx:
-            for k in (0, 1, 2):
-                if k:
-                    child.send(k)
-                frame = rx.recv(timeout=60)
-                assert frame.is_cuda and frame.shape == shape and frame.dtype == np.dtype(dtype)
-                assert frame.origin is RowOrigin.BOTTOM
-                assert frame.pixel_format is ctd.pixel_format_for(dtype, comps)
-                t = torch.from_dlpack(frame)
-                assert same(torch, t, pattern(torch, shape, dtype, k)), k
-                del t
-                frame.release()
-        child.stop()
-        assert child.expect("done") == 0  # every CUDAMemory TD handed out was freed once the ring let go
+
+        def check(rx: cudalink.Receiver, frame: cudalink.Frame) -> None:
+            assert frame.is_cuda and frame.shape == shape and frame.dtype == np.dtype(dtype)
+            assert frame.origin is RowOrigin.BOTTOM
+            assert frame.pixel_format is ctd.pixel_format_for(dtype, comps)
+
+        receive_td_frames(torch, child, name, shape, dtype, (0, 1, 2), check)
     finally:
         child.join()
 
@@ -317,18 +337,11 @@ def test_td_to_python_over_legacy_handles(torch: Any, dtype: str, comps: int, mo
     child = Child(td_producer_legacy, name, shape, dtype)
     try:
         child.expect("sent")
-        with cudalink.Receiver(name, timeout=60) as rx:
-            for k in (0, 1):
-                if k:
-                    child.send(k)
-                frame = rx.recv(timeout=60)
-                assert rx._att is not None and rx._att.fixed.backend == 2  # BACKEND_CUDA_LEGACY, from the header
-                t = torch.from_dlpack(frame)
-                assert same(torch, t, pattern(torch, shape, dtype, k)), k
-                del t
-                frame.release()
-        child.stop()
-        assert child.expect("done") == 0
+
+        def check(rx: cudalink.Receiver, frame: cudalink.Frame) -> None:
+            assert rx._att is not None and rx._att.fixed.backend == 2  # BACKEND_CUDA_LEGACY, from the header
+
+        receive_td_frames(torch, child, name, shape, dtype, (0, 1), check)
     finally:
         child.join()
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda, _platform
+from . import _cuda, _platform, _trace
 from .errors import FormatError, LinkError
-from .frames.frame import Frame, ReleaseCallback
+from .frames.frame import Frame, ReleaseCallback, _Hold
 from .frames.spec import FrameSpec
 from .transport import wire
 
@@ -40,6 +40,7 @@ class HostSlots:
         self.stride = align(capacity)
         self.data_size = self.stride * nslots
         self._region: Any = None
+        self._views: dict[tuple[int, int], tuple[FrameSpec, np.ndarray[Any, Any]]] = {}
 
     def bind(self, region: Any) -> None:
         self._region = region
@@ -51,21 +52,35 @@ class HostSlots:
         return []
 
     def _array(self, slot: int, spec: FrameSpec) -> np.ndarray[Any, Any]:
-        buf = self._region.buf
-        out: np.ndarray[Any, Any] = np.ndarray(
-            spec.shape, spec.dtype, buffer=buf, offset=slot * self.stride, strides=spec.strides
-        )
-        return out
+        """A numpy view of ``slot`` for ``spec``, built once per (slot, spec)."""
+        key = (slot, id(spec))  # by identity (hashing a spec costs more than the lookup saves)
+        got = self._views.get(key)
+        if got is None or got[0] is not spec:
+            if len(self._views) > 4 * self.nslots:
+                self._views.clear()
+            view: np.ndarray[Any, Any] = np.ndarray(
+                spec.shape, spec.dtype, buffer=self._region.buf, offset=slot * self.stride, strides=spec.strides
+            )
+            got = self._views[key] = (spec, view)
+        return got[1]
 
     def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
-        info = _cuda.describe_array(src)
-        if info.device_id >= 0:
-            raise FormatError(
-                "cudalink: this link carries CPU frames but got a CUDA array; send x.cpu()/cupy.asnumpy(x), "
-                "or create the Sender with device=0"
-            )
-        spec.check_array(info.shape, info.dtype)
-        np.copyto(self._array(slot, spec), info.owner, casting="no")  # type: ignore[arg-type]
+        if type(src) is np.ndarray and src.shape == spec.shape and src.dtype == spec.dtype:
+            arr: Any = src  # the common case, without describing the array
+        else:
+            info = _cuda.describe_array(src)
+            if info.device_id >= 0:
+                raise FormatError(
+                    "cudalink: this link carries CPU frames but got a CUDA array; send x.cpu()/cupy.asnumpy(x), "
+                    "or create the Sender with device=0"
+                )
+            spec.check_array(info.shape, info.dtype)
+            arr = info.owner
+        if _trace.ON:
+            _trace.mark(_trace.SOURCE_READ)
+        np.copyto(self._array(slot, spec), arr, casting="no")
+        if _trace.ON:
+            _trace.mark(_trace.COPY_QUEUED)
 
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame:
         return Frame(
@@ -98,6 +113,23 @@ class _ProducerSync:
         return None
 
 
+def _row_pitch(spec: FrameSpec, strides: tuple[int, ...] | None) -> int:
+    """0 for a source laid out like the slot (one flat copy); else the source's row pitch for a 2-D copy.
+
+    A source whose rows are padded (a crop, a pitched texture) but whose rows are themselves laid out
+    like the slot's is copied with one ``cuMemcpy2DAsync``; anything else is refused by name.
+    """
+    if strides is None or strides == spec.byte_strides:
+        return 0
+    rows_like_slot = spec.strides is None and len(strides) >= 2 and strides[1:] == spec.byte_strides[1:]
+    if rows_like_slot and strides[0] >= spec.byte_strides[0]:
+        return strides[0]
+    raise FormatError(
+        f"cudalink: array strides {strides} cannot be copied into the link's {spec.shape} {spec.dtype.name} frames "
+        "with one copy (only padded rows can); call .contiguous() (torch) or cupy.ascontiguousarray first"
+    )
+
+
 class CudaSlots:
     """Slots on the GPU: a cuda.core IPC pool (or legacy cuIpc handles), one IPC ready-event per slot."""
 
@@ -115,7 +147,9 @@ class CudaSlots:
         self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
         self.ready = [_cuda.new_ipc_event(self.stream) for _ in range(nslots)]
         self._sources: list[Any] = [None] * nslots
+        self._join: Any = None
         self._tls = threading.local()
+        self._tls_ok = 0
 
     def bind(self, region: Any) -> None:
         pass
@@ -138,26 +172,41 @@ class CudaSlots:
         if getattr(self._tls, "ok", False) is False:
             self.dev.set_current()
             self._tls.ok = True
+        self._tls_ok = threading.get_ident()  # the thread that sent last: it skips even the TLS lookup
 
     def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
-        s = self._stream(stream)
-        self._current()
+        s = self.stream_int if stream is None else _cuda.stream_handle(stream)
+        if self._tls_ok != threading.get_ident():
+            self._current()
         info = _cuda.describe_array(src, stream_ptr=s)
-        spec.check_array(info.shape, info.dtype)
-        if info.device_id < 0:
-            raise FormatError(
-                f"cudalink: this link carries frames on cuda:{self.device} but got a host array; move it to the "
-                f"GPU first (torch: x.cuda(); cupy: cupy.asarray(x)), or use a device='cpu' link"
-            )
+        if _trace.ON:
+            _trace.mark(_trace.SOURCE_READ)
+        if info.shape != spec.shape or info.dtype != spec.dtype:
+            spec.check_array(info.shape, info.dtype)
         if info.device_id != self.device:
+            if info.device_id < 0:
+                raise FormatError(
+                    f"cudalink: this link carries frames on cuda:{self.device} but got a host array; move it to "
+                    f"the GPU first (torch: x.cuda(); cupy: cupy.asarray(x)), or use a device='cpu' link"
+                )
             raise FormatError(f"cudalink: array is on cuda:{info.device_id}, the link on cuda:{self.device}")
-        if info.strides is not None and info.strides != spec.byte_strides:
-            raise FormatError("cudalink: array is not contiguous; call .contiguous() (torch) or ascontiguousarray")
+        pitch = _row_pitch(spec, info.strides)
         for ev in fences:
             _cuda.wait(s, ev)
+        if _trace.ON:
+            _trace.mark(_trace.FENCES_WAITED)
         self._settle(slot)
-        _cuda.memcpy_dtod(self.mem.slots[slot].ptr, info.ptr, spec.nbytes, s)
+        dst = self.mem.slots[slot].ptr
+        if pitch == 0:
+            _cuda.memcpy_dtod(dst, info.ptr, spec.nbytes, s)
+        else:
+            row = spec.byte_strides[0]
+            _cuda.memcpy_2d_dtod(dst, row, info.ptr, pitch, row, spec.shape[0], s)
+        if _trace.ON:
+            _trace.mark(_trace.COPY_QUEUED)
         _cuda.record(self.ready[slot], s)
+        if _trace.ON:
+            _trace.mark(_trace.EVENT_RECORDED)
         self._sources[slot] = info.owner  # keep the source alive until the copy has run
 
     def _settle(self, slot: int) -> None:
@@ -183,7 +232,10 @@ class CudaSlots:
 
     def commit(self, slot: int, streams: list[int], stream: Any) -> None:
         s = self._stream(stream)
-        _cuda.join_streams(s, streams)
+        if any(x != s for x in streams):
+            if self._join is None:
+                self._join = _cuda.new_event()
+            _cuda.join_streams(s, streams, self._join)
         _cuda.record(self.ready[slot], s)
 
     def close(self, timeout: float) -> None:
@@ -192,6 +244,9 @@ class CudaSlots:
         self._sources = [None] * self.nslots
         for ev in self.ready:
             _cuda.close_ipc_event(ev)
+        if self._join is not None:
+            _cuda.destroy_event(self._join)
+            self._join = None
         self.mem.close(self.stream)
 
 
@@ -209,16 +264,9 @@ class HostView:
     def frame(
         self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback, gen: int
     ) -> Frame:
-        return Frame(
-            rec.spec,
-            self.region.address + handle.size,
-            self.region,
-            seq=rec.seq,
-            timestamp_ns=rec.timestamp_ns,
-            meta=rec.meta,
-            on_release=on_release,
-            generation=gen,
-        )
+        seq, ts, spec, meta = rec
+        hold = _Hold(self.region, self.region.address + handle.size, on_release)
+        return Frame._received(spec, hold, -1, seq, ts, meta, None, gen)
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         return False
@@ -228,6 +276,10 @@ class HostView:
 
 
 class _ConsumerSync:
+    """One per imported slot, made once: a frame's consumer stream waits on the slot's ready event."""
+
+    __slots__ = ("ready", "view")
+
     def __init__(self, view: CudaView, ready: Any) -> None:
         self.view = view
         self.ready = ready
@@ -251,9 +303,12 @@ class CudaView:
         importer = _cuda.LegacyImporter if fixed.backend == wire.BACKEND_CUDA_LEGACY else _cuda.PoolImporter
         self.mem = importer(self.dev, fds)
         n = fixed.nslots
+        #: per slot, once imported: (device pointer, owner tuple for the frames' holds, sync object)
+        self._slots: list[tuple[int, tuple[CudaView, Any], _ConsumerSync] | None] = [None] * n
         self._bufs: list[tuple[int, Any] | None] = [None] * n
-        self._ready: list[Any] = [None] * n
         self.release_events: list[Any] = []
+        self._joins: list[Any] = []
+        self._tls = threading.local()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -264,38 +319,39 @@ class CudaView:
             raw, flag = _cuda.event_handle(ev)
             wire.RELEASE.pack_into(header, layout.release_handle(index, slot), raw, flag)
 
+    def _import(self, slot: int, handle: wire.SlotHandle) -> tuple[int, tuple[CudaView, Any], _ConsumerSync]:
+        with self._lock:
+            got = self._slots[slot]
+            if got is None:
+                ptr, keep = self.mem.open(handle.memory, handle.size, self.stream)
+                self._bufs[slot] = (ptr, keep)
+                ready = _cuda.import_event(handle.event, handle.event_flags)
+                got = (ptr, (self, keep), _ConsumerSync(self, ready))
+                self._slots[slot] = got
+            return got
+
     def frame(
         self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback, gen: int
     ) -> Frame:
-        got = self._bufs[slot]
+        got = self._slots[slot]
         if got is None:
-            with self._lock:
-                got = self._bufs[slot]
-                if got is None:
-                    got = self.mem.open(handle.memory, handle.size, self.stream)
-                    self._bufs[slot] = got
-                    self._ready[slot] = _cuda.import_event(handle.event, handle.event_flags)
-        ptr, keep = got
-        return Frame(
-            rec.spec,
-            ptr,
-            (self, keep),
-            device=self.device,
-            seq=rec.seq,
-            timestamp_ns=rec.timestamp_ns,
-            meta=rec.meta,
-            sync=_ConsumerSync(self, self._ready[slot]),
-            on_release=on_release,
-            generation=gen,
-        )
+            got = self._import(slot, handle)
+        ptr, owner, sync = got
+        seq, ts, spec, meta = rec
+        return Frame._received(spec, _Hold(owner, ptr, on_release), self.device, seq, ts, meta, sync, gen)
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         """Record this slot's release event after the work the consumer queued on every stream it used."""
         if not streams or self._closed:
             return False
-        self.dev.set_current()
+        if not getattr(self._tls, "current", False):  # releases run on whichever thread drops the frame
+            self.dev.set_current()
+            self._tls.current = True
         target = streams[0]
-        _cuda.join_streams(target, streams[1:])
+        if len(streams) > 1:
+            if not self._joins:
+                self._joins.append(_cuda.new_event())
+            _cuda.join_streams(target, streams[1:], self._joins[0])
         _cuda.record(self.release_events[slot], target)
         return True
 
@@ -318,6 +374,10 @@ class CudaView:
                 if got is not None:
                     self.mem.close_one(got[1], self.stream)
             self._bufs = [None] * len(self._bufs)
+            self._slots = [None] * len(self._slots)
+            for ev in self._joins:
+                _cuda.destroy_event(ev)
+            self._joins = []
             for ev in self.release_events:
                 _cuda.close_ipc_event(ev)
             self.mem.close()

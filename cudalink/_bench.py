@@ -579,6 +579,7 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
     walls: list[int] = []
     pubs: list[int] = []
     costs: list[int] = []
+    rcosts: list[int] = []  # poll mode: dropping the export and releasing the frame
     try:
         src = _open_source(job, chan)
         out.put(("ready", job.index, os.getpid()))
@@ -599,11 +600,13 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
                 t1 = time.monotonic_ns()
                 del x
                 src.done(obj)
+                t2 = time.monotonic_ns()
                 seqs.append(seq)
                 times.append(t0)
                 walls.append(time.time_ns())
                 pubs.append(pub)
                 costs.append(t1 - t0)
+                rcosts.append(t2 - t1)
         else:
             while True:
                 got = src.take()
@@ -623,6 +626,7 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
             "wall": walls,
             "pub": pubs,
             "cost": costs,
+            "rcost": rcosts,
             "skipped": int(src.skipped),
         }
         out.put(("result", job.index, result))
@@ -899,6 +903,19 @@ class RunResult:
     def recv_costs(self) -> list[int]:
         return [c for r in self.results for s, c in zip(r["seq"], r["cost"], strict=False) if s > self.warm]
 
+    def release_costs(self) -> list[int]:
+        """Poll mode: dropping the exported array/tensor and releasing the frame."""
+        return [c for r in self.results for s, c in zip(r["seq"], r.get("rcost", []), strict=False) if s > self.warm]
+
+    def recv_release_costs(self) -> list[int]:
+        """Poll mode: take + export + release, per frame."""
+        return [
+            a + b
+            for r in self.results
+            for s, a, b in zip(r["seq"], r["cost"], r.get("rcost", []), strict=False)
+            if s > self.warm
+        ]
+
     def intervals(self) -> list[int]:
         out: list[int] = []
         for r in self.results:
@@ -928,7 +945,10 @@ class Bench:
     fanout: int = 8
     debug: bool = False
     progress: Callable[[str, int, int], None] | None = None
+    breakdown_only: bool = False  # ``--breakdown``: the floors and the stage breakdown, nothing else
     plan: Plan = field(init=False)
+    _floors: dict[str, list[int]] | str | None = field(default=None, init=False)
+    _breakdown: dict[str, Any] | str | None = field(default=None, init=False)
     _runs: dict[tuple[str, str], RunResult | str] = field(default_factory=dict, init=False)
     _bw: dict[str, tuple[list[int], list[int]] | str] = field(default_factory=dict, init=False)
     _lib: GpuLib | None = field(default=None, init=False)
@@ -966,7 +986,12 @@ class Bench:
     def _steps(self) -> list[tuple[str, Callable[[], None]]]:
         pl = self.plan
         live = [p for p, why in self.peers().items() if why is None]
-        steps: list[tuple[str, Callable[[], None]]] = []
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("floors · bare OS and driver", self._floors_step),
+            ("breakdown · cudalink stages", self._breakdown_step),
+        ]
+        if self.breakdown_only:
+            return steps
         runs: list[tuple[str, dict[str, Any]]] = [
             ("handoff", {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s}),
             (
@@ -1020,6 +1045,30 @@ class Bench:
                 self._runs[(metric, peer)] = _one_line(exc)
 
         return run
+
+    def _floors_step(self) -> None:
+        from . import _floors
+
+        pl, b = self.plan, self.backend
+        try:
+            self._floors = _floors.measure(b.device, b.lib, pl.frame_shape, pl.latency_frames, pl.interval_s, pl.warm)
+        except Exception as exc:
+            if self.debug:
+                traceback.print_exc()
+            self._floors = _one_line(exc)
+
+    def _breakdown_step(self) -> None:
+        from . import _breakdown
+
+        pl, b = self.plan, self.backend
+        try:
+            self._breakdown = _breakdown.run(
+                b.device, b.lib, pl.frame_shape, pl.latency_frames, pl.interval_s, pl.warm, wait="block"
+            )
+        except Exception as exc:
+            if self.debug:
+                traceback.print_exc()
+            self._breakdown = _one_line(exc)
 
     def _bw_step(self, key: str, shape: tuple[int, ...]) -> Callable[[], None]:
         def run() -> None:
@@ -1198,6 +1247,8 @@ class Bench:
         return self._runs.get((metric, peer))
 
     def _report(self, duration: float) -> dict[str, Any]:
+        if self.breakdown_only:
+            return self._report_breakdown(duration)
         export = f"{self.backend.lib}.from_dlpack" if self.backend.is_cuda else "np.from_dlpack"
         k = self.fanout
         pl = self.plan
@@ -1304,6 +1355,12 @@ class Bench:
             else:
                 entry["status"], entry["reason"] = "error", run or "not run"
             waits.append(entry)
+        floors: dict[str, Any] | str
+        if isinstance(self._floors, dict):
+            floors = {k: summarize(v) for k, v in self._floors.items()}
+        else:
+            floors = self._floors or "not run"
+        report_rows = {"rows": rows, "wait_modes": waits, "floors": floors}
         return {
             "cudalink_version": __version__,
             "backend": self.backend.label,
@@ -1329,7 +1386,163 @@ class Bench:
             "machine": machine_info(self.backend),
             "rows": rows,
             "wait_modes": waits,
+            "floors": floors,
+            "breakdown": self._breakdown if self._breakdown is not None else "not run",
+            "extra": self._extra(),
+            "goals": goals(report_rows, self._breakdown, self._extra(), self.backend.is_cuda),
         }
+
+    def _report_breakdown(self, duration: float) -> dict[str, Any]:
+        floors: dict[str, Any] | str
+        if isinstance(self._floors, dict):
+            floors = {k: summarize(v) for k, v in self._floors.items()}
+        else:
+            floors = self._floors or "not run"
+        return {
+            "cudalink_version": __version__,
+            "backend": self.backend.label,
+            "gpu_lib": self.backend.lib or None,
+            "quick": self.quick,
+            "duration_s": round(duration, 2),
+            "machine": machine_info(self.backend),
+            "floors": floors,
+            "breakdown": self._breakdown if self._breakdown is not None else "not run",
+        }
+
+    def _extra(self) -> dict[str, Any]:
+        """cudalink figures the goals need that no peer row carries."""
+        out: dict[str, Any] = {}
+        run = self._get("recv_export", "cudalink")
+        if isinstance(run, RunResult):
+            out["release"] = summarize(run.release_costs())
+            out["recv_export_release"] = summarize(run.recv_release_costs())
+        for peer in ("cudalink", "torch-mp"):
+            small = self._get("small_throughput", peer)
+            if isinstance(small, RunResult):
+                out[f"small_fps_{peer}"] = small.fps()
+        return out
+
+
+def goals(
+    report: dict[str, Any], breakdown: dict[str, Any] | str | None, extra: dict[str, Any], cuda: bool
+) -> list[dict[str, Any]]:
+    """The per-frame path's targets, each as cudalink's figure against its floor (or peer) from this run."""
+    floors = report["floors"] if isinstance(report["floors"], dict) else {}
+    rows = {(r["id"], r["peer_name"]): r for r in report["rows"]}
+    waits = {w["mode"]: w["handoff"] for w in report["wait_modes"]}
+    out: list[dict[str, Any]] = []
+
+    def stat(summary: dict[str, float] | None, key: str = "p50") -> float | None:
+        return None if not summary else summary.get(key)
+
+    def ours(mid: str, key: str = "p50", peer: str = "torch-mp") -> float | None:
+        row = rows.get((mid, peer)) or rows.get((mid, "shm")) or rows.get((mid, "d2d"))
+        return stat(row.get("cudalink") if row else None, key)
+
+    def theirs(mid: str, peer: str, key: str = "p50") -> float | None:
+        row = rows.get((mid, peer))
+        return stat(row.get("peer") if row and row.get("status") == "ok" else None, key)
+
+    def add(goal: str, value: float | None, ref: float | None, ref_label: str, target: str, met: Any) -> None:
+        ok = None if value is None or ref is None else bool(met(value, ref))
+        ratio = None if value is None or not ref else value / ref
+        out.append(
+            {"goal": goal, "cudalink": value, "reference": ref, "reference_label": ref_label, "ratio": ratio}
+            | {"target": target, "met": ok}
+        )
+
+    wake, spin = stat(floors.get("wake")), stat(floors.get("spin"))
+    for mode in ("block", "hybrid"):
+        add(
+            f"handoff p50, wait={mode!r}, 2 ms cadence",
+            stat(waits.get(mode)),
+            wake,
+            "bare socketpair wake",
+            "<= 1.5x",
+            lambda v, r: v <= 1.5 * r,
+        )
+    add(
+        "handoff p50, wait='spin'",
+        stat(waits.get("spin")),
+        spin,
+        "bare spin",
+        "<= floor + 10 us",
+        lambda v, r: v <= r + 10,
+    )
+    bd = breakdown if isinstance(breakdown, dict) else {}
+    add(
+        "reserve() + commit p50 (in process)",
+        stat(bd.get("reserve_commit")),
+        10.0,
+        "10 us",
+        "<= 10 us",
+        lambda v, r: v <= r,
+    )
+    if cuda:
+        add(
+            "recv + from_dlpack p50, cross-process",
+            ours("recv_export"),
+            stat(floors.get("wait_dlpack")),
+            "cuStreamWaitEvent + from_dlpack of a cached view",
+            "<= 2x",
+            lambda v, r: v <= 2 * r,
+        )
+        add(
+            "release() p50, cross-process",
+            stat(extra.get("release")),
+            stat(floors.get("record_ipc_event")),
+            "cuEventRecord on an IPC event",
+            "<= 2x",
+            lambda v, r: v <= 2 * r,
+        )
+        add(
+            "send() p50, 1080p uint8, a consumer attached",
+            ours("send_cost"),
+            stat(floors.get("memcpy_record")),
+            "cuMemcpyAsync + cuEventRecord",
+            "<= 2x",
+            lambda v, r: v <= 2 * r,
+        )
+        add(
+            "send() p50 vs torch.multiprocessing put",
+            ours("send_cost"),
+            theirs("send_cost", "torch-mp"),
+            "torch.multiprocessing Queue.put",
+            "<= 1x",
+            lambda v, r: v <= r,
+        )
+        for key, want in (("copy_bw_1080p_f32", 0.75), ("copy_bw_4k_f32", 0.90)):
+            row = rows.get((key, "d2d"))
+            c, d = stat(row.get("cudalink") if row else None), stat(row.get("peer") if row else None)
+            add(
+                f"copy-send {key[8:]} as a share of D2D (higher is better)",
+                None if c is None or d is None else d / c,
+                1.0,
+                "plain D2D copy",
+                f">= {want:.0%}",
+                lambda v, r, w=want: v >= w,
+            )
+        fps, tfps = extra.get("small_fps_cudalink"), extra.get("small_fps_torch-mp")
+        add(
+            "small frames 64x64x4, delivered fps (higher is better)",
+            fps,
+            tfps,
+            "torch.multiprocessing fps",
+            ">= 50,000 fps or >= 4x",
+            lambda v, r: v >= 50_000 or v >= 4 * r,
+        )
+    else:
+        add(
+            "poll + np.from_dlpack + release p50",
+            stat(extra.get("recv_export_release")),
+            stat(floors.get("view_read")),
+            "numpy view of a SharedMemory slot",
+            "<= 3x",
+            lambda v, r: v <= 3 * r,
+        )
+    fan, one = ours("fanout", "p99"), stat(waits.get("hybrid"), "p99")
+    add("fan-out p99 vs one consumer's p99", fan, one, "single-consumer handoff p99", "<= 3x", lambda v, r: v <= 3 * r)
+    return out
 
 
 def _row(mid: str, title: str, detail: str, unit: str, peer: str, label: str) -> dict[str, Any]:

@@ -2,6 +2,10 @@
 
 Shared by every backend and transport: it reads and writes only the cells ``transport.wire``
 defines. See that module's docstring for the stamp/lease handshake.
+
+Everything a frame touches is resolved when the ring is built (offsets per slot and per consumer,
+bound ``pack_into``/``unpack_from`` of precompiled structs), so a frame costs a handful of
+struct calls and no allocation beyond the integers they return.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from .transport import wire
 from .transport.wire import Layout
 
 _barrier_lock = threading.Lock()
+_acquire = _barrier_lock.acquire
+_release = _barrier_lock.release
+_put64 = wire.U64.pack_into
+_get64 = wire.U64.unpack_from
+_put32 = wire.U32.pack_into
+_get32 = wire.U32.unpack_from
 
 
 def full_fence() -> None:
@@ -25,46 +35,66 @@ def full_fence() -> None:
     core is spinning on the line. Python has no fence, but an uncontended lock acquire/release executes
     locked atomic instructions (``lock cmpxchg``/``xadd``), and those drain the store buffer.
     """
-    _barrier_lock.acquire()
-    _barrier_lock.release()
+    _acquire()
+    _release()
 
 
 class ProducerRing:
     def __init__(self, buf: Any, layout: Layout) -> None:
         self.buf = buf
         self.layout = layout
-        self._stamp_off = [layout.stamps + 8 * i for i in range(layout.nslots)]
+        n, c = layout.nslots, layout.nconsumers
+        self._slots = range(n)
+        self._stamp_off = [layout.stamp(i) for i in range(n)]
+        self._record_off = [layout.record(i) for i in range(n)]
+        self._column_off = [layout.lease(i, 0) for i in range(n)]
+        self._fence_off = [layout.fence(i, 0) for i in range(n)]
+        self._waiting_off = [layout.consumer(i) + wire.CONSUMER_OFF_WAITING for i in range(c)]
+        self._stamps = layout.stamps_struct.unpack_from
+        self._column = layout.column_struct.unpack_from
+        self._fences = layout.fence_column_struct.unpack_from
+        self._published = wire.read_u64(buf, wire.OFF_PUBLISHED)
+        self._dropped = wire.read_u64(buf, wire.OFF_DROPPED)
 
     def _leased(self, slot: int) -> bool:
-        return any(wire.read_column(self.buf, self.layout, slot))
+        return any(self._column(self.buf, self._column_off[slot]))
 
     def claim(self, seq: int) -> int | None:
         """Take the oldest slot no consumer holds, marking it 'being written' for frame ``seq``."""
-        stamps = wire.read_stamps(self.buf, self.layout)
-        for slot in sorted(range(self.layout.nslots), key=stamps.__getitem__):
-            if self._leased(slot):
-                continue
-            old = stamps[slot]
-            wire.write_u64(self.buf, self._stamp_off[slot], 2 * seq + 1)
-            full_fence()
-            if self._leased(slot):  # a consumer leased it between our check and our claim
-                wire.write_u64(self.buf, self._stamp_off[slot], old)
-                continue
-            return slot
-        return None
+        buf = self.buf
+        stamps = self._stamps(buf, self.layout.stamps)
+        tried = 0  # bit mask of slots that lost a race to a consumer this call
+        while True:
+            slot, oldest = -1, 0
+            for i in self._slots:  # the oldest unleased slot: a min over a few ints, no sort
+                st = stamps[i]
+                if (slot < 0 or st < oldest) and not (tried >> i) & 1 and not self._leased(i):
+                    slot, oldest = i, st
+            if slot < 0:
+                return None
+            off = self._stamp_off[slot]
+            _put64(buf, off, 2 * seq + 1)
+            _acquire()  # full fence: our odd stamp is visible before we re-read the leases
+            _release()
+            if not self._leased(slot):
+                return slot
+            _put64(buf, off, oldest)  # a consumer leased it between our check and our claim
+            tried |= 1 << slot
 
     def abort(self, slot: int) -> None:
         """The slot's old content may be half overwritten: mark it empty, never restore it."""
-        wire.write_u64(self.buf, self._stamp_off[slot], 0)
+        _put64(self.buf, self._stamp_off[slot], 0)
 
     def publish(self, slot: int, seq: int, timestamp_ns: int, spec: FrameSpec, meta: bytes) -> None:
-        wire.pack_record(self.buf, self.layout.record(slot), seq, timestamp_ns, spec, meta)
-        wire.write_u64(self.buf, self._stamp_off[slot], 2 * seq)
-        wire.write_u64(self.buf, wire.OFF_PUBLISHED, wire.read_u64(self.buf, wire.OFF_PUBLISHED) + 1)
-        wire.write_u64(self.buf, wire.OFF_LAST_PUBLISH, timestamp_ns)
+        buf = self.buf
+        wire.pack_record(buf, self._record_off[slot], seq, timestamp_ns, spec, meta)
+        _put64(buf, self._stamp_off[slot], 2 * seq)
+        self._published += 1
+        wire.U64X3.pack_into(buf, wire.OFF_PUBLISHED, self._published, self._dropped, timestamp_ns)
 
     def count_drop(self) -> None:
-        wire.write_u64(self.buf, wire.OFF_DROPPED, wire.read_u64(self.buf, wire.OFF_DROPPED) + 1)
+        self._dropped += 1
+        _put64(self.buf, wire.OFF_DROPPED, self._dropped)
 
     def set_flag(self, flag: int, on: bool) -> None:
         flags = wire.read_u32(self.buf, wire.OFF_FLAGS)
@@ -73,10 +103,13 @@ class ProducerRing:
 
     def take_fences(self, slot: int) -> list[int]:
         """Consumers that left a GPU release fence on ``slot``; the flags are cleared."""
-        col = wire.read_fence_column(self.buf, self.layout, slot)
+        base = self._fence_off[slot]
+        col = self._fences(self.buf, base)
+        if not any(col):
+            return []
         out = [c for c, v in enumerate(col) if v]
         for c in out:
-            wire.write_u32(self.buf, self.layout.fence(slot, c), 0)
+            _put32(self.buf, base + 4 * c, 0)
         return out
 
     def join(self, index: int, pid: int, token: int) -> None:
@@ -99,7 +132,7 @@ class ProducerRing:
         return None
 
     def waiting(self, index: int) -> bool:
-        return wire.read_u32(self.buf, self.layout.consumer(index) + wire.CONSUMER_OFF_WAITING) != 0
+        return bool(_get32(self.buf, self._waiting_off[index])[0])
 
     def token(self, index: int) -> int:
         return wire.read_u64(self.buf, self.layout.consumer(index) + 8)
@@ -112,49 +145,62 @@ class ConsumerRing:
         self.index = index
         self.capacity = capacity
         self._entry = layout.consumer(index)
+        n = layout.nslots
+        self._stamps = layout.stamps_struct.unpack_from
+        self._stamps_off = layout.stamps
+        self._stamp_off = [layout.stamp(i) for i in range(n)]
+        self._record_off = [layout.record(i) for i in range(n)]
+        self._lease_off = [layout.lease(i, index) for i in range(n)]
+        self._fence_off = [layout.fence(i, index) for i in range(n)]
+        self._waiting_off = self._entry + wire.CONSUMER_OFF_WAITING
+        self._counts_off = self._entry + 16
+        self._last_recv_off = self._entry + 40
 
     def find(self, after: int, newest: bool) -> tuple[int, int] | None:
         """(slot, seq) of the newest frame after ``after``, or of the oldest one when ``newest`` is False."""
         best_slot, best = -1, 0
         lo = 2 * after
-        for slot, stamp in enumerate(wire.read_stamps(self.buf, self.layout)):
+        for slot, stamp in enumerate(self._stamps(self.buf, self._stamps_off)):
             if stamp > lo and not stamp & 1 and (best == 0 or (stamp > best if newest else stamp < best)):
                 best_slot, best = slot, stamp
         return (best_slot, best >> 1) if best else None
 
     def acquire(self, slot: int, seq: int) -> wire.SlotRecord | None:
         """Lease ``slot`` for ``seq`` and read its record, or None if the producer took the slot first."""
-        off = self.layout.lease(slot, self.index)
-        wire.write_u64(self.buf, off, seq)
-        full_fence()
-        if wire.read_u64(self.buf, self.layout.stamps + 8 * slot) != 2 * seq:
-            wire.write_u64(self.buf, off, 0)
+        buf = self.buf
+        off = self._lease_off[slot]
+        _put64(buf, off, seq)
+        _acquire()  # full fence: our lease is visible before we re-read the stamp
+        _release()
+        if _get64(buf, self._stamp_off[slot])[0] != 2 * seq:
+            _put64(buf, off, 0)
             return None
-        rec = wire.unpack_record(self.buf, self.layout.record(slot), self.capacity)
+        rec = wire.unpack_record(buf, self._record_off[slot], self.capacity)
         if rec.seq != seq:
-            wire.write_u64(self.buf, off, 0)
+            _put64(buf, off, 0)
             return None
         return rec
 
     def release(self, slot: int, seq: int, fenced: bool) -> None:
-        off = self.layout.lease(slot, self.index)
-        if wire.read_u64(self.buf, off) != seq:
+        buf = self.buf
+        off = self._lease_off[slot]
+        if _get64(buf, off)[0] != seq:
             return
         if fenced:
-            wire.write_u32(self.buf, self.layout.fence(slot, self.index), 1)
-        wire.write_u64(self.buf, off, 0)
-        full_fence()  # before the caller reads FLAG_PRODUCER_WAITING
+            _put32(buf, self._fence_off[slot], 1)
+        _put64(buf, off, 0)
+        _acquire()  # full fence: before the caller reads FLAG_PRODUCER_WAITING
+        _release()
 
     def flags(self) -> int:
-        return wire.read_u32(self.buf, wire.OFF_FLAGS)
+        return int(_get32(self.buf, wire.OFF_FLAGS)[0])
 
     def set_waiting(self, on: bool) -> None:
         """Announce (or withdraw) that we are about to sleep; re-check the stamps after announcing."""
-        wire.write_u32(self.buf, self._entry + wire.CONSUMER_OFF_WAITING, 1 if on else 0)
+        _put32(self.buf, self._waiting_off, 1 if on else 0)
         if on:
             full_fence()
 
     def count(self, received: int, skipped: int) -> None:
-        wire.write_u64(self.buf, self._entry + 16, received)
-        wire.write_u64(self.buf, self._entry + 24, skipped)
-        wire.write_u64(self.buf, self._entry + 40, time.time_ns())
+        wire.U64X2.pack_into(self.buf, self._counts_off, received, skipped)
+        _put64(self.buf, self._last_recv_off, time.time_ns())

@@ -829,6 +829,89 @@ def _bench_tables(report: dict[str, Any]) -> list[Any]:
     return out
 
 
+FLOOR_LABELS = {
+    "wake": "bare socketpair wake between two Python processes (2 ms cadence)",
+    "spin": "bare Python spin on a shared-memory word",
+    "view_read": "numpy view of a SharedMemory slot, made + read after a wake",
+    "wait_event": "cuStreamWaitEvent on an IPC event imported from the producer",
+    "dlpack_cached": "from_dlpack of a view built once",
+    "wait_dlpack": "cuStreamWaitEvent + from_dlpack of a cached view",
+    "record_ipc_event": "cuEventRecord of an IPC event (consumer, after a wake)",
+    "memcpy": "cuMemcpyDtoDAsync of one 1080p uint8 frame (producer)",
+    "record": "cuEventRecord of an IPC event (producer)",
+    "memcpy_record": "cuMemcpyDtoDAsync + cuEventRecord (producer)",
+}
+
+
+def _breakdown_tables(report: dict[str, Any]) -> list[Any]:
+    """Floors (what the machine allows) and the per-stage breakdown of cudalink's own path."""
+    out: list[Any] = []
+    floors = report.get("floors")
+    ft = Table(title=f"floors on {report['backend']} · no cudalink code · measured in this run", title_justify="left")
+    for col in ("floor", "what", "p50", "p99", "samples"):
+        ft.add_column(col, justify="left" if col in ("floor", "what") else "right")
+    if isinstance(floors, dict):
+        for k, v in floors.items():
+            v = v or {}
+            ft.add_row(k, FLOOR_LABELS.get(k, k), _us(v.get("p50")), _us(v.get("p99")), f"{int(v.get('n', 0))}")
+        out.append(ft)
+    else:
+        out.append(Text(f"floors: ERROR {floors}", style="red"))
+    bd = report.get("breakdown")
+    if isinstance(bd, dict):
+        bt = Table(
+            title=f"breakdown · one frame, stage by stage · wait={bd['wait']!r} · {bd['frames']} frames",
+            title_justify="left",
+        )
+        for col in ("stage", "side", "p50", "p99"):
+            bt.add_column(col, justify="left" if col in ("stage", "side") else "right")
+        for st in bd["stages"]:
+            u = st["us"] or {}
+            bt.add_row(st["stage"], st["side"], _us(u.get("p50")), _us(u.get("p99")))
+        for tot in bd["totals"]:
+            u = tot["us"] or {}
+            bt.add_row(Text(tot["span"], style="bold"), "total", _us(u.get("p50")), _us(u.get("p99")))
+        rc = bd.get("reserve_commit") or {}
+        bt.add_row(
+            Text("reserve() + commit, in process", style="bold"), "producer", _us(rc.get("p50")), _us(rc.get("p99"))
+        )
+        out.append(bt)
+    else:
+        out.append(Text(f"breakdown: ERROR {bd}", style="red"))
+    return out
+
+
+def _goals_table(report: dict[str, Any]) -> Table:
+    gt = Table(title="goals · cudalink against its floor from this run", title_justify="left")
+    for col in ("goal", "cudalink", "reference", "against", "ratio", "target", "met"):
+        gt.add_column(col, justify="left" if col in ("goal", "against", "target") else "right")
+    for g in report.get("goals", []):
+        fps = "fps" in g["goal"]
+        share = "share" in g["goal"]
+
+        def fmt(v: float | None, fps: bool = fps, share: bool = share) -> str:
+            if v is None:
+                return "—"
+            if share:
+                return f"{v:.0%}"
+            return f"{v:,.0f} fps" if fps else _us(v)
+
+        met = g["met"]
+        gt.add_row(
+            g["goal"],
+            fmt(g["cudalink"]),
+            fmt(g["reference"]) if not share else "100%",
+            g["reference_label"],
+            "—" if g["ratio"] is None else f"{g['ratio']:.2f}x",
+            g["target"],
+            Text(
+                "—" if met is None else ("yes" if met else "no"),
+                style="" if met is None else ("green" if met else "red"),
+            ),
+        )
+    return gt
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -857,9 +940,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             fanout=args.fanout,
             debug=bool(getattr(args, "debug", False)),
             progress=on_step,
+            breakdown_only=args.breakdown,
         )
         report = bench.run()
-    for t in _bench_tables(report):
+    tables = _breakdown_tables(report)
+    if not args.breakdown:
+        tables = _bench_tables(report) + tables + [_goals_table(report)]
+    for t in tables:
         console.print(t)
     text = json.dumps(report, indent=2)
     if args.json:
@@ -868,8 +955,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"JSON written to {args.json}")
     else:
         sys.stdout.write(text + "\n")
-    errors = [r for r in report["rows"] if r["status"] == "error"]
-    errors += [w for w in report["wait_modes"] if w["status"] == "error"]
+    errors = [r for r in report.get("rows", []) if r["status"] == "error"]
+    errors += [w for w in report.get("wait_modes", []) if w["status"] == "error"]
+    errors += [
+        {"reason": f"{part}: {report[part]}"} for part in ("floors", "breakdown") if isinstance(report.get(part), str)
+    ]
     code = 0
     if errors:
         first = errors[0]
@@ -932,6 +1022,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu | 0 | cuda:N | auto (default: auto; cpu with --quick)")
     p.add_argument("--frames", type=int, default=None, help="frames per latency run (overrides the plan)")
     p.add_argument("--fanout", type=int, default=8, help="consumers in the fan-out run (default 8)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="only the floors and where one frame's time goes, stage by stage, across both processes",
+    )
     p.set_defaults(func=cmd_bench)
     return parser
 

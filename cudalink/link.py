@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
-from . import _backends, _cuda, _platform
+from . import _backends, _cuda, _platform, _trace
 from ._ring import ConsumerRing, ProducerRing, full_fence
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
 from .frames.frame import Frame
@@ -147,6 +147,7 @@ class Sender:
         self._transport = transport or default_transport()
         self._slots = _backends.make_producer_slots(device, slots, cap, handles, self._transport.passes_fds)
         self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
+        self._host = self._slots.backend == wire.BACKEND_HOST
         try:
             self._server = self._transport.serve(self.name, self._layout.size, self._slots.data_size, self.generation)
         except BaseException:
@@ -258,8 +259,10 @@ class Sender:
 
     def _fences(self, slot: int) -> list[Any]:
         """Import (once) and return the release events consumers left on ``slot``."""
+        if self._host:  # host consumers never fence: their release is the CPU-side lease alone
+            return []
         consumers = self._ring.take_fences(slot)
-        if not consumers or self._slots.backend == wire.BACKEND_HOST:
+        if not consumers:
             return []
         out = []
         for c in consumers:
@@ -294,6 +297,8 @@ class Sender:
         On CUDA links the copy is queued on ``stream`` (default: the link's stream, ordered after the
         array's producer through DLPack) and the CPU never waits for it.
         """
+        if _trace.ON:
+            _trace.mark(_trace.SEND_ENTERED)
         with self._lock:
             self._check_open(meta)
             spec = self._spec
@@ -302,7 +307,10 @@ class Sender:
                 self._ring.count_drop()
                 return None
             try:
-                self._slots.copy_in(slot, spec, array, stream, self._fences(slot))
+                fences = self._fences(slot)
+                if _trace.ON:
+                    _trace.mark(_trace.SLOT_CLAIMED)
+                self._slots.copy_in(slot, spec, array, stream, fences)
             except BaseException:
                 self._ring.abort(slot)
                 raise
@@ -310,12 +318,17 @@ class Sender:
 
     def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
         self._seq += 1
-        self._ring.publish(slot, self._seq, time.time_ns() if timestamp_ns is None else timestamp_ns, spec, meta)
-        full_fence()  # the stamp is visible before we read who sleeps: pairs with ConsumerRing.set_waiting
         ring = self._ring
-        sleepers = [conn for conn, index in self._handler.snapshot if ring.waiting(index)]
+        ring.publish(slot, self._seq, time.time_ns() if timestamp_ns is None else timestamp_ns, spec, meta)
+        full_fence()  # the stamp is visible before we read who sleeps: pairs with ConsumerRing.set_waiting
+        if _trace.ON:
+            _trace.mark(_trace.PUBLISHED)
+        waiting = ring.waiting
+        sleepers = [conn for conn, index in self._handler.snapshot if waiting(index)]
         if sleepers:
             self._server.wake(b"\x01", sleepers)
+            if _trace.ON:
+                _trace.mark(_trace.WAKE_SENT)
         return self._seq
 
     @contextlib.contextmanager
@@ -437,6 +450,8 @@ class _Attachment:
         self.ring = ConsumerRing(client.header, fixed.layout, index, fixed.capacity)
         self.view = view
         self.handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
+        self.generation = fixed.generation
+        self.counted = 0  # the received count last written to our consumer entry (for monitors)
         self.live = 0
         self.detached = False
         self.lock = threading.Lock()
@@ -623,33 +638,42 @@ class Receiver:
     def _try_take(self) -> Frame | None:
         att = self._att
         assert att is not None
+        ring = att.ring
         while True:
-            found = att.ring.find(self._last, self.latest)
+            found = ring.find(self._last, self.latest)
             if found is None:
                 return None
             slot, seq = found
-            rec = att.ring.acquire(slot, seq)
+            rec = ring.acquire(slot, seq)
             if rec is None:
                 continue  # the producer reclaimed it between our read and our lease: look again
-            floor = max(self._last, self._floor)
+            if _trace.ON:
+                _trace.mark(_trace.LEASED)
+            floor = self._last if self._last > self._floor else self._floor
             if seq > floor + 1:
                 self.skipped += seq - floor - 1
             self._last = seq
             self.received += 1
             with att.lock:
                 att.live += 1
-            gen = att.fixed.generation
 
             def on_release(streams: list[int], _a: _Attachment = att, _s: int = slot, _q: int = seq) -> None:
                 _a.release(_s, _q, streams)
 
             try:
-                frame: Frame = att.view.frame(slot, att.handles[slot], rec, on_release, gen)
+                frame: Frame = att.view.frame(slot, att.handles[slot], rec, on_release, att.generation)
             except BaseException:
                 on_release([])
                 raise
-            att.ring.count(self.received, self.skipped)
+            if _trace.ON:
+                _trace.mark(_trace.FRAME_BUILT)
             return frame
+
+    def _publish_counts(self, att: _Attachment) -> None:
+        """Tell monitors what we received. Done off the latency path: before sleeping, and while idle."""
+        if att.counted != self.received:
+            att.counted = self.received
+            att.ring.count(self.received, self.skipped)
 
     def poll(self) -> Frame | None:
         """A new frame if one is there now, else None; never waits."""
@@ -659,8 +683,10 @@ class Receiver:
         att = self._att
         assert att is not None
         frame = self._try_take()
-        if frame is None and not att.client.drain():
-            raise self._gone("closed or died")
+        if frame is None:
+            self._publish_counts(att)
+            if not att.client.drain():
+                raise self._gone("closed or died")
         return frame
 
     def recv(self, timeout: float | None = None) -> Frame:
@@ -699,20 +725,27 @@ class Receiver:
                 if n & 63 == 0:
                     # hand the GIL over now and then: a spinning thread must not starve this process's
                     # other threads (which may be the very producer we wait for)
+                    self._publish_counts(att)
                     time.sleep(0)
                     if n & 1023 == 0 and not att.client.drain():
                         raise self._gone("closed or died")
                 continue
+            # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
+            # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
+            # syscall in between. It is drained the next time this receiver is about to sleep.
+            if not att.client.drain():
+                raise self._gone("closed or died")
+            self._publish_counts(att)
             att.ring.set_waiting(True)
             try:
                 frame = self._try_take()  # a frame published before our flag was visible
                 if frame is not None:
                     return frame
-                alive = att.client.wait(deadline - now)
+                att.client.wait_readable(deadline - now)
+                if _trace.ON:
+                    _trace.mark(_trace.WOKEN)
             finally:
                 self._unwait(att)
-            if not alive:
-                raise self._gone("closed or died")
 
     async def recv_async(self, timeout: float | None = None) -> Frame:
         """Await the next frame: the event loop watches the control socket, no thread and no polling."""

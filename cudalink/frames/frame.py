@@ -9,9 +9,7 @@ the GPU instead of trusting the CPU-side release.
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -45,14 +43,29 @@ ReleaseCallback = Callable[[list[int]], None]
 
 
 class _Hold:
-    """Keeps the memory's owner alive; every export references it. Its death is the frame's true release."""
+    """Keeps the memory's owner alive; every export references it. Its death is the frame's true release.
 
-    __slots__ = ("__weakref__", "owner", "ptr", "streams")
+    The release runs from ``__del__``: the hold is never part of a reference cycle (it points only at
+    the owner and a list of ints), so CPython frees it the moment the last frame, array or tensor lets
+    go, with no ``weakref.finalize`` registry entry to create per frame.
+    """
 
-    def __init__(self, owner: object, ptr: int) -> None:
+    __slots__ = ("on_release", "owner", "ptr", "streams")
+
+    def __init__(self, owner: object, ptr: int, on_release: ReleaseCallback | None = None) -> None:
         self.owner = owner
         self.ptr = ptr
         self.streams: list[int] = []
+        self.on_release = on_release
+
+    def __del__(self) -> None:
+        cb = self.on_release
+        if cb is not None:
+            self.on_release = None
+            try:
+                cb(self.streams)
+            except Exception:  # a finalizer must never raise; the owner logs what matters
+                pass
 
 
 class _HostArrayRef:
@@ -71,13 +84,6 @@ class _HostArrayRef:
         }
 
 
-def _fire(cb: ReleaseCallback, streams: list[int]) -> None:
-    try:
-        cb(streams)
-    except Exception:  # a finalizer must never raise; the owner logs what matters
-        pass
-
-
 class Frame:
     """One frame of a link: typed, zero-copy, and exportable to numpy, torch, cupy and jax.
 
@@ -88,10 +94,8 @@ class Frame:
         "__weakref__",
         "_cai_exported",
         "_device_id",
-        "_finalizer",
         "_hold",
         "_is_cuda",
-        "_lock",
         "_meta",
         "_released",
         "_seq",
@@ -126,13 +130,40 @@ class Frame:
         self._meta = bytes(meta)
         self._writable = writable
         self._sync = sync
-        self._hold: _Hold | None = _Hold(owner, int(ptr))
+        self._hold: _Hold | None = _Hold(owner, int(ptr), on_release)
         self._released = False
         self._cai_exported = False
-        self._finalizer = weakref.finalize(self._hold, _fire, on_release, self._hold.streams) if on_release else None
         self._view: Any = None
-        self._lock = threading.Lock()
         self.generation = generation
+
+    @classmethod
+    def _received(
+        cls,
+        spec: FrameSpec,
+        hold: _Hold,
+        device_id: int,
+        seq: int,
+        timestamp_ns: int,
+        meta: bytes,
+        sync: FrameSync | None,
+        generation: int,
+    ) -> Frame:
+        """The per-frame constructor of the receive path: trusted, already-converted values, no checks."""
+        self = object.__new__(cls)
+        self._spec = spec
+        self._is_cuda = device_id >= 0
+        self._device_id = device_id
+        self._seq = seq
+        self._timestamp_ns = timestamp_ns
+        self._meta = meta
+        self._writable = False
+        self._sync = sync
+        self._hold = hold
+        self._released = False
+        self._cai_exported = False
+        self._view = None
+        self.generation = generation
+        return self
 
     # -- construction from memory you own ---------------------------------------------------------
 
@@ -244,11 +275,10 @@ class Frame:
 
     def release(self) -> None:
         """Drop this frame's hold. Arrays/tensors made from it keep the memory until they die too."""
-        with self._lock:
-            self._released = True
-            self._view = None
-            if not self._cai_exported:
-                self._hold = None
+        self._released = True
+        self._view = None
+        if not self._cai_exported:
+            self._hold = None
 
     def __enter__(self) -> Frame:
         return self
@@ -309,9 +339,8 @@ class Frame:
         if s != -1:
             if self._sync is not None:
                 self._sync.wait(s)
-            with self._lock:
-                if s not in hold.streams:
-                    hold.streams.append(s)
+            if s not in hold.streams:
+                hold.streams.append(s)
         return self._cuda_view().__dlpack__(stream=None, max_version=max_version)
 
     def _cuda_view(self) -> Any:
@@ -331,10 +360,8 @@ class Frame:
         # CAI consumers keep the *frame* alive, not our hold: so release() must not drop the hold now.
         self._cai_exported = True
         stream = self._sync.cai_stream() if self._sync is not None else None
-        if stream is not None:
-            with self._lock:
-                if stream not in hold.streams:
-                    hold.streams.append(stream)
+        if stream is not None and stream not in hold.streams:
+            hold.streams.append(stream)
         return {
             "version": 3,
             "shape": self._spec.shape,
@@ -377,6 +404,8 @@ def _stream_value(stream: Any) -> int:
     """Map a DLPack ``stream`` argument to a raw CUstream value (None means the legacy default stream)."""
     if stream is None:
         return 1
+    if type(stream) is int and stream > 0:  # what torch and cupy pass: the common case, checked first
+        return stream
     if hasattr(stream, "handle"):  # a cuda.core Stream
         stream = int(stream.handle)
     elif hasattr(stream, "cuda_stream"):  # torch / cupy stream objects

@@ -178,7 +178,7 @@ class FrameSpec:
     @property
     def nbytes(self) -> int:
         """Bytes the frame spans: what a slot must hold."""
-        return sum((d - 1) * s for d, s in zip(self.shape, self.byte_strides, strict=False)) + self.itemsize
+        return self._nbytes  # type: ignore[attr-defined,no-any-return]
 
     @property
     def label(self) -> str:

@@ -96,8 +96,12 @@ class Client(abc.ABC):
         """Readable when a wake-up byte or EOF arrives (for select/asyncio)."""
 
     @abc.abstractmethod
-    def wait(self, timeout: float | None) -> bool:
-        """Block until woken or ``timeout``; drain wake-ups. False = producer gone (EOF)."""
+    def wait_readable(self, timeout: float | None) -> None:
+        """Block until a wake-up or EOF is readable, or ``timeout``; consume nothing.
+
+        The caller takes its frame first and calls :meth:`drain` before it next sleeps: the wake-up
+        path then costs one poll and no recv.
+        """
 
     @abc.abstractmethod
     def drain(self) -> bool:

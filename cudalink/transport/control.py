@@ -394,21 +394,17 @@ class ClientSocket:
             if len(data) < 65536:
                 return True
 
-    def wait(self, timeout: float | None) -> bool:
+    def wait_readable(self, timeout: float | None) -> None:
         if self.gone:
-            return False
+            return
         try:
             if self._poll is not None:
                 ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
-                ready = bool(self._poll.poll(ms))
+                self._poll.poll(ms)
             else:
-                ready = bool(select.select([self.sock], [], [], timeout)[0])
+                select.select([self.sock], [], [], timeout)
         except (OSError, ValueError):
             self.gone = True
-            return False
-        if ready:
-            return self.drain()
-        return True
 
     async def wait_async(self, timeout: float | None) -> None:
         """Return when readable (a wake-up, EOF) or after ``timeout``; the caller then drains.
@@ -470,8 +466,8 @@ class SocketClient(Client):
     def fileno(self) -> int:
         return self._s().fileno()
 
-    def wait(self, timeout: float | None) -> bool:
-        return self._s().wait(timeout)
+    def wait_readable(self, timeout: float | None) -> None:
+        self._s().wait_readable(timeout)
 
     def drain(self) -> bool:
         return self._s().drain()

@@ -93,7 +93,7 @@ from __future__ import annotations
 import hmac
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -162,50 +162,59 @@ assert FIXED.size <= FIXED_SIZE and RECORD.size <= RECORD_SIZE and HANDLE.size <
 assert CONSUMER.size == CONSUMER_FIXED
 
 
-@dataclass(frozen=True)
 class Layout:
-    """Offsets of every region for a given slot and consumer count."""
+    """Offsets of every region for a given slot and consumer count.
 
-    nslots: int
-    nconsumers: int
+    Every offset is computed once here: the ring reads them on each frame.
+    """
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.nslots <= MAX_SLOTS:
-            raise ProtocolError(f"cudalink: slot count {self.nslots} outside 1..{MAX_SLOTS}")
-        if not 1 <= self.nconsumers <= MAX_CONSUMERS:
-            raise ProtocolError(f"cudalink: consumer count {self.nconsumers} outside 1..{MAX_CONSUMERS}")
+    __slots__ = (
+        "column_struct",
+        "consumer_size",
+        "consumers",
+        "fence_column_struct",
+        "fences",
+        "handles",
+        "leases",
+        "nconsumers",
+        "nslots",
+        "records",
+        "size",
+        "stamps",
+        "stamps_struct",
+    )
 
-    @property
-    def stamps(self) -> int:
-        return FIXED_SIZE
+    def __init__(self, nslots: int, nconsumers: int) -> None:
+        if not 1 <= nslots <= MAX_SLOTS:
+            raise ProtocolError(f"cudalink: slot count {nslots} outside 1..{MAX_SLOTS}")
+        if not 1 <= nconsumers <= MAX_CONSUMERS:
+            raise ProtocolError(f"cudalink: consumer count {nconsumers} outside 1..{MAX_CONSUMERS}")
+        self.nslots = nslots
+        self.nconsumers = nconsumers
+        self.stamps = FIXED_SIZE
+        self.records = self.stamps + 8 * nslots
+        self.handles = self.records + RECORD_SIZE * nslots
+        self.leases = self.handles + HANDLE_SIZE * nslots
+        self.fences = self.leases + 8 * nslots * nconsumers
+        self.consumers = self.fences + 4 * nslots * nconsumers
+        self.consumer_size = CONSUMER_FIXED + RELEASE.size * nslots
+        self.size = self.consumers + self.consumer_size * nconsumers
+        #: all stamps in one unpack; one slot's lease (or fence) cells across consumers in one unpack
+        self.stamps_struct = struct.Struct(f"<{nslots}Q")
+        self.column_struct = struct.Struct(f"<{nconsumers}Q")
+        self.fence_column_struct = struct.Struct(f"<{nconsumers}I")
 
-    @property
-    def records(self) -> int:
-        return self.stamps + 8 * self.nslots
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and (self.nslots, self.nconsumers) == (other.nslots, other.nconsumers)
 
-    @property
-    def handles(self) -> int:
-        return self.records + RECORD_SIZE * self.nslots
+    def __hash__(self) -> int:
+        return hash((self.nslots, self.nconsumers))
 
-    @property
-    def leases(self) -> int:
-        return self.handles + HANDLE_SIZE * self.nslots
+    def __repr__(self) -> str:
+        return f"Layout(nslots={self.nslots}, nconsumers={self.nconsumers})"
 
-    @property
-    def fences(self) -> int:
-        return self.leases + 8 * self.nslots * self.nconsumers
-
-    @property
-    def consumers(self) -> int:
-        return self.fences + 4 * self.nslots * self.nconsumers
-
-    @property
-    def consumer_size(self) -> int:
-        return CONSUMER_FIXED + RELEASE.size * self.nslots
-
-    @property
-    def size(self) -> int:
-        return self.consumers + self.consumer_size * self.nconsumers
+    def stamp(self, slot: int) -> int:
+        return self.stamps + 8 * slot
 
     def record(self, slot: int) -> int:
         return self.records + RECORD_SIZE * slot
@@ -306,91 +315,109 @@ def read_fixed(buf: Any, segment_size: int | None = None) -> Fixed:
     return f
 
 
+U64 = struct.Struct("<Q")
+U32 = struct.Struct("<I")
+U64X2 = struct.Struct("<QQ")
+U64X3 = struct.Struct("<QQQ")
+_u64_unpack = U64.unpack_from
+_u32_unpack = U32.unpack_from
+
+
 def read_u64(buf: Any, off: int) -> int:
-    return int(struct.unpack_from("<Q", buf, off)[0])
+    return int(_u64_unpack(buf, off)[0])
 
 
 def write_u64(buf: Any, off: int, value: int) -> None:
-    struct.pack_into("<Q", buf, off, value)
+    U64.pack_into(buf, off, value)
 
 
 def read_u32(buf: Any, off: int) -> int:
-    return int(struct.unpack_from("<I", buf, off)[0])
+    return int(_u32_unpack(buf, off)[0])
 
 
 def write_u32(buf: Any, off: int, value: int) -> None:
-    struct.pack_into("<I", buf, off, value)
+    U32.pack_into(buf, off, value)
 
 
 def read_stamps(buf: Any, layout: Layout) -> tuple[int, ...]:
-    return struct.unpack_from(f"<{layout.nslots}Q", buf, layout.stamps)
+    return layout.stamps_struct.unpack_from(buf, layout.stamps)  # type: ignore[no-any-return]
 
 
 def read_column(buf: Any, layout: Layout, slot: int) -> tuple[int, ...]:
     """All consumers' lease cells of one slot."""
-    return struct.unpack_from(f"<{layout.nconsumers}Q", buf, layout.lease(slot, 0))
+    return layout.column_struct.unpack_from(buf, layout.lease(slot, 0))  # type: ignore[no-any-return]
 
 
 def read_fence_column(buf: Any, layout: Layout, slot: int) -> tuple[int, ...]:
-    return struct.unpack_from(f"<{layout.nconsumers}I", buf, layout.fence(slot, 0))
+    return layout.fence_column_struct.unpack_from(buf, layout.fence(slot, 0))  # type: ignore[no-any-return]
 
 
 # -- slot records ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SlotRecord:
+class SlotRecord(NamedTuple):
     seq: int
     timestamp_ns: int
     spec: FrameSpec
     meta: bytes
 
 
-def pack_record(buf: Any, off: int, seq: int, timestamp_ns: int, spec: FrameSpec, meta: bytes) -> None:
-    if len(meta) > META_MAX:
-        raise ProtocolError(f"cudalink: meta is {len(meta)} bytes; at most {META_MAX} travel with a frame")
-    pad = MAX_NDIM - spec.ndim
-    shape = (*spec.shape, *(0,) * pad)
-    strides = (*spec.strides, *(0,) * pad) if spec.strides is not None else (0,) * MAX_NDIM
-    RECORD.pack_into(
-        buf,
-        off,
-        seq,
-        timestamp_ns,
-        spec.nbytes,
-        spec.ndim,
-        DTYPE_CODES[spec.dtype.name],
-        PIXFMT_CODES[spec.pixel_format],
-        ORIGIN_CODES[spec.origin],
-        len(meta),
-        *shape,
-        *strides,
-        meta,
-    )
-
-
-_SPEC_BYTES = slice(16, 160)  # nbytes .. strides: everything that defines the spec
+_SPEC_BYTES = slice(16, 160)  # nbytes .. strides (meta_len included): everything that defines the spec
+_META_LEN = 28 - _SPEC_BYTES.start  # meta_len's index inside those bytes
+_SPEC_RECORD = struct.Struct("<QBBBBB3x8Q8q")  # the record's bytes 16..160
 _spec_cache: dict[bytes, FrameSpec] = {}
+
+
+def spec_bytes(spec: FrameSpec) -> bytes:
+    """The record bytes 16..160 for ``spec`` (meta_len 0), packed once per spec object and kept on it."""
+    raw: bytes | None = spec.__dict__.get("_wire")
+    if raw is None:
+        pad = MAX_NDIM - spec.ndim
+        strides = (*spec.strides, *(0,) * pad) if spec.strides is not None else (0,) * MAX_NDIM
+        raw = _SPEC_RECORD.pack(
+            spec.nbytes,
+            spec.ndim,
+            DTYPE_CODES[spec.dtype.name],
+            PIXFMT_CODES[spec.pixel_format],
+            ORIGIN_CODES[spec.origin],
+            0,
+            *spec.shape,
+            *(0,) * pad,
+            *strides,
+        )
+        object.__setattr__(spec, "_wire", raw)
+    return raw
+
+
+def pack_record(buf: Any, off: int, seq: int, timestamp_ns: int, spec: FrameSpec, meta: bytes) -> None:
+    """Write a slot record: the spec's bytes are packed once per spec, so a frame writes two integers."""
+    mlen = len(meta)
+    if mlen > META_MAX:
+        raise ProtocolError(f"cudalink: meta is {mlen} bytes; at most {META_MAX} travel with a frame")
+    buf[off + 16 : off + 160] = spec_bytes(spec)
+    U64X2.pack_into(buf, off, seq, timestamp_ns)
+    if mlen:
+        buf[off + 28] = mlen
+        buf[off + 160 : off + 160 + mlen] = meta
 
 
 def unpack_record(buf: Any, off: int, capacity: int) -> SlotRecord:
     """Decode a slot record; a record that lies about its sizes is a :class:`ProtocolError`, never a crash.
 
     Validated specs are cached by their raw bytes: a stream repeats one spec, and rebuilding it is most
-    of a ``recv``'s CPU cost.
+    of a ``recv``'s CPU cost. Only records that passed full validation enter the cache.
     """
-    raw = bytes(buf[off + _SPEC_BYTES.start : off + _SPEC_BYTES.stop])
+    raw = bytes(buf[off + 16 : off + 160])
     spec = _spec_cache.get(raw)
-    if spec is not None and spec.nbytes <= capacity:
-        seq, ts = struct.unpack_from("<QQ", buf, off)
-        mlen = buf[off + 28]
-        if mlen <= META_MAX:
-            return SlotRecord(seq, ts, spec, bytes(buf[off + 160 : off + 160 + mlen]))
-    rec = _unpack_record(buf, off, capacity)
-    if len(_spec_cache) > 256:
-        _spec_cache.clear()
-    _spec_cache[raw] = rec.spec
-    return rec
+    if spec is None or spec.nbytes > capacity:
+        rec = _unpack_record(buf, off, capacity)
+        if len(_spec_cache) > 256:
+            _spec_cache.clear()
+        _spec_cache[raw] = rec.spec
+        return rec
+    seq, ts = U64X2.unpack_from(buf, off)
+    mlen = raw[_META_LEN]
+    return SlotRecord(seq, ts, spec, bytes(buf[off + 160 : off + 160 + mlen]) if mlen else b"")
 
 
 def _unpack_record(buf: Any, off: int, capacity: int) -> SlotRecord:

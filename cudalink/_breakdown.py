@@ -1,0 +1,169 @@
+"""``bench --breakdown``: where one frame's time goes, stage by stage, across both processes.
+
+The parent sends frames at the bench's cadence with :mod:`cudalink._trace` on; a spawned consumer
+receives them with tracing on, exports each one (``torch.from_dlpack``/``cupy.from_dlpack`` on the
+GPU, ``np.from_dlpack`` on the CPU) and releases it. Marks are matched by sequence number, and each
+stage is the time from the previous mark (CLOCK_MONOTONIC, one clock for the machine). It is what to
+optimise with, and what a user runs when a pipeline is slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+from typing import Any
+
+import numpy as np
+
+from . import _trace
+
+#: each stage is named by the mark that ends it and lasts from the previous mark of the same frame, so
+#: a backend that skips a step (the CPU has no events) folds its time into the next stage, never loses it
+STAGES: tuple[tuple[str, str, str], ...] = (
+    (_trace.SLOT_CLAIMED, "claim a slot, import release fences", "producer"),
+    (_trace.SOURCE_READ, "read the source array (pointer, shape, stream order)", "producer"),
+    (_trace.FENCES_WAITED, "queue waits on consumers' release fences", "producer"),
+    (_trace.COPY_QUEUED, "copy (GPU: queue cuMemcpyAsync; CPU: memcpy)", "producer"),
+    (_trace.EVENT_RECORDED, "record the slot's ready event", "producer"),
+    (_trace.PUBLISHED, "publish: record, stamp, fence", "producer"),
+    (_trace.WAKE_SENT, "send the wake-up byte", "producer"),
+    (_trace.WOKEN, "OS wake: wake-up sent -> consumer running", "both"),
+    (_trace.LEASED, "find and lease the slot", "consumer"),
+    (_trace.FRAME_BUILT, "build the Frame, return from recv()", "consumer"),
+    (_trace.EXPORTED, "export (from_dlpack)", "consumer"),
+    (_trace.RELEASED, "release (GPU fence, lease cleared)", "consumer"),
+)
+_ORDER = {m: i for i, m in enumerate((_trace.SEND_ENTERED, *(s[0] for s in STAGES)))}
+#: end-to-end spans over the same marks
+TOTALS: tuple[tuple[str, str, str], ...] = (
+    ("send(): entered -> wake-up sent", _trace.SEND_ENTERED, _trace.WAKE_SENT),
+    ("handoff: published -> recv() returns", _trace.PUBLISHED, _trace.FRAME_BUILT),
+    ("consumer: woken -> exported -> released", _trace.WOKEN, _trace.RELEASED),
+)
+
+
+def breakdown_consumer(name: str, device: int, lib: str, wait: str, out: Any) -> None:
+    """The traced consumer: recv, export, release; one list of marks per frame, sent back at the end."""
+    from ._bench import GpuLib, _child_init, _one_line
+    from .errors import ProducerGone
+    from .link import Receiver
+
+    _child_init()
+    per_frame: dict[int, list[tuple[str, int]]] = {}
+    try:
+        g = GpuLib(lib, device) if device >= 0 else None
+        if g is not None:
+            g.context()
+        export = g.mod.from_dlpack if g is not None else np.from_dlpack
+        rx = Receiver(name, wait=wait, timeout=30.0)  # type: ignore[arg-type]
+        out.put(("ready", os.getpid()))
+        _trace.enable()
+        mark = _trace.mark
+        while True:
+            try:
+                f = rx.recv()
+            except ProducerGone:
+                break
+            x = export(f)
+            mark(_trace.EXPORTED)
+            del x
+            f.release()
+            mark(_trace.RELEASED)
+            per_frame[f.seq] = _trace.take()
+            del f
+        rx.close()
+        out.put(("result", per_frame))
+    except BaseException as exc:
+        out.put(("error", _one_line(exc)))
+
+
+def run(
+    device: int,
+    lib: str,
+    shape: tuple[int, ...],
+    frames: int,
+    interval: float,
+    warm: int,
+    wait: str = "block",
+) -> dict[str, Any]:
+    """One traced run; returns ``{"stages": [...], "totals": [...], "reserve_commit": summary}``."""
+    from ._bench import GpuLib, summarize
+    from .errors import LinkError
+    from .link import Sender
+
+    ctx = mp.get_context("spawn")
+    name = f"breakdown-{os.getpid()}-{time.monotonic_ns() & 0xFFFFFF:x}"
+    host = (np.arange(int(math.prod(shape))) % 251).astype(np.uint8).reshape(shape)
+    g = GpuLib(lib, device) if device >= 0 else None
+    src = g.from_numpy(host) if g is not None else host
+    if g is not None:
+        g.sync()
+    out = ctx.Queue()
+    produced: dict[int, list[tuple[str, int]]] = {}
+    reserve: list[int] = []
+    with Sender(name, shape=shape, dtype="uint8", device=device if device >= 0 else "cpu") as tx:
+        p = ctx.Process(target=breakdown_consumer, args=(name, device, lib, wait, out), daemon=True)
+        p.start()
+        try:
+            msg = out.get(timeout=120)
+            if msg[0] == "error":
+                raise LinkError(f"cudalink: breakdown consumer failed: {msg[1]}")
+            deadline = time.monotonic() + 30
+            while tx.stats()["consumers"] < 1:
+                if time.monotonic() > deadline:
+                    raise LinkError("cudalink: breakdown consumer never attached")
+                time.sleep(0.002)
+            _trace.enable()
+            for _ in range(frames):
+                seq = tx.send(src)
+                marks = _trace.take()
+                if seq is not None:
+                    produced[seq] = marks
+                time.sleep(interval)
+            _trace.enable(False)
+            mono = time.monotonic_ns
+            for _ in range(max(frames // 4, 20)):  # reserve() + commit, nothing written: the API's own cost
+                t0 = mono()
+                with tx.reserve():
+                    pass
+                reserve.append(mono() - t0)
+                time.sleep(interval)
+        finally:
+            _trace.enable(False)
+            tx.close(timeout=15.0)
+            try:
+                msg = out.get(timeout=60)
+            except queue_mod.Empty:
+                msg = ("error", "sent no result")
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    if msg[0] == "error":
+        raise LinkError(f"cudalink: breakdown consumer failed: {msg[1]}")
+    consumed: dict[int, list[tuple[str, int]]] = msg[1]
+    both = [{**dict(produced[s]), **dict(consumed[s])} for s in sorted(consumed) if s > warm and s in produced]
+    durations: dict[str, list[int]] = {m: [] for m, _, _ in STAGES}
+    for m in both:
+        prev: tuple[str, int] | None = None
+        for stage, t in sorted(m.items(), key=lambda kv: _ORDER.get(kv[0], 99)):
+            if prev is not None and stage in durations:
+                durations[stage].append(t - prev[1])
+            prev = (stage, t)
+    stages = [{"stage": label, "side": side, "mark": m, "us": summarize(durations[m])} for m, label, side in STAGES]
+    totals = []
+    for label, a, b in TOTALS:
+        vals = [m[b] - m[a] for m in both if a in m and b in m]
+        totals.append({"span": label, "from": a, "to": b, "us": summarize(vals)})
+    with contextlib.suppress(Exception):
+        out.close()
+    return {
+        "frames": len(both),
+        "wait": wait,
+        "stages": stages,
+        "totals": totals,
+        "reserve_commit": summarize(reserve[warm // 2 :]),
+    }

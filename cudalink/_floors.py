@@ -1,0 +1,251 @@
+"""Floors: what this machine allows with no cudalink code in the path, measured in the bench's own run.
+
+Every cudalink speed figure is reported as a ratio to one of these, so a number means the same on a
+fast or a slow machine. Each floor is measured the way its cudalink figure is: a spawned child woken
+at the bench's cadence (a consumer that slept has cold caches, and that is what real consumers see),
+or the parent at the same cadence for producer-side costs.
+
+- ``wake``: two bare Python processes, one 8-byte write on a socketpair, the reader blocked in read.
+- ``spin``: a bare Python loop spinning on a shared-memory word the parent stamps.
+- ``view_read`` (CPU): a numpy view of a SharedMemory slot, made and read right after a wake.
+- ``wait_event`` + ``dlpack_cached`` (GPU): ``cuStreamWaitEvent`` on an IPC event imported from the
+  parent, then ``torch.from_dlpack`` (or cupy's) of a view built once; right after a wake.
+- ``record_ipc_event`` (GPU): ``cuEventRecord`` of the child's own IPC event, right after a wake.
+- ``memcpy`` + ``record`` (GPU, parent): ``cuMemcpyDtoDAsync`` of one bench frame and ``cuEventRecord``
+  of an IPC event, at the cadence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+from . import _cuda
+
+_T = struct.Struct("<q")
+_T2 = struct.Struct("<qq")  # the spin floor's word and its complement: a torn read never passes as a stamp
+STOP = -1
+
+
+def _pace(interval: float, n: int, send: Any) -> None:
+    for _ in range(n):
+        send(time.monotonic_ns())
+        time.sleep(interval)
+    send(STOP)
+
+
+def floor_child(
+    conn: Any, seg_name: str, kind: str, shape: tuple[int, ...], device: int, lib: str, ev: Any, out: Any
+) -> None:
+    """One floor, in a spawned child: wait the way a consumer waits, then time the bare operation."""
+    from .transport.shm import _open_segment
+
+    fd = conn.fileno()
+
+    seg = _open_segment(seg_name)
+    buf = seg.buf
+    assert buf is not None
+    samples: dict[str, list[int]] = {}
+    mono = time.monotonic_ns
+    try:
+        if kind == "spin":
+            get = _T2.unpack_from
+            last = get(buf, 0)[0]
+            lat: list[int] = []
+            out.put(("ready", os.getpid()))
+            while True:
+                v, check = get(buf, 0)
+                if v != last:
+                    t = mono()
+                    if check != ~v:  # a memcpy can be seen half done: the word and its complement disagree
+                        continue
+                    if v == STOP:
+                        break
+                    lat.append(t - v)
+                    last = v
+            samples["spin"] = lat
+        else:
+            op = _gpu_ops(shape, device, lib, ev) if kind == "gpu" else None
+            wake: list[int] = []
+            out.put(("ready", os.getpid()))
+            while True:
+                data = os.read(fd, 8)
+                t = mono()
+                (sent,) = _T.unpack(data)
+                if sent == STOP:
+                    break
+                wake.append(t - sent)
+                if op is None:  # CPU: a numpy view of a shared-memory slot, made and read
+                    t0 = mono()
+                    a = np.ndarray(shape, np.uint8, buffer=buf, offset=16)
+                    _ = a[0, 0, 0]
+                    t1 = mono()
+                    del a
+                    samples.setdefault("view_read", []).append(t1 - t0)
+                else:
+                    for k, v in op().items():
+                        samples.setdefault(k, []).append(v)
+            samples["wake"] = wake
+        out.put(("result", samples))
+    except BaseException as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        buf = None
+        with contextlib.suppress(Exception):
+            seg.close()
+
+
+def _gpu_ops(shape: tuple[int, ...], device: int, lib: str, ev_handle: tuple[bytes, int]) -> Any:
+    """The consumer-side driver floors, built once: an imported IPC event, a cached view, an own IPC event."""
+    from ._bench import GpuLib
+
+    g = GpuLib(lib, device)
+    g.context()
+    dev = _cuda.device(device)
+    drv = _cuda._drv()
+    imported = _cuda.import_event(*ev_handle)
+    own = _cuda.new_ipc_event(dev.create_stream())
+    n = int(math.prod(shape))
+    backing = g.empty((n,), "uint8")
+    core = _cuda._core()
+    buf = core.Buffer.from_handle(g.ptr(backing), n, owner=backing)
+    view = _cuda._view_cls().from_buffer(buf, shape, dtype=np.dtype("uint8"))
+    if lib == "torch":
+        import torch
+
+        cs = torch.cuda.current_stream(device).cuda_stream or 1
+    else:
+        import cupy
+
+        cs = cupy.cuda.get_current_stream().ptr or 1
+    stream = _cuda.cu_stream(cs)
+    mono = time.monotonic_ns
+    from_dlpack = g.mod.from_dlpack
+
+    def op() -> dict[str, int]:
+        t0 = mono()
+        drv.cuStreamWaitEvent(stream, imported.handle, 0)
+        t1 = mono()
+        x = from_dlpack(view)
+        t2 = mono()
+        del x
+        t3 = mono()
+        drv.cuEventRecord(own.handle, stream)
+        t4 = mono()
+        return {"wait_event": t1 - t0, "dlpack_cached": t2 - t1, "wait_dlpack": t2 - t0, "record_ipc_event": t4 - t3}
+
+    return op
+
+
+def measure(
+    backend_device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float, warm: int
+) -> dict[str, list[int]]:
+    """All floors for this backend, in ns per sample (warm-up samples dropped)."""
+    from .transport.shm import _open_segment, _unlink_segment
+
+    ctx = mp.get_context("spawn")
+    size = 16 + int(math.prod(shape))
+    name = f"cudalink-floor-{os.getpid()}-{time.monotonic_ns() & 0xFFFFFF:x}"
+    seg = _open_segment(name, create=True, size=size)
+    assert seg.buf is not None
+    out: dict[str, list[int]] = {}
+    ev_handle: Any = None
+    keep: list[Any] = []
+    try:
+        if backend_device >= 0:
+            dev = _cuda.device(backend_device)
+            s = dev.create_stream()
+            ev = _cuda.new_ipc_event(s)
+            keep += [s, ev]
+            ev_handle = _cuda.event_handle(ev)
+            out.update(_producer_ops(backend_device, lib, shape, frames, interval, ev, s))
+        for kind in ("wake", "spin"):
+            kind_run = ("gpu" if backend_device >= 0 else "cpu") if kind == "wake" else "spin"
+            got = _run_child(ctx, seg, name, kind_run, shape, backend_device, lib, ev_handle, frames, interval)
+            for k, v in got.items():
+                out[k] = v[warm:]
+    finally:
+        with contextlib.suppress(Exception):
+            seg.close()
+        _unlink_segment(name)
+    return out
+
+
+def _run_child(
+    ctx: Any,
+    seg: Any,
+    name: str,
+    kind: str,
+    shape: tuple[int, ...],
+    device: int,
+    lib: str,
+    ev_handle: Any,
+    frames: int,
+    interval: float,
+) -> dict[str, list[int]]:
+    import queue as queue_mod
+
+    q = ctx.Queue()
+    ours, theirs = ctx.Pipe(duplex=True)  # a socketpair on POSIX
+    w = ours.fileno()
+    p = ctx.Process(target=floor_child, args=(theirs, name, kind, shape, device, lib, ev_handle, q), daemon=True)
+    p.start()
+    theirs.close()
+    try:
+        _T2.pack_into(seg.buf, 0, 0, ~0)
+        msg = q.get(timeout=120)
+        if msg[0] == "error":
+            raise RuntimeError(msg[1])
+        time.sleep(0.05)
+        if kind == "spin":
+            _pace(interval, frames, lambda t: _T2.pack_into(seg.buf, 0, t, ~t))
+        else:
+            _pace(interval, frames, lambda t: os.write(w, _T.pack(t)))
+        try:
+            msg = q.get(timeout=60)
+        except queue_mod.Empty:
+            raise RuntimeError(f"floor child '{kind}' sent no result") from None
+        if msg[0] == "error":
+            raise RuntimeError(f"floor child '{kind}': {msg[1]}")
+        return dict(msg[1])
+    finally:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.terminate()
+        ours.close()
+
+
+def _producer_ops(
+    device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float, ev: Any, stream: Any
+) -> dict[str, list[int]]:
+    """The producer's driver floor, at the cadence: one frame's ``cuMemcpyDtoDAsync`` and an IPC event record."""
+    from ._bench import GpuLib
+
+    g = GpuLib(lib, device)
+    n = int(math.prod(shape))
+    src, dst = g.empty((n,), "uint8"), g.empty((n,), "uint8")
+    g.sync()
+    drv = _cuda._drv()
+    s = _cuda.cu_stream(_cuda.stream_handle(stream))
+    sp, dp = g.ptr(src), g.ptr(dst)
+    mono = time.monotonic_ns
+    copy: list[int] = []
+    rec: list[int] = []
+    for _ in range(frames):
+        t0 = mono()
+        drv.cuMemcpyDtoDAsync(dp, sp, n, s)
+        t1 = mono()
+        drv.cuEventRecord(ev.handle, s)
+        t2 = mono()
+        copy.append(t1 - t0)
+        rec.append(t2 - t1)
+        time.sleep(interval)
+    stream.sync()
+    return {"memcpy": copy, "record": rec, "memcpy_record": [a + b for a, b in zip(copy, rec, strict=True)]}

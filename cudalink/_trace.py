@@ -1,0 +1,60 @@
+"""Stage timestamps of the per-frame path, for ``python -m cudalink bench --breakdown``.
+
+Off by default: each stage costs the hot path one module-attribute test (``if _trace.ON``). When a
+breakdown turns it on, every stage appends ``(stage, time.monotonic_ns())`` to this process's list;
+CLOCK_MONOTONIC is one clock for the whole machine on Linux, so a producer's and a consumer's marks
+can be subtracted across processes.
+"""
+
+from __future__ import annotations
+
+import time
+
+#: producer stages, in the order one ``send`` passes them
+SEND_ENTERED = "send entered"
+SLOT_CLAIMED = "slot claimed"
+SOURCE_READ = "source described"
+FENCES_WAITED = "fences waited"
+COPY_QUEUED = "copy queued"
+EVENT_RECORDED = "event recorded"
+PUBLISHED = "published"
+WAKE_SENT = "wake sent"
+#: consumer stages, in the order one ``recv`` (and the caller's export and release) passes them
+WOKEN = "woken"
+LEASED = "slot leased"
+FRAME_BUILT = "frame built"
+EXPORTED = "exported"
+RELEASED = "released"
+
+PRODUCER_STAGES = (
+    SEND_ENTERED,
+    SLOT_CLAIMED,
+    SOURCE_READ,
+    FENCES_WAITED,
+    COPY_QUEUED,
+    EVENT_RECORDED,
+    PUBLISHED,
+    WAKE_SENT,
+)
+CONSUMER_STAGES = (WOKEN, LEASED, FRAME_BUILT, EXPORTED, RELEASED)
+
+ON = False
+_marks: list[tuple[str, int]] = []
+_clock = time.monotonic_ns
+
+
+def mark(stage: str) -> None:
+    _marks.append((stage, _clock()))
+
+
+def enable(on: bool = True) -> None:
+    global ON
+    ON = on
+    _marks.clear()
+
+
+def take() -> list[tuple[str, int]]:
+    """The marks since the last ``take`` (and forget them)."""
+    out = list(_marks)
+    _marks.clear()
+    return out

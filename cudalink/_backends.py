@@ -146,6 +146,7 @@ class CudaSlots:
         self.mem = exporter(self.dev, nslots, capacity, self.stream)
         self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
         self.ready = [_cuda.new_ipc_event(self.stream) for _ in range(nslots)]
+        self._ready_raw = [_cuda.raw(ev) for ev in self.ready]
         self._sources: list[Any] = [None] * nslots
         self._join: Any = None
         self._tls = threading.local()
@@ -175,10 +176,22 @@ class CudaSlots:
         self._tls_ok = threading.get_ident()  # the thread that sent last: it skips even the TLS lookup
 
     def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
-        s = self.stream_int if stream is None else _cuda.stream_handle(stream)
+        """One copy into ``slot`` and the slot's ready event, queued without blocking the CPU.
+
+        With no ``stream`` the copy goes on the source's own stream where the framework names it cheaply
+        (torch's current stream): it is then ordered after the source's producer for free. Only when a
+        consumer's release fence is still pending does it go on the link's stream instead, so that waiting
+        for a slow consumer never stalls the caller's own stream.
+        """
         if self._tls_ok != threading.get_ident():
             self._current()
-        info = _cuda.describe_array(src, stream_ptr=s)
+        if stream is not None:
+            s = order = _cuda.stream_handle(stream)
+        else:
+            own = None if fences else _cuda.current_stream_of(src)
+            s = self.stream_int if own is None else own
+            order = s if own is None else -1  # on the source's own stream there is nothing to order
+        info = _cuda.describe_array(src, stream_ptr=order)
         if _trace.ON:
             _trace.mark(_trace.SOURCE_READ)
         if info.shape != spec.shape or info.dtype != spec.dtype:
@@ -204,7 +217,7 @@ class CudaSlots:
             _cuda.memcpy_2d_dtod(dst, row, info.ptr, pitch, row, spec.shape[0], s)
         if _trace.ON:
             _trace.mark(_trace.COPY_QUEUED)
-        _cuda.record(self.ready[slot], s)
+        _cuda.record(self._ready_raw[slot], s)
         if _trace.ON:
             _trace.mark(_trace.EVENT_RECORDED)
         self._sources[slot] = info.owner  # keep the source alive until the copy has run
@@ -236,7 +249,7 @@ class CudaSlots:
             if self._join is None:
                 self._join = _cuda.new_event()
             _cuda.join_streams(s, streams, self._join)
-        _cuda.record(self.ready[slot], s)
+        _cuda.record(self._ready_raw[slot], s)
 
     def close(self, timeout: float) -> None:
         self.dev.set_current()
@@ -278,17 +291,18 @@ class HostView:
 class _ConsumerSync:
     """One per imported slot, made once: a frame's consumer stream waits on the slot's ready event."""
 
-    __slots__ = ("ready", "view")
+    __slots__ = ("raw", "ready", "view")
 
     def __init__(self, view: CudaView, ready: Any) -> None:
         self.view = view
         self.ready = ready
+        self.raw = _cuda.raw(ready)
 
     def wait(self, stream: int) -> None:
-        _cuda.wait(stream, self.ready)
+        _cuda.wait(stream, self.raw)
 
     def cai_stream(self) -> int | None:
-        _cuda.wait(self.view.stream_int, self.ready)
+        _cuda.wait(self.view.stream_int, self.raw)
         return self.view.stream_int
 
 
@@ -307,6 +321,7 @@ class CudaView:
         self._slots: list[tuple[int, tuple[CudaView, Any], _ConsumerSync] | None] = [None] * n
         self._bufs: list[tuple[int, Any] | None] = [None] * n
         self.release_events: list[Any] = []
+        self._release_raw: list[Any] = []
         self._joins: list[Any] = []
         self._tls = threading.local()
         self._lock = threading.Lock()
@@ -315,6 +330,7 @@ class CudaView:
     def setup(self, header: Any, layout: wire.Layout, index: int) -> None:
         """Create this consumer's per-slot release events and publish their handles for the producer."""
         self.release_events = [_cuda.new_ipc_event(self.stream) for _ in range(layout.nslots)]
+        self._release_raw = [_cuda.raw(ev) for ev in self.release_events]
         for slot, ev in enumerate(self.release_events):
             raw, flag = _cuda.event_handle(ev)
             wire.RELEASE.pack_into(header, layout.release_handle(index, slot), raw, flag)
@@ -352,7 +368,7 @@ class CudaView:
             if not self._joins:
                 self._joins.append(_cuda.new_event())
             _cuda.join_streams(target, streams[1:], self._joins[0])
-        _cuda.record(self.release_events[slot], target)
+        _cuda.record(self._release_raw[slot], target)
         return True
 
     def close(self) -> None:

@@ -80,7 +80,7 @@ def _view_cls() -> Any:
 def check(ret: Any, what: str) -> Any:
     """Unwrap a cuda.bindings ``(CUresult, *values)`` tuple, raising a LinkError that names the call."""
     err = ret[0]
-    if int(err) != 0:
+    if err:
         drv = _drv()
         try:
             name = drv.cuGetErrorName(err)[1].decode()
@@ -143,6 +143,23 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
     except Exception as exc:
         raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from None
     return _device_info(obj, view)
+
+
+def current_stream_of(obj: Any) -> int | None:
+    """The raw stream a framework queues an array's work on, where asking is cheap; else None.
+
+    For a torch CUDA tensor that is torch's current stream on the tensor's device (one C call). A copy
+    queued there is ordered after the tensor's producer with no event and no cross-stream wait, which
+    is what DLPack's stream handshake would otherwise cost.
+    """
+    cls = type(obj)
+    if cls.__module__ != "torch" or not getattr(obj, "is_cuda", False):
+        return None
+    try:
+        raw = int(sys.modules["torch"]._C._cuda_getCurrentRawStream(obj.get_device()))
+    except Exception:
+        return None
+    return raw or 1  # torch's default stream is the legacy NULL stream
 
 
 def _device_info(obj: Any, view: Any) -> ArrayInfo:
@@ -209,8 +226,9 @@ def cu_stream(stream: int) -> Any:
 
 
 def memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
-    drv = _drv()
-    check(drv.cuMemcpyDtoDAsync(dst, src, nbytes, cu_stream(stream)), "cuMemcpyDtoDAsync")
+    err = _drv().cuMemcpyDtoDAsync(dst, src, nbytes, cu_stream(stream))[0]
+    if err:
+        check((err,), "cuMemcpyDtoDAsync")
 
 
 def memcpy_2d_dtod(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
@@ -383,13 +401,36 @@ def import_event(raw: bytes, flag: int) -> Any:
         raise LinkError(f"cudalink: could not open the producer's IPC event: {exc}") from None
 
 
+def event_done(ev: Any) -> bool:
+    """``cuEventQuery`` through cuda.core; an event whose owner died (an error) has nothing left to order."""
+    try:
+        return bool(ev.is_done)
+    except Exception:
+        return True
+
+
+def raw(ev: Any) -> Any:
+    """The driver's ``CUevent`` of a cuda.core Event. Keep it: cuda.core builds a new wrapper per access."""
+    return ev.handle
+
+
 def record(ev: Any, stream: int) -> None:
-    """cuEventRecord directly: cuda.core refuses to re-record IPC events, and we reuse one per slot."""
-    check(_drv().cuEventRecord(ev.handle, cu_stream(stream)), "cuEventRecord")
+    """cuEventRecord directly: cuda.core refuses to re-record IPC events, and we reuse one per slot.
+
+    ``ev`` is a cuda.core Event or, on hot paths, its cached :func:`raw` handle.
+    """
+    h = getattr(ev, "handle", ev)
+    err = _drv().cuEventRecord(h, cu_stream(stream))[0]
+    if err:
+        check((err,), "cuEventRecord")
 
 
 def wait(stream: int, ev: Any) -> None:
-    check(_drv().cuStreamWaitEvent(cu_stream(stream), ev.handle, 0), "cuStreamWaitEvent")
+    """cuStreamWaitEvent: ``stream`` waits on the GPU, the CPU never does. ``ev`` as in :func:`record`."""
+    h = getattr(ev, "handle", ev)
+    err = _drv().cuStreamWaitEvent(cu_stream(stream), h, 0)[0]
+    if err:
+        check((err,), "cuStreamWaitEvent")
 
 
 def new_event() -> Any:

@@ -8,6 +8,9 @@ or the parent at the same cadence for producer-side costs.
 - ``wake``: two bare Python processes, one 8-byte write on a socketpair, the reader blocked in read.
 - ``spin``: a bare Python loop spinning on a shared-memory word the parent stamps.
 - ``view_read`` (CPU): a numpy view of a SharedMemory slot, made and read right after a wake.
+
+On the CPU backend the parent copies one frame into shared memory before each wake, as a CPU
+producer does: the consumer's caches then start as cold as they do under cudalink.
 - ``wait_event`` + ``dlpack_cached`` (GPU): ``cuStreamWaitEvent`` on an IPC event imported from the
   parent, then ``torch.from_dlpack`` (or cupy's) of a view built once; right after a wake.
 - ``record_ipc_event`` (GPU): ``cuEventRecord`` of the child's own IPC event, right after a wake.
@@ -34,8 +37,11 @@ _T2 = struct.Struct("<qq")  # the spin floor's word and its complement: a torn r
 STOP = -1
 
 
-def _pace(interval: float, n: int, send: Any) -> None:
+def _pace(interval: float, n: int, send: Any, work: Any = None) -> None:
+    """Every ``interval``: do what the producer does before publishing (``work``), then stamp and send."""
     for _ in range(n):
+        if work is not None:
+            work()
         send(time.monotonic_ns())
         time.sleep(interval)
     send(STOP)
@@ -204,10 +210,19 @@ def _run_child(
         if msg[0] == "error":
             raise RuntimeError(msg[1])
         time.sleep(0.05)
+        work = None
+        if device < 0:  # a CPU producer copies each frame into shared memory: the floor pays that too
+            frame = np.full(shape, 7, np.uint8)
+            slot = np.ndarray(shape, np.uint8, buffer=seg.buf, offset=16)
+
+            def work() -> None:
+                np.copyto(slot, frame)
+
         if kind == "spin":
-            _pace(interval, frames, lambda t: _T2.pack_into(seg.buf, 0, t, ~t))
+            _pace(interval, frames, lambda t: _T2.pack_into(seg.buf, 0, t, ~t), work)
         else:
-            _pace(interval, frames, lambda t: os.write(w, _T.pack(t)))
+            _pace(interval, frames, lambda t: os.write(w, _T.pack(t)), work)
+        del work
         try:
             msg = q.get(timeout=60)
         except queue_mod.Empty:

@@ -156,30 +156,31 @@ class ConsumerRing:
         self._counts_off = self._entry + 16
         self._last_recv_off = self._entry + 40
 
-    def find(self, after: int, newest: bool) -> tuple[int, int] | None:
-        """(slot, seq) of the newest frame after ``after``, or of the oldest one when ``newest`` is False."""
-        best_slot, best = -1, 0
-        lo = 2 * after
-        for slot, stamp in enumerate(self._stamps(self.buf, self._stamps_off)):
-            if stamp > lo and not stamp & 1 and (best == 0 or (stamp > best if newest else stamp < best)):
-                best_slot, best = slot, stamp
-        return (best_slot, best >> 1) if best else None
+    def take(self, after: int, newest: bool) -> tuple[int, wire.SlotRecord] | None:
+        """Lease the newest frame after ``after`` (the oldest when ``newest`` is False) and read its record.
 
-    def acquire(self, slot: int, seq: int) -> wire.SlotRecord | None:
-        """Lease ``slot`` for ``seq`` and read its record, or None if the producer took the slot first."""
+        One call does find and lease, because it is the first thing a woken consumer runs: the stamp is
+        leased, fenced, re-read, and a producer that took the slot meanwhile makes us look again.
+        """
         buf = self.buf
-        off = self._lease_off[slot]
-        _put64(buf, off, seq)
-        _acquire()  # full fence: our lease is visible before we re-read the stamp
-        _release()
-        if _get64(buf, self._stamp_off[slot])[0] != 2 * seq:
-            _put64(buf, off, 0)
-            return None
-        rec = wire.unpack_record(buf, self._record_off[slot], self.capacity)
-        if rec.seq != seq:
-            _put64(buf, off, 0)
-            return None
-        return rec
+        lo = 2 * after
+        while True:
+            slot, best = -1, 0
+            for i, stamp in enumerate(self._stamps(buf, self._stamps_off)):
+                if stamp > lo and not stamp & 1 and (best == 0 or (stamp > best if newest else stamp < best)):
+                    slot, best = i, stamp
+            if not best:
+                return None
+            seq = best >> 1
+            off = self._lease_off[slot]
+            _put64(buf, off, seq)
+            _acquire()  # full fence: our lease is visible before we re-read the stamp
+            _release()
+            if _get64(buf, self._stamp_off[slot])[0] == best:
+                rec = wire.unpack_record(buf, self._record_off[slot], self.capacity)
+                if rec.seq == seq:
+                    return slot, rec
+            _put64(buf, off, 0)  # the producer reclaimed it between our read and our lease: look again
 
     def release(self, slot: int, seq: int, fenced: bool) -> None:
         buf = self.buf

@@ -258,7 +258,11 @@ class Sender:
             self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, False)
 
     def _fences(self, slot: int) -> list[Any]:
-        """Import (once) and return the release events consumers left on ``slot``."""
+        """The release events consumers left on ``slot`` that the GPU has not passed yet (imported once).
+
+        A fence whose event has completed orders nothing: in a steady stream the consumer's reads ended
+        long before the slot comes round again, so a query replaces a stream wait.
+        """
         if self._host:  # host consumers never fence: their release is the CPU-side lease alone
             return []
         consumers = self._ring.take_fences(slot)
@@ -275,7 +279,8 @@ class Sender:
                 except LinkError:
                     continue  # that consumer is gone; nothing of its can still be queued on our memory
                 self._release_events[key] = ev
-            out.append(ev)
+            if not _cuda.event_done(ev):
+                out.append(ev)
         return out
 
     def _forget_consumer(self, index: int) -> None:
@@ -638,36 +643,32 @@ class Receiver:
     def _try_take(self) -> Frame | None:
         att = self._att
         assert att is not None
-        ring = att.ring
-        while True:
-            found = ring.find(self._last, self.latest)
-            if found is None:
-                return None
-            slot, seq = found
-            rec = ring.acquire(slot, seq)
-            if rec is None:
-                continue  # the producer reclaimed it between our read and our lease: look again
-            if _trace.ON:
-                _trace.mark(_trace.LEASED)
-            floor = self._last if self._last > self._floor else self._floor
-            if seq > floor + 1:
-                self.skipped += seq - floor - 1
-            self._last = seq
-            self.received += 1
-            with att.lock:
-                att.live += 1
+        got = att.ring.take(self._last, self.latest)
+        if got is None:
+            return None
+        slot, rec = got
+        seq = rec.seq
+        if _trace.ON:
+            _trace.mark(_trace.LEASED)
+        floor = self._last if self._last > self._floor else self._floor
+        if seq > floor + 1:
+            self.skipped += seq - floor - 1
+        self._last = seq
+        self.received += 1
+        with att.lock:
+            att.live += 1
 
-            def on_release(streams: list[int], _a: _Attachment = att, _s: int = slot, _q: int = seq) -> None:
-                _a.release(_s, _q, streams)
+        def on_release(streams: list[int], _a: _Attachment = att, _s: int = slot, _q: int = seq) -> None:
+            _a.release(_s, _q, streams)
 
-            try:
-                frame: Frame = att.view.frame(slot, att.handles[slot], rec, on_release, att.generation)
-            except BaseException:
-                on_release([])
-                raise
-            if _trace.ON:
-                _trace.mark(_trace.FRAME_BUILT)
-            return frame
+        try:
+            frame: Frame = att.view.frame(slot, att.handles[slot], rec, on_release, att.generation)
+        except BaseException:
+            on_release([])
+            raise
+        if _trace.ON:
+            _trace.mark(_trace.FRAME_BUILT)
+        return frame
 
     def _publish_counts(self, att: _Attachment) -> None:
         """Tell monitors what we received. Done off the latency path: before sleeping, and while idle."""

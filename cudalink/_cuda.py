@@ -112,6 +112,10 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
         spec = obj.spec
         return ArrayInfo(obj.ptr, spec.shape, spec.dtype, spec.strides, int(obj.__dlpack_device__()[1]), False, obj)
     cls = type(obj)
+    if stream_ptr == -1 and cls.__module__ == "torch" and getattr(obj, "is_cuda", False):
+        info = _torch_info(obj)
+        if info is not None:
+            return info
     if cls.__module__ == "torch" and getattr(obj, "is_cuda", False) and _any_interface() is not None:
         # cuda.core reads a torch tensor through its C ABI (no Python property) and orders ``stream_ptr``
         # after torch's current stream, as DLPack would: torch's own CAI is v2 and carries no stream,
@@ -143,6 +147,29 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
     except Exception as exc:
         raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from None
     return _device_info(obj, view)
+
+
+_torch_dtypes: dict[Any, np.dtype[Any]] = {}
+
+
+def _torch_info(t: Any) -> ArrayInfo | None:
+    """A contiguous torch CUDA tensor described through its own C methods: no view object, no properties.
+
+    Only for callers that need no stream ordering (``stream_ptr=-1``); anything unusual (a dtype numpy
+    lacks, non-contiguous memory) returns None and takes the general path.
+    """
+    if not _torch_dtypes:
+        import torch
+
+        from .frames.spec import SUPPORTED_DTYPES
+
+        for name in SUPPORTED_DTYPES:
+            if hasattr(torch, name):
+                _torch_dtypes[getattr(torch, name)] = np.dtype(name)
+    dtype = _torch_dtypes.get(t.dtype)
+    if dtype is None or not t.is_contiguous():
+        return None
+    return ArrayInfo(t.data_ptr(), tuple(t.shape), dtype, None, t.get_device(), False, t)
 
 
 def current_stream_of(obj: Any) -> int | None:

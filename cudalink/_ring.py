@@ -85,12 +85,21 @@ class ProducerRing:
         """The slot's old content may be half overwritten: mark it empty, never restore it."""
         _put64(self.buf, self._stamp_off[slot], 0)
 
-    def publish(self, slot: int, seq: int, timestamp_ns: int, spec: FrameSpec, meta: bytes) -> None:
+    def publish(self, slot: int, seq: int, timestamp_ns: int | None, spec: FrameSpec, meta: bytes) -> int:
+        """Write the record, then stamp the slot even: the frame is out. Returns the frame's timestamp.
+
+        Without a caller's timestamp the frame is stamped here, after the spec bytes are written, so
+        ``timestamp_ns`` is the publication itself and handoff figures start there.
+        """
         buf = self.buf
-        wire.pack_record(buf, self._record_off[slot], seq, timestamp_ns, spec, meta)
+        off = self._record_off[slot]
+        wire.pack_record_spec(buf, off, spec, meta)
+        ts = time.time_ns() if timestamp_ns is None else timestamp_ns
+        wire.U64X2.pack_into(buf, off, seq, ts)
         _put64(buf, self._stamp_off[slot], 2 * seq)
         self._published += 1
-        wire.U64X3.pack_into(buf, wire.OFF_PUBLISHED, self._published, self._dropped, timestamp_ns)
+        wire.U64X3.pack_into(buf, wire.OFF_PUBLISHED, self._published, self._dropped, ts)
+        return ts
 
     def count_drop(self) -> None:
         self._dropped += 1

@@ -871,10 +871,12 @@ def _breakdown_tables(report: dict[str, Any]) -> list[Any]:
         for tot in bd["totals"]:
             u = tot["us"] or {}
             bt.add_row(Text(tot["span"], style="bold"), "total", _us(u.get("p50")), _us(u.get("p99")))
-        rc = bd.get("reserve_commit") or {}
-        bt.add_row(
-            Text("reserve() + commit, in process", style="bold"), "producer", _us(rc.get("p50")), _us(rc.get("p99"))
-        )
+        for key, label in (
+            ("reserve_commit", "reserve() + commit, back to back, no consumer"),
+            ("reserve_commit_attached", "reserve() + commit, back to back, a consumer waiting"),
+        ):
+            rc = bd.get(key) or {}
+            bt.add_row(Text(label, style="bold"), "producer", _us(rc.get("p50")), _us(rc.get("p99")))
         out.append(bt)
     else:
         out.append(Text(f"breakdown: ERROR {bd}", style="red"))

@@ -25,6 +25,7 @@ Policy = Literal["drop", "block"]
 WaitMode = Literal["spin", "block", "hybrid"]
 
 _default_transport: Transport | None = None
+_SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
 
 
 def default_transport() -> Transport:
@@ -324,7 +325,7 @@ class Sender:
     def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
         self._seq += 1
         ring = self._ring
-        ring.publish(slot, self._seq, time.time_ns() if timestamp_ns is None else timestamp_ns, spec, meta)
+        ring.publish(slot, self._seq, timestamp_ns, spec, meta)
         full_fence()  # the stamp is visible before we read who sleeps: pairs with ConsumerRing.set_waiting
         if _trace.ON:
             _trace.mark(_trace.PUBLISHED)
@@ -463,10 +464,14 @@ class _Attachment:
 
     def release(self, slot: int, seq: int, streams: list[int]) -> None:
         fenced = False
-        with contextlib.suppress(Exception):
-            fenced = self.view.fence(slot, streams)
-        self.ring.release(slot, seq, fenced)
-        if self.ring.flags() & wire.FLAG_PRODUCER_WAITING:
+        if streams:  # only frames exported to a stream have GPU reads to fence
+            try:
+                fenced = self.view.fence(slot, streams)
+            except Exception:
+                fenced = False
+        ring = self.ring
+        ring.release(slot, seq, fenced)
+        if ring.flags() & wire.FLAG_PRODUCER_WAITING:
             with contextlib.suppress(Exception):
                 self.client.hint()
         with self.lock:
@@ -500,8 +505,9 @@ class Receiver:
 
     ``latest=True`` (default) returns the newest unseen frame and counts the ones skipped;
     ``latest=False`` returns every frame in order while the producer's slots still hold it.
-    ``wait`` picks how ``recv`` waits: ``"hybrid"`` (spin ``spin_us`` then sleep in the kernel),
-    ``"block"`` or ``"spin"``.
+    ``wait`` picks how ``recv`` waits: ``"hybrid"`` (spin ``spin_us`` then sleep in the kernel; the
+    spin is skipped while recent frames came far apart, so a slow stream costs no CPU), ``"block"``
+    or ``"spin"``.
     """
 
     def __init__(
@@ -528,6 +534,7 @@ class Receiver:
         self._dead_generation = 0
         self._sticky_wake = False
         self._floor = 0
+        self._wait_avg = 0.0  # seconds recv() waited for recent frames (moving average)
         self.received = 0
         self.skipped = 0
         self.reattached = 0
@@ -708,12 +715,19 @@ class Receiver:
         att = self._att
         assert att is not None
         mode = self.wait_mode
-        spin_until = time.monotonic() + (self.spin_s if mode == "hybrid" else 0.0)
+        entered = time.monotonic()
+        if mode == "spin":
+            spin_until = deadline
+        elif mode == "hybrid" and self._wait_avg < 4 * self.spin_s:
+            spin_until = entered + self.spin_s
+        else:  # block, or hybrid while frames come far apart: a spin would only burn the core
+            spin_until = 0.0
+        take = self._try_take
         n = 0
         while True:
-            frame = self._try_take()
+            frame = take()
             if frame is not None:
-                return frame
+                return self._arrived(frame, entered)
             if att.ring.flags() & wire.FLAG_SHUTDOWN:
                 raise self._gone("closed the link")
             now = time.monotonic()
@@ -721,15 +735,18 @@ class Receiver:
                 if not att.client.drain():
                     raise self._gone("closed or died")
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
-            if mode == "spin" or now < spin_until:
+            if now < spin_until:
+                for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
+                    frame = take()
+                    if frame is not None:
+                        return self._arrived(frame, entered)
+                # hand the GIL over now and then: a spinning thread must not starve this process's
+                # other threads (which may be the very producer we wait for)
+                self._publish_counts(att)
+                time.sleep(0)
                 n += 1
-                if n & 63 == 0:
-                    # hand the GIL over now and then: a spinning thread must not starve this process's
-                    # other threads (which may be the very producer we wait for)
-                    self._publish_counts(att)
-                    time.sleep(0)
-                    if n & 1023 == 0 and not att.client.drain():
-                        raise self._gone("closed or died")
+                if n & 15 == 0 and not att.client.drain():
+                    raise self._gone("closed or died")
                 continue
             # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
             # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
@@ -739,14 +756,19 @@ class Receiver:
             self._publish_counts(att)
             att.ring.set_waiting(True)
             try:
-                frame = self._try_take()  # a frame published before our flag was visible
+                frame = take()  # a frame published before our flag was visible
                 if frame is not None:
-                    return frame
+                    return self._arrived(frame, entered)
                 att.client.wait_readable(deadline - now)
                 if _trace.ON:
                     _trace.mark(_trace.WOKEN)
             finally:
                 self._unwait(att)
+
+    def _arrived(self, frame: Frame, entered: float) -> Frame:
+        """Learn how long frames keep us waiting: ``hybrid`` spins only while frames come within its spin."""
+        self._wait_avg += (time.monotonic() - entered - self._wait_avg) * 0.125
+        return frame
 
     async def recv_async(self, timeout: float | None = None) -> Frame:
         """Await the next frame: the event loop watches the control socket, no thread and no polling."""

@@ -391,11 +391,16 @@ def spec_bytes(spec: FrameSpec) -> bytes:
 
 def pack_record(buf: Any, off: int, seq: int, timestamp_ns: int, spec: FrameSpec, meta: bytes) -> None:
     """Write a slot record: the spec's bytes are packed once per spec, so a frame writes two integers."""
+    pack_record_spec(buf, off, spec, meta)
+    U64X2.pack_into(buf, off, seq, timestamp_ns)
+
+
+def pack_record_spec(buf: Any, off: int, spec: FrameSpec, meta: bytes) -> None:
+    """Everything of a record but ``seq`` and ``timestamp_ns`` (bytes 0..16), which the publisher writes last."""
     mlen = len(meta)
     if mlen > META_MAX:
         raise ProtocolError(f"cudalink: meta is {mlen} bytes; at most {META_MAX} travel with a frame")
     buf[off + 16 : off + 160] = spec_bytes(spec)
-    U64X2.pack_into(buf, off, seq, timestamp_ns)
     if mlen:
         buf[off + 28] = mlen
         buf[off + 160 : off + 160 + mlen] = meta

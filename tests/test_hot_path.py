@@ -1,0 +1,170 @@
+"""The per-frame path (issue 14): stage tracing, the breakdown and floors, adaptive hybrid waiting,
+deferred monitor counters, the record's cached spec bytes, and the pitched-copy rule. CPU only; the
+GPU side of the same path is in test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cudalink
+from cudalink import _trace
+from cudalink._backends import _row_pitch
+from cudalink.frames.spec import FrameSpec
+from cudalink.transport import MemoryTransport, wire
+
+from .test_cli import run_cli
+
+
+@pytest.fixture
+def traced() -> object:
+    _trace.enable()
+    yield _trace
+    _trace.enable(False)
+
+
+def test_trace_marks_every_stage_in_order(name: str, traced: object) -> None:
+    tr = MemoryTransport()
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
+        name, transport=tr, timeout=2.0
+    ) as rx:
+        _trace.take()
+        tx.send(np.ones((4, 4), np.uint8))
+        produced = _trace.take()
+        with rx.recv(1.0):
+            consumed = _trace.take()
+    stages = [s for s, _ in produced]
+    assert stages == [
+        _trace.SEND_ENTERED,
+        _trace.SLOT_CLAIMED,
+        _trace.SOURCE_READ,
+        _trace.COPY_QUEUED,
+        _trace.PUBLISHED,
+    ]  # the CPU has no fences or events, and nobody slept, so no wake-up was sent
+    assert [s for s, _ in consumed] == [_trace.LEASED, _trace.FRAME_BUILT]
+    times = [t for _, t in produced + consumed]
+    assert times == sorted(times)
+
+
+def test_trace_is_off_by_default(name: str) -> None:
+    assert not _trace.ON
+    tr = MemoryTransport()
+    with cudalink.Sender(name, shape=(2,), dtype="uint8", transport=tr) as tx:
+        tx.send(np.zeros(2, np.uint8))
+    assert _trace.take() == []
+
+
+def test_bench_breakdown_cpu_reports_floors_and_every_stage(tmp_path: Path) -> None:
+    out = tmp_path / "bd.json"
+    proc = run_cli("bench", "--breakdown", "--device", "cpu", "--frames", "80", "--json", str(out), timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "floors on cpu" in proc.stdout and "breakdown" in proc.stdout
+    report = json.loads(out.read_text())
+    floors = report["floors"]
+    for key in ("wake", "spin", "view_read"):
+        assert floors[key]["p50"] > 0 and floors[key]["n"] > 0, key
+    bd = report["breakdown"]
+    stages = {s["mark"]: s["us"] for s in bd["stages"]}
+    for mark in (_trace.SLOT_CLAIMED, _trace.COPY_QUEUED, _trace.WOKEN, _trace.LEASED, _trace.EXPORTED):
+        assert stages[mark] is not None and stages[mark]["p50"] > 0, mark
+    assert stages[_trace.EVENT_RECORDED] is None  # the CPU backend has no ready events: nothing invented
+    totals = {t["span"]: t["us"] for t in bd["totals"]}
+    assert all(v and v["p50"] > 0 for v in totals.values()), totals
+    assert bd["reserve_commit"]["p50"] > 0 and bd["reserve_commit_attached"]["p50"] > 0
+
+
+def test_hybrid_stops_spinning_when_frames_come_far_apart(name: str) -> None:
+    """A 5 ms spin budget, frames every 40 ms: after a few frames the receiver must sleep, not spin."""
+    tr = MemoryTransport()
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
+        name, transport=tr, wait="hybrid", spin_us=5000, timeout=5.0
+    ) as rx:
+        stop = threading.Event()
+
+        def produce() -> None:
+            while not stop.is_set():
+                time.sleep(0.04)
+                tx.send(np.zeros(4, np.uint8))
+
+        t = threading.Thread(target=produce, daemon=True)
+        t.start()
+        try:
+            for _ in range(6):  # learn the cadence
+                rx.recv().release()
+            cpu0 = time.thread_time()
+            for _ in range(5):
+                rx.recv().release()
+            cpu = time.thread_time() - cpu0
+        finally:
+            stop.set()
+            t.join()
+    assert cpu < 0.010, f"receiver burned {cpu * 1e3:.1f} ms of CPU over 5 slow frames (a spin would be 25 ms)"
+
+
+def test_hybrid_keeps_spinning_for_a_fast_stream(name: str) -> None:
+    tr = MemoryTransport()
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
+        name, transport=tr, wait="hybrid", spin_us=50_000, timeout=5.0
+    ) as rx:
+        for _ in range(8):
+            tx.send(np.zeros(4, np.uint8))
+            rx.recv().release()  # the frame is already there: the receiver waited ~0
+        assert rx._wait_avg < 4 * rx.spin_s
+
+
+def test_monitor_counters_are_published_before_the_receiver_sleeps(name: str) -> None:
+    tr = MemoryTransport()
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
+        name, transport=tr, latest=False, timeout=2.0
+    ) as rx:
+        for _ in range(3):
+            tx.send(np.zeros(4, np.uint8))
+        for _ in range(3):
+            rx.recv().release()
+        assert rx.poll() is None  # nothing left: the receiver is idle, so monitors are told
+        entry = tx._layout.consumer(rx._att.ring.index)  # type: ignore[union-attr]
+        _state, _pid, _token, received, skipped, *_ = wire.CONSUMER.unpack_from(tx._server.header, entry)
+        assert (received, skipped) == (3, 0)
+
+
+def test_record_meta_does_not_leak_into_the_next_frame() -> None:
+    """The spec bytes are cached per spec; a frame without meta must still read back with none."""
+    spec = FrameSpec((4, 4), "uint8")
+    buf = bytearray(wire.RECORD_SIZE)
+    wire.pack_record(buf, 0, 1, 10, spec, b"hello")
+    assert wire.unpack_record(buf, 0, spec.nbytes) == (1, 10, spec, b"hello")
+    wire.pack_record(buf, 0, 2, 20, spec, b"")
+    assert wire.unpack_record(buf, 0, spec.nbytes) == (2, 20, spec, b"")
+    other = FrameSpec((4, 4), "uint8")  # an equal spec object packs the same bytes
+    assert wire.spec_bytes(other) == wire.spec_bytes(spec)
+
+
+def test_timestamp_is_taken_at_publication(name: str) -> None:
+    tr = MemoryTransport()
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
+        name, transport=tr, timeout=2.0
+    ) as rx:
+        t0 = time.time_ns()
+        tx.send(np.zeros(4, np.uint8))
+        t1 = time.time_ns()
+        with rx.recv(1.0) as f:
+            assert t0 <= f.timestamp_ns <= t1
+        tx.send(np.zeros(4, np.uint8), timestamp_ns=42)  # a caller's own stamp is kept as given
+        with rx.recv(1.0) as f:
+            assert f.timestamp_ns == 42
+
+
+def test_row_pitch_rule() -> None:
+    spec = FrameSpec((4, 6, 4), "uint8")  # rows of 24 bytes
+    assert _row_pitch(spec, None) == 0
+    assert _row_pitch(spec, spec.byte_strides) == 0
+    assert _row_pitch(spec, (32, 4, 1)) == 32  # padded rows: one 2-D copy
+    with pytest.raises(cudalink.FormatError, match="contiguous"):
+        _row_pitch(spec, (4, 16, 1))  # transposed: not a pitched copy
+    with pytest.raises(cudalink.FormatError, match="contiguous"):
+        _row_pitch(spec, (16, 4, 1))  # rows overlap: pitch below the row size

@@ -579,7 +579,8 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
     walls: list[int] = []
     pubs: list[int] = []
     costs: list[int] = []
-    rcosts: list[int] = []  # poll mode: dropping the export and releasing the frame
+    dcosts: list[int] = []  # poll mode: deleting the exported array/tensor
+    rcosts: list[int] = []  # poll mode: frame.release()
     try:
         src = _open_source(job, chan)
         out.put(("ready", job.index, os.getpid()))
@@ -598,15 +599,17 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
                 seq, obj, pub = got
                 x = src.export(obj)
                 t1 = time.monotonic_ns()
-                del x
-                src.done(obj)
+                del x  # the framework frees its tensor/array (timed apart: not cudalink's code)
                 t2 = time.monotonic_ns()
+                src.done(obj)  # frame.release(): the GPU fence and the lease
+                t3 = time.monotonic_ns()
                 seqs.append(seq)
                 times.append(t0)
                 walls.append(time.time_ns())
                 pubs.append(pub)
                 costs.append(t1 - t0)
-                rcosts.append(t2 - t1)
+                dcosts.append(t2 - t1)
+                rcosts.append(t3 - t2)
         else:
             while True:
                 got = src.take()
@@ -627,6 +630,7 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
             "pub": pubs,
             "cost": costs,
             "rcost": rcosts,
+            "dcost": dcosts,
             "skipped": int(src.skipped),
         }
         out.put(("result", job.index, result))
@@ -904,15 +908,15 @@ class RunResult:
         return [c for r in self.results for s, c in zip(r["seq"], r["cost"], strict=False) if s > self.warm]
 
     def release_costs(self) -> list[int]:
-        """Poll mode: dropping the exported array/tensor and releasing the frame."""
+        """Poll mode: ``frame.release()`` once the exported array/tensor is gone."""
         return [c for r in self.results for s, c in zip(r["seq"], r.get("rcost", []), strict=False) if s > self.warm]
 
     def recv_release_costs(self) -> list[int]:
-        """Poll mode: take + export + release, per frame."""
+        """Poll mode: take + export + delete the export + release, per frame."""
         return [
-            a + b
+            a + b + c
             for r in self.results
-            for s, a, b in zip(r["seq"], r["cost"], r.get("rcost", []), strict=False)
+            for s, a, b, c in zip(r["seq"], r["cost"], r.get("dcost", []), r.get("rcost", []), strict=False)
             if s > self.warm
         ]
 

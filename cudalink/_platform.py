@@ -288,3 +288,17 @@ def _pid_alive_windows(pid: int, kernel32: Any, last_error: Any) -> bool:
         return code.value == _STILL_ACTIVE
     finally:
         kernel32.CloseHandle(handle)
+
+
+def yield_cpu() -> None:
+    """Let other threads (and processes) run, without sleeping.
+
+    ``time.sleep(0)`` is a ``nanosleep`` on Linux, and the kernel's timer slack (50 us for normal
+    tasks) turns it into a real sleep: 76 us measured on a small VM, far longer than a spinning
+    receiver may look away. ``sched_yield`` releases the GIL and returns at once; Windows has no
+    ``os.sched_yield``, and there ``Sleep(0)`` is the same thing.
+    """
+    _yield()
+
+
+_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))

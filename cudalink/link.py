@@ -743,7 +743,7 @@ class Receiver:
                 # hand the GIL over now and then: a spinning thread must not starve this process's
                 # other threads (which may be the very producer we wait for)
                 self._publish_counts(att)
-                time.sleep(0)
+                _platform.yield_cpu()
                 n += 1
                 if n & 15 == 0 and not att.client.drain():
                     raise self._gone("closed or died")

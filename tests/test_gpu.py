@@ -344,3 +344,41 @@ def test_gpu_torn_read_soak_one_million(ctx: Any, name: str) -> None:
     print("gpu soak:", outs)
     assert all(o[2] == 0 for o in outs), outs
     assert all(o[1] > 0 for o in outs), outs
+
+
+def test_send_without_stream_is_ordered_after_torchs_current_stream(name: str) -> None:
+    """The source is written on a busy side stream; ``send()`` gets no stream and must not block the CPU,
+    yet the consumer must see the finished write (the copy runs after it on the GPU)."""
+    torch = _torch()
+    with cudalink.Sender(name, shape=(256, 256), dtype="float32", device=0) as tx, cudalink.Receiver(name) as rx:
+        x = torch.zeros(256, 256, device="cuda")
+        side = torch.cuda.Stream()
+        for k in (1.0, 2.0, 3.0):
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time before the write
+                x.fill_(k)
+                done = torch.cuda.Event()
+                done.record(side)
+                t0 = time.monotonic()
+                tx.send(x)
+                assert time.monotonic() - t0 < 0.05, "send() waited for the GPU"
+                assert not done.query(), "the side stream finished before send returned: the test proves nothing"
+            with rx.recv(timeout=5) as f:
+                got = torch.from_dlpack(f)  # on torch's default stream, which waits on the frame's event
+                assert float(got.min()) == k and float(got.max()) == k
+
+
+def test_padded_rows_go_in_one_pitched_copy_and_other_strides_are_refused(name: str) -> None:
+    torch = _torch()
+    with cudalink.Sender(name, shape=(64, 48, 4), dtype="uint8", device=0) as tx, cudalink.Receiver(name) as rx:
+        wide = torch.arange(64 * 80 * 4, device="cuda").remainder(251).to(torch.uint8).reshape(64, 80, 4)
+        crop = wide[:, 16:64]  # rows of 48 pixels inside rows of 80: a pitch of 320 bytes
+        assert not crop.is_contiguous()
+        tx.send(crop)
+        with rx.recv(timeout=5) as f:
+            assert torch.equal(torch.from_dlpack(f), crop)
+        with pytest.raises(cudalink.FormatError, match="contiguous"):
+            tx.send(wide.permute(1, 0, 2)[:64, :48])  # columns for rows: no single copy does that
+        tx.send(crop.contiguous() + 1)  # the link is still usable after bad input
+        with rx.recv(timeout=5) as f:
+            assert torch.equal(torch.from_dlpack(f), crop + 1)

@@ -30,9 +30,10 @@ def traced() -> object:
 
 def test_trace_marks_every_stage_in_order(name: str, traced: object) -> None:
     tr = MemoryTransport()
-    with cudalink.Sender(name, shape=(4, 4), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
-        name, transport=tr, timeout=2.0
-    ) as rx:
+    with (
+        cudalink.Sender(name, shape=(4, 4), dtype="uint8", transport=tr) as tx,
+        cudalink.Receiver(name, transport=tr, timeout=2.0) as rx,
+    ):
         _trace.take()
         tx.send(np.ones((4, 4), np.uint8))
         produced = _trace.take()
@@ -81,9 +82,10 @@ def test_bench_breakdown_cpu_reports_floors_and_every_stage(tmp_path: Path) -> N
 def test_hybrid_stops_spinning_when_frames_come_far_apart(name: str) -> None:
     """A 5 ms spin budget, frames every 40 ms: after a few frames the receiver must sleep, not spin."""
     tr = MemoryTransport()
-    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
-        name, transport=tr, wait="hybrid", spin_us=5000, timeout=5.0
-    ) as rx:
+    with (
+        cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx,
+        cudalink.Receiver(name, transport=tr, wait="hybrid", spin_us=5000, timeout=5.0) as rx,
+    ):
         stop = threading.Event()
 
         def produce() -> None:
@@ -108,9 +110,10 @@ def test_hybrid_stops_spinning_when_frames_come_far_apart(name: str) -> None:
 
 def test_hybrid_keeps_spinning_for_a_fast_stream(name: str) -> None:
     tr = MemoryTransport()
-    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
-        name, transport=tr, wait="hybrid", spin_us=50_000, timeout=5.0
-    ) as rx:
+    with (
+        cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx,
+        cudalink.Receiver(name, transport=tr, wait="hybrid", spin_us=50_000, timeout=5.0) as rx,
+    ):
         for _ in range(8):
             tx.send(np.zeros(4, np.uint8))
             rx.recv().release()  # the frame is already there: the receiver waited ~0
@@ -119,9 +122,10 @@ def test_hybrid_keeps_spinning_for_a_fast_stream(name: str) -> None:
 
 def test_monitor_counters_are_published_before_the_receiver_sleeps(name: str) -> None:
     tr = MemoryTransport()
-    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
-        name, transport=tr, latest=False, timeout=2.0
-    ) as rx:
+    with (
+        cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx,
+        cudalink.Receiver(name, transport=tr, latest=False, timeout=2.0) as rx,
+    ):
         for _ in range(3):
             tx.send(np.zeros(4, np.uint8))
         for _ in range(3):
@@ -146,9 +150,10 @@ def test_record_meta_does_not_leak_into_the_next_frame() -> None:
 
 def test_timestamp_is_taken_at_publication(name: str) -> None:
     tr = MemoryTransport()
-    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx, cudalink.Receiver(
-        name, transport=tr, timeout=2.0
-    ) as rx:
+    with (
+        cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx,
+        cudalink.Receiver(name, transport=tr, timeout=2.0) as rx,
+    ):
         t0 = time.time_ns()
         tx.send(np.zeros(4, np.uint8))
         t1 = time.time_ns()

@@ -112,18 +112,14 @@ class ControlLoop:
             self._wake_w.send(b"x")
 
     def wake(self, byte: bytes, conns: list[int] | None = None) -> None:
-        if conns is None:
-            targets: tuple[socket.socket, ...] | list[socket.socket] = self._joined_list
-        else:
-            joined = self._joined
-            targets = [s for s in (joined.get(c) for c in conns) if s is not None]
-        for sock in targets:
+        joined = self._joined
+        for sock in self._joined_list if conns is None else [joined.get(c) for c in conns]:
+            if sock is None:
+                continue
             try:
                 sock.send(byte, _DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                pass  # the consumer has unread wake-ups already
             except OSError:
-                pass  # gone: the loop sees EOF and reclaims
+                pass  # unread wake-ups fill its buffer (EAGAIN: it will look anyway), or gone (EOF reclaims)
 
     def disconnect(self, conn: int) -> None:
         with self._lock:

@@ -1427,6 +1427,20 @@ class Bench:
         return out
 
 
+#: how a goal's figure is judged against its reference: (target text, test)
+_GOAL_KINDS: dict[str, tuple[str, Callable[[float, float], bool]]] = {
+    "1.5x": ("<= 1.5x", lambda v, r: v <= 1.5 * r),
+    "2x": ("<= 2x", lambda v, r: v <= 2 * r),
+    "3x": ("<= 3x", lambda v, r: v <= 3 * r),
+    "1x": ("<= 1x", lambda v, r: v <= r),
+    "+10us": ("<= floor + 10 us", lambda v, r: v <= r + 10),
+    "10us": ("<= 10 us", lambda v, r: v <= r),
+    "75%": (">= 75%", lambda v, r: v >= 0.75),
+    "90%": (">= 90%", lambda v, r: v >= 0.90),
+    "fps": (">= 50,000 fps or >= 4x", lambda v, r: v >= 50_000 or v >= 4 * r),
+}
+
+
 def goals(
     report: dict[str, Any], breakdown: dict[str, Any] | str | None, extra: dict[str, Any], cuda: bool
 ) -> list[dict[str, Any]]:
@@ -1434,118 +1448,95 @@ def goals(
     floors = report["floors"] if isinstance(report["floors"], dict) else {}
     rows = {(r["id"], r["peer_name"]): r for r in report["rows"]}
     waits = {w["mode"]: w["handoff"] for w in report["wait_modes"]}
-    out: list[dict[str, Any]] = []
+    bd = breakdown if isinstance(breakdown, dict) else {}
 
     def stat(summary: dict[str, float] | None, key: str = "p50") -> float | None:
         return None if not summary else summary.get(key)
 
-    def ours(mid: str, key: str = "p50", peer: str = "torch-mp") -> float | None:
-        row = rows.get((mid, peer)) or rows.get((mid, "shm")) or rows.get((mid, "d2d"))
-        return stat(row.get("cudalink") if row else None, key)
-
-    def theirs(mid: str, peer: str, key: str = "p50") -> float | None:
+    def side(mid: str, peer: str, who: str, key: str = "p50") -> float | None:
         row = rows.get((mid, peer))
-        return stat(row.get("peer") if row and row.get("status") == "ok" else None, key)
+        return stat(row.get(who) if row and row.get("status") == "ok" else None, key)
 
-    def add(goal: str, value: float | None, ref: float | None, ref_label: str, target: str, met: Any) -> None:
-        ok = None if value is None or ref is None else bool(met(value, ref))
-        ratio = None if value is None or not ref else value / ref
-        out.append(
-            {"goal": goal, "cudalink": value, "reference": ref, "reference_label": ref_label, "ratio": ratio}
-            | {"target": target, "met": ok}
-        )
+    def share(key: str) -> float | None:  # copy-send speed as a share of the D2D copy's
+        c, d = side(key, "d2d", "cudalink"), side(key, "d2d", "peer")
+        return None if c is None or d is None else d / c
 
+    peer = "torch-mp" if cuda else "shm"
     wake, spin = stat(floors.get("wake")), stat(floors.get("spin"))
-    for mode in ("block", "hybrid"):
-        add(
-            f"handoff p50, wait={mode!r}, 2 ms cadence",
-            stat(waits.get(mode)),
-            wake,
-            "bare socketpair wake",
-            "<= 1.5x",
-            lambda v, r: v <= 1.5 * r,
-        )
-    add(
-        "handoff p50, wait='spin'",
-        stat(waits.get("spin")),
-        spin,
-        "bare spin",
-        "<= floor + 10 us",
-        lambda v, r: v <= r + 10,
-    )
-    bd = breakdown if isinstance(breakdown, dict) else {}
-    add(
-        "reserve() + commit p50 (in process)",
-        stat(bd.get("reserve_commit")),
-        10.0,
-        "10 us",
-        "<= 10 us",
-        lambda v, r: v <= r,
-    )
+    table: list[tuple[str, float | None, float | None, str, str]] = [
+        ("handoff p50, wait='block', 2 ms cadence", stat(waits.get("block")), wake, "bare socketpair wake", "1.5x"),
+        ("handoff p50, wait='hybrid', 2 ms cadence", stat(waits.get("hybrid")), wake, "bare socketpair wake", "1.5x"),
+        ("handoff p50, wait='spin'", stat(waits.get("spin")), spin, "bare spin", "+10us"),
+        ("reserve() + commit p50 (in process, no consumer)", stat(bd.get("reserve_commit")), 10.0, "10 us", "10us"),
+    ]
     if cuda:
-        add(
-            "recv + from_dlpack p50, cross-process",
-            ours("recv_export"),
-            stat(floors.get("wait_dlpack")),
-            "cuStreamWaitEvent + from_dlpack of a cached view",
-            "<= 2x",
-            lambda v, r: v <= 2 * r,
-        )
-        add(
-            "release() p50, cross-process",
-            stat(extra.get("release")),
-            stat(floors.get("record_ipc_event")),
-            "cuEventRecord on an IPC event",
-            "<= 2x",
-            lambda v, r: v <= 2 * r,
-        )
-        add(
-            "send() p50, 1080p uint8, a consumer attached",
-            ours("send_cost"),
-            stat(floors.get("memcpy_record")),
-            "cuMemcpyAsync + cuEventRecord",
-            "<= 2x",
-            lambda v, r: v <= 2 * r,
-        )
-        add(
-            "send() p50 vs torch.multiprocessing put",
-            ours("send_cost"),
-            theirs("send_cost", "torch-mp"),
-            "torch.multiprocessing Queue.put",
-            "<= 1x",
-            lambda v, r: v <= r,
-        )
-        for key, want in (("copy_bw_1080p_f32", 0.75), ("copy_bw_4k_f32", 0.90)):
-            row = rows.get((key, "d2d"))
-            c, d = stat(row.get("cudalink") if row else None), stat(row.get("peer") if row else None)
-            add(
-                f"copy-send {key[8:]} as a share of D2D (higher is better)",
-                None if c is None or d is None else d / c,
-                1.0,
-                "plain D2D copy",
-                f">= {want:.0%}",
-                lambda v, r, w=want: v >= w,
-            )
-        fps, tfps = extra.get("small_fps_cudalink"), extra.get("small_fps_torch-mp")
-        add(
-            "small frames 64x64x4, delivered fps (higher is better)",
-            fps,
-            tfps,
-            "torch.multiprocessing fps",
-            ">= 50,000 fps or >= 4x",
-            lambda v, r: v >= 50_000 or v >= 4 * r,
-        )
+        send = side("send_cost", peer, "cudalink")
+        table += [
+            (
+                "recv + from_dlpack p50, cross-process",
+                side("recv_export", peer, "cudalink"),
+                stat(floors.get("wait_dlpack")),
+                "cuStreamWaitEvent + from_dlpack of a cached view",
+                "2x",
+            ),
+            (
+                "release() p50, cross-process",
+                stat(extra.get("release")),
+                stat(floors.get("record_ipc_event")),
+                "cuEventRecord on an IPC event",
+                "2x",
+            ),
+            (
+                "send() p50, 1080p uint8, a consumer attached",
+                send,
+                stat(floors.get("memcpy_record")),
+                "cuMemcpyAsync + cuEventRecord",
+                "2x",
+            ),
+            ("send() p50 vs torch.multiprocessing put", send, side("send_cost", peer, "peer"), "Queue.put", "1x"),
+            ("copy-send 1080p_f32 as a share of D2D (higher is better)", share("copy_bw_1080p_f32"), 1.0, "D2D", "75%"),
+            ("copy-send 4k_f32 as a share of D2D (higher is better)", share("copy_bw_4k_f32"), 1.0, "D2D", "90%"),
+            (
+                "small frames 64x64x4, delivered fps (higher is better)",
+                extra.get("small_fps_cudalink"),
+                extra.get("small_fps_torch-mp"),
+                "torch.multiprocessing fps",
+                "fps",
+            ),
+        ]
     else:
-        add(
-            "poll + np.from_dlpack + release p50",
-            stat(extra.get("recv_export_release")),
-            stat(floors.get("view_read")),
-            "numpy view of a SharedMemory slot",
-            "<= 3x",
-            lambda v, r: v <= 3 * r,
+        table.append(
+            (
+                "poll + np.from_dlpack + release p50",
+                stat(extra.get("recv_export_release")),
+                stat(floors.get("view_read")),
+                "numpy view of a SharedMemory slot",
+                "3x",
+            )
         )
-    fan, one = ours("fanout", "p99"), stat(waits.get("hybrid"), "p99")
-    add("fan-out p99 vs one consumer's p99", fan, one, "single-consumer handoff p99", "<= 3x", lambda v, r: v <= 3 * r)
+    table.append(
+        (
+            "fan-out p99 vs one consumer's p99",
+            side("fanout", peer, "cudalink", "p99"),
+            stat(waits.get("hybrid"), "p99"),
+            "single-consumer handoff p99",
+            "3x",
+        )
+    )
+    out = []
+    for goal, value, ref, label, kind in table:
+        target, test = _GOAL_KINDS[kind]
+        out.append(
+            {
+                "goal": goal,
+                "cudalink": value,
+                "reference": ref,
+                "reference_label": label,
+                "ratio": None if value is None or not ref else value / ref,
+                "target": target,
+                "met": None if value is None or ref is None else bool(test(value, ref)),
+            }
+        )
     return out
 
 

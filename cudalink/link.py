@@ -300,8 +300,10 @@ class Sender:
     ) -> int | None:
         """Copy ``array`` into the next free slot and publish it; returns its seq, or None if dropped.
 
-        On CUDA links the copy is queued on ``stream`` (default: the link's stream, ordered after the
-        array's producer through DLPack) and the CPU never waits for it.
+        On CUDA links the copy is queued on ``stream`` and the CPU never waits for it. Without one, a
+        torch tensor is copied on torch's current stream (after its producer, with nothing to order);
+        other arrays, and any send while a consumer's release fence is pending, use the link's stream,
+        ordered after the array's producer through DLPack/CAI.
         """
         if _trace.ON:
             _trace.mark(_trace.SEND_ENTERED)

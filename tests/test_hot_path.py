@@ -173,3 +173,30 @@ def test_row_pitch_rule() -> None:
         _row_pitch(spec, (4, 16, 1))  # transposed: not a pitched copy
     with pytest.raises(cudalink.FormatError, match="contiguous"):
         _row_pitch(spec, (16, 4, 1))  # rows overlap: pitch below the row size
+
+
+def _summary(p50: float, p99: float | None = None) -> dict[str, float]:
+    return {"p50": p50, "p99": p99 if p99 is not None else 2 * p50, "mean": p50, "n": 100.0}
+
+
+@pytest.mark.parametrize(("block", "met"), [(14.9, True), (15.1, False)])
+def test_goals_judge_each_figure_against_its_floor(block: float, met: bool) -> None:
+    from cudalink._bench import goals
+
+    report = {
+        "floors": {"wake": _summary(10.0), "spin": _summary(1.0), "view_read": _summary(2.0)},
+        "wait_modes": [
+            {"mode": "block", "handoff": _summary(block)},
+            {"mode": "hybrid", "handoff": _summary(12.0, 30.0)},
+            {"mode": "spin", "handoff": _summary(12.0)},
+        ],
+        "rows": [{"id": "fanout", "peer_name": "shm", "status": "ok", "cudalink": _summary(20.0, 95.0), "peer": None}],
+    }
+    extra = {"recv_export_release": _summary(7.0)}
+    got = {g["goal"]: g for g in goals(report, {"reserve_commit": _summary(4.0)}, extra, cuda=False)}
+    assert got["handoff p50, wait='block', 2 ms cadence"]["met"] is met
+    assert got["handoff p50, wait='block', 2 ms cadence"]["ratio"] == pytest.approx(block / 10.0)
+    assert got["handoff p50, wait='spin'"]["met"] is False  # 12 > 1 + 10
+    assert got["poll + np.from_dlpack + release p50"]["met"] is False  # 7 > 3 x 2
+    assert got["fan-out p99 vs one consumer's p99"]["met"] is False  # 95 > 3 x 30
+    assert got["reserve() + commit p50 (in process, no consumer)"]["met"] is True

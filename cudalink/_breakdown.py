@@ -22,25 +22,31 @@ import numpy as np
 from . import _trace
 
 #: each stage is named by the mark that ends it and lasts from the previous mark of the same frame, so
-#: a backend that skips a step (the CPU has no events) folds its time into the next stage, never loses it
+#: a backend that skips a step (the CPU has no events) folds its time into the next stage, never loses it.
+#: The wake-up is the exception: the consumer may run before the producer returns from the write, so
+#: both the write and the OS wake are timed from the mark taken just before it (as the floor is).
 STAGES: tuple[tuple[str, str, str], ...] = (
-    (_trace.SLOT_CLAIMED, "claim a slot, import release fences", "producer"),
-    (_trace.SOURCE_READ, "read the source array (pointer, shape, stream order)", "producer"),
-    (_trace.FENCES_WAITED, "queue waits on consumers' release fences", "producer"),
+    (_trace.SLOT_CLAIMED, "claim a slot, check release fences", "producer"),
+    (_trace.SOURCE_READ, "read the source array (pointer, shape, stream)", "producer"),
+    (_trace.FENCES_WAITED, "queue waits on pending release fences", "producer"),
     (_trace.COPY_QUEUED, "copy (GPU: queue cuMemcpyAsync; CPU: memcpy)", "producer"),
     (_trace.EVENT_RECORDED, "record the slot's ready event", "producer"),
     (_trace.PUBLISHED, "publish: record, stamp, fence", "producer"),
-    (_trace.WAKE_SENT, "send the wake-up byte", "producer"),
-    (_trace.WOKEN, "OS wake: wake-up sent -> consumer running", "both"),
+    (_trace.WAKING, "find the sleeping consumers", "producer"),
+    (_trace.WAKE_SENT, "write the wake-up byte (syscall)", "producer"),
+    (_trace.WOKEN, "OS wake: wake-up written -> consumer running", "both"),
     (_trace.LEASED, "find and lease the slot", "consumer"),
     (_trace.FRAME_BUILT, "build the Frame, return from recv()", "consumer"),
     (_trace.EXPORTED, "export (from_dlpack)", "consumer"),
     (_trace.RELEASED, "release (GPU fence, lease cleared)", "consumer"),
 )
-_ORDER = {m: i for i, m in enumerate((_trace.SEND_ENTERED, *(s[0] for s in STAGES)))}
+#: stages timed from a fixed mark rather than the previous one
+_FROM = {_trace.WAKE_SENT: _trace.WAKING, _trace.WOKEN: _trace.WAKING}
+#: the chain "previous mark" follows; WAKE_SENT hangs off WAKING and starts nothing
+_CHAIN = [_trace.SEND_ENTERED, *(m for m, _, _ in STAGES if m != _trace.WAKE_SENT)]
 #: end-to-end spans over the same marks
 TOTALS: tuple[tuple[str, str, str], ...] = (
-    ("send(): entered -> wake-up sent", _trace.SEND_ENTERED, _trace.WAKE_SENT),
+    ("send(): entered -> wake-up written", _trace.SEND_ENTERED, _trace.WAKE_SENT),
     ("handoff: published -> recv() returns", _trace.PUBLISHED, _trace.FRAME_BUILT),
     ("consumer: woken -> exported -> released", _trace.WOKEN, _trace.RELEASED),
 )
@@ -155,11 +161,13 @@ def run(
     both = [{**dict(produced[s]), **dict(consumed[s])} for s in sorted(consumed) if s > warm and s in produced]
     durations: dict[str, list[int]] = {m: [] for m, _, _ in STAGES}
     for m in both:
-        prev: tuple[str, int] | None = None
-        for stage, t in sorted(m.items(), key=lambda kv: _ORDER.get(kv[0], 99)):
-            if prev is not None and stage in durations:
-                durations[stage].append(t - prev[1])
-            prev = (stage, t)
+        for end, _, _ in STAGES:
+            start = _FROM.get(end)
+            if start is None and end in m:
+                earlier = [c for c in _CHAIN[: _CHAIN.index(end)] if c in m]
+                start = earlier[-1] if earlier else None
+            if start is not None and start in m and end in m:
+                durations[end].append(m[end] - m[start])
     stages = [{"stage": label, "side": side, "mark": m, "us": summarize(durations[m])} for m, label, side in STAGES]
     totals = []
     for label, a, b in TOTALS:

@@ -18,6 +18,7 @@ FENCES_WAITED = "fences waited"
 COPY_QUEUED = "copy queued"
 EVENT_RECORDED = "event recorded"
 PUBLISHED = "published"
+WAKING = "waking"  # about to write the wake-up byte: the OS wake is timed from here, as the floor's is
 WAKE_SENT = "wake sent"
 #: consumer stages, in the order one ``recv`` (and the caller's export and release) passes them
 WOKEN = "woken"
@@ -34,6 +35,7 @@ PRODUCER_STAGES = (
     COPY_QUEUED,
     EVENT_RECORDED,
     PUBLISHED,
+    WAKING,
     WAKE_SENT,
 )
 CONSUMER_STAGES = (WOKEN, LEASED, FRAME_BUILT, EXPORTED, RELEASED)

@@ -334,6 +334,8 @@ class Sender:
         waiting = ring.waiting
         sleepers = [conn for conn, index in self._handler.snapshot if waiting(index)]
         if sleepers:
+            if _trace.ON:
+                _trace.mark(_trace.WAKING)
             self._server.wake(b"\x01", sleepers)
             if _trace.ON:
                 _trace.mark(_trace.WAKE_SENT)

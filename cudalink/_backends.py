@@ -150,7 +150,6 @@ class CudaSlots:
         self._sources: list[Any] = [None] * nslots
         self._join: Any = None
         self._tls = threading.local()
-        self._tls_ok = 0
 
     def bind(self, region: Any) -> None:
         pass
@@ -173,7 +172,6 @@ class CudaSlots:
         if getattr(self._tls, "ok", False) is False:
             self.dev.set_current()
             self._tls.ok = True
-        self._tls_ok = threading.get_ident()  # the thread that sent last: it skips even the TLS lookup
 
     def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
         """One copy into ``slot`` and the slot's ready event, queued without blocking the CPU.
@@ -183,8 +181,7 @@ class CudaSlots:
         consumer's release fence is still pending does it go on the link's stream instead, so that waiting
         for a slow consumer never stalls the caller's own stream.
         """
-        if self._tls_ok != threading.get_ident():
-            self._current()
+        self._current()
         if stream is not None:
             s = order = _cuda.stream_handle(stream)
         else:
@@ -254,6 +251,8 @@ class CudaSlots:
     def close(self, timeout: float) -> None:
         self.dev.set_current()
         self.stream.sync()
+        for ev in self.ready:  # a slot's last copy may sit on the caller's stream: its ready event says when
+            ev.sync()
         self._sources = [None] * self.nslots
         for ev in self.ready:
             _cuda.close_ipc_event(ev)
@@ -322,7 +321,7 @@ class CudaView:
         self._bufs: list[tuple[int, Any] | None] = [None] * n
         self.release_events: list[Any] = []
         self._release_raw: list[Any] = []
-        self._joins: list[Any] = []
+        self._join: Any = None  # one plain event, re-recorded per joined stream
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._closed = False
@@ -365,9 +364,9 @@ class CudaView:
             self._tls.current = True
         target = streams[0]
         if len(streams) > 1:
-            if not self._joins:
-                self._joins.append(_cuda.new_event())
-            _cuda.join_streams(target, streams[1:], self._joins[0])
+            if self._join is None:
+                self._join = _cuda.new_event()
+            _cuda.join_streams(target, streams[1:], self._join)
         _cuda.record(self._release_raw[slot], target)
         return True
 
@@ -391,9 +390,9 @@ class CudaView:
                     self.mem.close_one(got[1], self.stream)
             self._bufs = [None] * len(self._bufs)
             self._slots = [None] * len(self._slots)
-            for ev in self._joins:
-                _cuda.destroy_event(ev)
-            self._joins = []
+            if self._join is not None:
+                _cuda.destroy_event(self._join)
+                self._join = None
             for ev in self.release_events:
                 _cuda.close_ipc_event(ev)
             self.mem.close()

@@ -382,3 +382,19 @@ def test_padded_rows_go_in_one_pitched_copy_and_other_strides_are_refused(name: 
         tx.send(crop.contiguous() + 1)  # the link is still usable after bad input
         with rx.recv(timeout=5) as f:
             assert torch.equal(torch.from_dlpack(f), crop + 1)
+
+
+def test_close_waits_for_a_copy_queued_on_the_callers_stream(name: str) -> None:
+    """send() with no stream copies on torch's current stream; close() must not free the slots under it."""
+    torch = _torch()
+    x = torch.ones(1024, device="cuda")
+    tx = cudalink.Sender(name, shape=(1024,), dtype="float32", device=0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time queued before the copy
+        tx.send(x)
+        copied = torch.cuda.Event()
+        copied.record(side)
+    assert not copied.query(), "the side stream finished before close(): the test proves nothing"
+    tx.close()
+    assert copied.query(), "close() returned while the copy into its slot was still queued"

@@ -398,3 +398,23 @@ def test_close_waits_for_a_copy_queued_on_the_callers_stream(name: str) -> None:
     assert not copied.query(), "the side stream finished before close(): the test proves nothing"
     tx.close()
     assert copied.query(), "close() returned while the copy into its slot was still queued"
+
+
+def test_bench_breakdown_gpu_reports_driver_floors_and_event_stages(tmp_path: Any) -> None:
+    """The GPU floors (driver calls, cached-view export) and the CUDA-only stages are measured, not skipped."""
+    import json
+
+    from cudalink import _trace
+
+    from .test_cli import run_cli
+
+    out = tmp_path / "bd.json"
+    proc = run_cli("bench", "--breakdown", "--device", "0", "--frames", "80", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    floors = report["floors"]
+    for key in ("wake", "spin", "wait_event", "dlpack_cached", "wait_dlpack", "record_ipc_event", "memcpy_record"):
+        assert floors[key]["p50"] > 0 and floors[key]["n"] > 0, key
+    stages = {s["mark"]: s["us"] for s in report["breakdown"]["stages"]}
+    for mark in (_trace.COPY_QUEUED, _trace.EVENT_RECORDED, _trace.WOKEN, _trace.EXPORTED, _trace.RELEASED):
+        assert stages[mark] is not None and stages[mark]["p50"] > 0, mark

@@ -38,11 +38,20 @@ _core_mod: Any = None
 _smv: Any = None
 
 
+NO_CUDA_PACKAGES = (
+    "cudalink: the CUDA packages are not installed here (cuda-core, cuda-bindings: pip installs them only "
+    "where NVIDIA ships wheels, not on macOS); on a machine with an NVIDIA GPU run "
+    "`pip install cuda-core cuda-bindings`, or " + NO_GPU_HINT
+)
+
+
 def _drv() -> Any:
     global _driver_mod
     if _driver_mod is None:
-        from cuda.bindings import driver
-
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            raise CudaUnavailable(NO_CUDA_PACKAGES) from None
         _driver_mod = driver
     return _driver_mod
 
@@ -50,8 +59,10 @@ def _drv() -> Any:
 def _core() -> Any:
     global _core_mod
     if _core_mod is None:
-        import cuda.core
-
+        try:
+            import cuda.core
+        except ImportError:
+            raise CudaUnavailable(NO_CUDA_PACKAGES) from None
         _core_mod = cuda.core
     return _core_mod
 
@@ -71,6 +82,7 @@ def _any_interface() -> Any:
 def _view_cls() -> Any:
     global _smv
     if _smv is None:
+        _core()  # a clear CudaUnavailable where the CUDA packages are missing
         from cuda.core.utils import StridedMemoryView
 
         _smv = StridedMemoryView

@@ -27,19 +27,6 @@ FRAME_BUILT = "frame built"
 EXPORTED = "exported"
 RELEASED = "released"
 
-PRODUCER_STAGES = (
-    SEND_ENTERED,
-    SLOT_CLAIMED,
-    SOURCE_READ,
-    FENCES_WAITED,
-    COPY_QUEUED,
-    EVENT_RECORDED,
-    PUBLISHED,
-    WAKING,
-    WAKE_SENT,
-)
-CONSUMER_STAGES = (WOKEN, LEASED, FRAME_BUILT, EXPORTED, RELEASED)
-
 ON = False
 _marks: list[tuple[str, int]] = []
 _clock = time.monotonic_ns

@@ -348,10 +348,6 @@ def read_column(buf: Any, layout: Layout, slot: int) -> tuple[int, ...]:
     return layout.column_struct.unpack_from(buf, layout.lease(slot, 0))  # type: ignore[no-any-return]
 
 
-def read_fence_column(buf: Any, layout: Layout, slot: int) -> tuple[int, ...]:
-    return layout.fence_column_struct.unpack_from(buf, layout.fence(slot, 0))  # type: ignore[no-any-return]
-
-
 # -- slot records ---------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ def tests(session: nox.Session) -> None:
     """The CI suite: everything that runs without a GPU (GPU tests skip themselves)."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", *session.posargs, env={"CUDALINK_PURE_PYTHON": "1"})
 
 
 @nox.session(venv_backend="none")

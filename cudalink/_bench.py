@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda, _platform
+from . import _cuda, _native, _platform
 from ._version import __version__
 from .errors import CudaUnavailable, LinkError, LinkTimeout, ProducerGone
 
@@ -1595,4 +1595,5 @@ def machine_info(backend: Backend) -> dict[str, Any]:
     if backend.is_cuda:
         with contextlib.suppress(Exception):
             info["gpu"] = str(_cuda.device(backend.device).name)
+    info["core"] = _native.status()
     return info

@@ -99,6 +99,42 @@ def _reserve_costs(tx: Any, n: int) -> list[int]:
     return out
 
 
+def ring_cycles(n: int = 20_000, batch: int = 50) -> dict[str, dict[str, float] | None]:
+    """One frame's ring operations (claim, publish, take, release), hot, in process, per implementation.
+
+    Each ring built here is timed over the same header layout and spec, so the compiled core's share of
+    a frame is read off the same run as the Python ring it replaces. Samples are per-frame means over
+    ``batch`` frames (a single frame is below the clock's resolution).
+    """
+    from . import _ring
+    from ._bench import summarize
+    from .frames.spec import FrameSpec
+    from .transport import wire
+
+    impls: dict[str, tuple[Any, Any]] = {"python": (_ring.PyProducerRing, _ring.PyConsumerRing)}
+    if _ring._native_ring is not None:
+        impls["compiled"] = (_ring._NativeProducerRing, _ring._native_ring.ConsumerCore)
+    layout = wire.Layout(4, 4)
+    spec = FrameSpec((64, 64, 4), np.dtype("uint8"))
+    out: dict[str, dict[str, float] | None] = {}
+    for label, (prod, cons) in impls.items():
+        buf = memoryview(bytearray(layout.size))
+        tx, rx = prod(buf, layout), cons(buf, layout, 0, spec.nbytes)
+        seq = 0
+        samples = []
+        for _ in range(max(n // batch, 5)):
+            t0 = time.perf_counter_ns()
+            for _ in range(batch):
+                seq += 1
+                slot = tx.claim(seq)
+                tx.publish(slot, seq, 1, spec, b"")
+                got = rx.take(seq - 1, True)
+                rx.release(got[0], seq, False)
+            samples.append((time.perf_counter_ns() - t0) // batch)
+        out[label] = summarize(samples[len(samples) // 5 :])
+    return out
+
+
 def run(
     device: int,
     lib: str,
@@ -182,4 +218,5 @@ def run(
         "totals": totals,
         "reserve_commit": summarize(reserve[len(reserve) // 5 :]),  # the first fifth warms up
         "reserve_commit_attached": summarize(reserve_attached[len(reserve_attached) // 5 :]),
+        "ring_cycle": ring_cycles(),
     }

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _native
 from .errors import CudaUnavailable, FormatError, LinkError
 from .frames.spec import FrameSpec
 
@@ -34,6 +35,9 @@ class ArrayInfo(NamedTuple):
 
 _frame_cls: Any = None
 _driver_mod: Any = None
+#: ``cudalink._native.driver`` where it was built and a driver is present: the per-frame driver calls go
+#: straight to C, and raw event handles are plain ints. Decided with the first use of cuda.bindings.
+_fast: Any = None
 _core_mod: Any = None
 _smv: Any = None
 
@@ -52,6 +56,7 @@ def _drv() -> Any:
             from cuda.bindings import driver
         except ImportError:
             raise CudaUnavailable(NO_CUDA_PACKAGES) from None
+        _use_fast(_native.load_driver())
         _driver_mod = driver
     return _driver_mod
 
@@ -63,6 +68,7 @@ def _core() -> Any:
             import cuda.core
         except ImportError:
             raise CudaUnavailable(NO_CUDA_PACKAGES) from None
+        _drv()  # decides the handle representation before any event exists
         _core_mod = cuda.core
     return _core_mod
 
@@ -440,36 +446,43 @@ def import_event(raw: bytes, flag: int) -> Any:
         raise LinkError(f"cudalink: could not open the producer's IPC event: {exc}") from None
 
 
-def event_done(ev: Any) -> bool:
-    """``cuEventQuery`` through cuda.core; an event whose owner died (an error) has nothing left to order."""
-    try:
-        return bool(ev.is_done)
-    except Exception:
-        return True
-
-
 def raw(ev: Any) -> Any:
-    """The driver's ``CUevent`` of a cuda.core Event. Keep it: cuda.core builds a new wrapper per access."""
-    return ev.handle
+    """The driver handle of a cuda.core Event, to keep: cuda.core builds a new wrapper per ``.handle``.
 
-
-def record(ev: Any, stream: int) -> None:
-    """cuEventRecord directly: cuda.core refuses to re-record IPC events, and we reuse one per slot.
-
-    ``ev`` is a cuda.core Event or, on hot paths, its cached :func:`raw` handle.
+    An int where the compiled driver calls are in use, else cuda.bindings' ``CUevent``. Hot paths pass
+    only these to :func:`record`, :func:`wait` and :func:`event_done`.
     """
-    h = getattr(ev, "handle", ev)
+    return int(ev.handle) if _fast is not None else ev.handle
+
+
+def event_done(h: Any) -> bool:
+    """cuEventQuery of a :func:`raw` handle; an event whose owner died (an error) has nothing left to order."""
+    return bool(_drv().cuEventQuery(h)[0] != _drv().CUresult.CUDA_ERROR_NOT_READY)
+
+
+def record(h: Any, stream: int) -> None:
+    """cuEventRecord of a :func:`raw` handle, directly: cuda.core refuses to re-record IPC events, and we
+    reuse one per slot."""
     err = _drv().cuEventRecord(h, cu_stream(stream))[0]
     if err:
         check((err,), "cuEventRecord")
 
 
-def wait(stream: int, ev: Any) -> None:
-    """cuStreamWaitEvent: ``stream`` waits on the GPU, the CPU never does. ``ev`` as in :func:`record`."""
-    h = getattr(ev, "handle", ev)
+def wait(stream: int, h: Any) -> None:
+    """cuStreamWaitEvent on a :func:`raw` handle: ``stream`` waits on the GPU, the CPU never does."""
     err = _drv().cuStreamWaitEvent(cu_stream(stream), h, 0)[0]
     if err:
         check((err,), "cuStreamWaitEvent")
+
+
+def _use_fast(mod: Any) -> None:
+    """Route the per-frame driver calls to the compiled module (same names, same errors)."""
+    global _fast, record, wait, event_done, memcpy_dtod, memcpy_2d_dtod
+    if mod is None:
+        return
+    _fast = mod
+    record, wait, event_done = mod.record, mod.wait, mod.done
+    memcpy_dtod, memcpy_2d_dtod = mod.memcpy_dtod, mod.memcpy_2d_dtod
 
 
 def new_event() -> Any:
@@ -489,17 +502,16 @@ def join_streams(target: int, others: list[int], ev: Any = None) -> None:
     event for the next stream is safe: hot paths pass an event they keep, and nothing is created or
     destroyed per frame. Without one, a temporary event is made in the current context.
     """
-    drv = _drv()
-    t = cu_stream(target)
     own = ev is None
     if own:
         ev = new_event()
+    h = int(ev) if _fast is not None else ev
     try:
         for s in others:
             if s == target:
                 continue
-            check(drv.cuEventRecord(ev, cu_stream(s)), "cuEventRecord")
-            check(drv.cuStreamWaitEvent(t, ev, 0), "cuStreamWaitEvent")
+            record(h, s)
+            wait(target, h)
     finally:
         if own:
             destroy_event(ev)

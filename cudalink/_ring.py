@@ -3,6 +3,11 @@
 Shared by every backend and transport: it reads and writes only the cells ``transport.wire``
 defines. See that module's docstring for the stamp/lease handshake.
 
+One protocol, two implementations of its per-frame operations: the Python classes here, and the
+compiled ``cudalink._native.ring`` (C atomics instead of a lock round trip as the fence), used where it
+was built. :func:`producer_ring` and :func:`consumer_ring` pick; ``CUDALINK_PURE_PYTHON=1`` forces
+Python. Both write the same cells, so a compiled producer and a pure-Python consumer interoperate.
+
 Everything a frame touches is resolved when the ring is built (offsets per slot and per consumer,
 bound ``pack_into``/``unpack_from`` of precompiled structs), so a frame costs a handful of
 struct calls and no allocation beyond the integers they return.
@@ -12,8 +17,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
+from . import _native
 from .frames.spec import FrameSpec
 from .transport import wire
 from .transport.wire import Layout
@@ -39,7 +45,43 @@ def full_fence() -> None:
     _release()
 
 
-class ProducerRing:
+class _ProducerCold:
+    """What runs once per consumer or per flag change: one implementation for both rings."""
+
+    buf: Any
+    layout: Layout
+
+    def set_flag(self, flag: int, on: bool) -> None:
+        flags = wire.read_u32(self.buf, wire.OFF_FLAGS)
+        wire.write_u32(self.buf, wire.OFF_FLAGS, (flags | flag) if on else (flags & ~flag))
+        full_fence()  # a waiting producer re-checks leases after raising its flag
+
+    def join(self, index: int, pid: int, token: int) -> None:
+        self._clear(index)
+        wire.CONSUMER.pack_into(self.buf, self.layout.consumer(index), 1, pid, token, 0, 0, time.time_ns(), 0)
+
+    def leave(self, index: int) -> None:
+        self._clear(index)
+        wire.write_u32(self.buf, self.layout.consumer(index), 0)
+
+    def _clear(self, index: int) -> None:
+        for slot in range(self.layout.nslots):
+            wire.write_u64(self.buf, self.layout.lease(slot, index), 0)
+            wire.write_u32(self.buf, self.layout.fence(slot, index), 0)
+
+    def free_index(self) -> int | None:
+        for i in range(self.layout.nconsumers):
+            if wire.read_u32(self.buf, self.layout.consumer(i)) == 0:
+                return i
+        return None
+
+    def token(self, index: int) -> int:
+        return wire.read_u64(self.buf, self.layout.consumer(index) + 8)
+
+
+class PyProducerRing(_ProducerCold):
+    """The producer's per-frame operations in Python (the reference; see ``_native/ring.pyx``)."""
+
     def __init__(self, buf: Any, layout: Layout) -> None:
         self.buf = buf
         self.layout = layout
@@ -86,7 +128,10 @@ class ProducerRing:
         _put64(self.buf, self._stamp_off[slot], 0)
 
     def publish(self, slot: int, seq: int, timestamp_ns: int | None, spec: FrameSpec, meta: bytes) -> int:
-        """Write the record, then stamp the slot even: the frame is out. Returns the frame's timestamp.
+        """Write the record, stamp the slot even, count it, fence. Returns the frame's timestamp.
+
+        The closing fence makes the stamp visible before the caller reads which consumers sleep: it pairs
+        with :meth:`PyConsumerRing.set_waiting`.
 
         Without a caller's timestamp the frame is stamped here, after the spec bytes are written, so
         ``timestamp_ns`` is the publication itself and handoff figures start there.
@@ -99,16 +144,13 @@ class ProducerRing:
         _put64(buf, self._stamp_off[slot], 2 * seq)
         self._published += 1
         wire.U64X3.pack_into(buf, wire.OFF_PUBLISHED, self._published, self._dropped, ts)
+        _acquire()
+        _release()
         return ts
 
     def count_drop(self) -> None:
         self._dropped += 1
         _put64(self.buf, wire.OFF_DROPPED, self._dropped)
-
-    def set_flag(self, flag: int, on: bool) -> None:
-        flags = wire.read_u32(self.buf, wire.OFF_FLAGS)
-        wire.write_u32(self.buf, wire.OFF_FLAGS, (flags | flag) if on else (flags & ~flag))
-        full_fence()  # a waiting producer re-checks leases after raising its flag
 
     def take_fences(self, slot: int) -> list[int]:
         """Consumers that left a GPU release fence on ``slot``; the flags are cleared."""
@@ -121,33 +163,13 @@ class ProducerRing:
             _put32(self.buf, base + 4 * c, 0)
         return out
 
-    def join(self, index: int, pid: int, token: int) -> None:
-        self._clear(index)
-        wire.CONSUMER.pack_into(self.buf, self.layout.consumer(index), 1, pid, token, 0, 0, time.time_ns(), 0)
-
-    def leave(self, index: int) -> None:
-        self._clear(index)
-        wire.write_u32(self.buf, self.layout.consumer(index), 0)
-
-    def _clear(self, index: int) -> None:
-        for slot in range(self.layout.nslots):
-            wire.write_u64(self.buf, self.layout.lease(slot, index), 0)
-            wire.write_u32(self.buf, self.layout.fence(slot, index), 0)
-
-    def free_index(self) -> int | None:
-        for i in range(self.layout.nconsumers):
-            if wire.read_u32(self.buf, self.layout.consumer(i)) == 0:
-                return i
-        return None
-
     def waiting(self, index: int) -> bool:
         return bool(_get32(self.buf, self._waiting_off[index])[0])
 
-    def token(self, index: int) -> int:
-        return wire.read_u64(self.buf, self.layout.consumer(index) + 8)
 
+class PyConsumerRing:
+    """The consumer's operations in Python (the reference; see ``_native/ring.pyx``)."""
 
-class ConsumerRing:
     def __init__(self, buf: Any, layout: Layout, index: int, capacity: int) -> None:
         self.buf = buf
         self.layout = layout
@@ -162,8 +184,8 @@ class ConsumerRing:
         self._lease_off = [layout.lease(i, index) for i in range(n)]
         self._fence_off = [layout.fence(i, index) for i in range(n)]
         self._waiting_off = self._entry + wire.CONSUMER_OFF_WAITING
-        self._counts_off = self._entry + 16
-        self._last_recv_off = self._entry + 40
+        self._counts_off = self._entry + wire.CONSUMER_OFF_RECEIVED
+        self._last_recv_off = self._entry + wire.CONSUMER_OFF_LAST_RECV
 
     def take(self, after: int, newest: bool) -> tuple[int, wire.SlotRecord] | None:
         """Lease the newest frame after ``after`` (the oldest when ``newest`` is False) and read its record.
@@ -214,3 +236,59 @@ class ConsumerRing:
     def count(self, received: int, skipped: int) -> None:
         wire.U64X2.pack_into(self.buf, self._counts_off, received, skipped)
         _put64(self.buf, self._last_recv_off, time.time_ns())
+
+
+class ProducerRing(Protocol):
+    """What ``Sender`` uses of its ring, whichever implementation it got."""
+
+    buf: Any
+    layout: Layout
+
+    def claim(self, seq: int) -> int | None: ...
+    def abort(self, slot: int) -> None: ...
+    def publish(self, slot: int, seq: int, timestamp_ns: int | None, spec: FrameSpec, meta: bytes) -> int: ...
+    def count_drop(self) -> None: ...
+    def take_fences(self, slot: int) -> list[int]: ...
+    def waiting(self, index: int) -> bool: ...
+    def set_flag(self, flag: int, on: bool) -> None: ...
+    def join(self, index: int, pid: int, token: int) -> None: ...
+    def leave(self, index: int) -> None: ...
+    def free_index(self) -> int | None: ...
+    def token(self, index: int) -> int: ...
+
+
+class ConsumerRing(Protocol):
+    """What ``Receiver`` uses of its ring, whichever implementation it got."""
+
+    def take(self, after: int, newest: bool) -> tuple[int, wire.SlotRecord] | None: ...
+    def release(self, slot: int, seq: int, fenced: bool) -> None: ...
+    def flags(self) -> int: ...
+    def set_waiting(self, on: bool) -> None: ...
+    def count(self, received: int, skipped: int) -> None: ...
+
+
+_native_ring = _native.ring
+if _native_ring is not None:
+    from ._native.ring import ProducerCore
+
+    class _NativeProducerRing(ProducerCore, _ProducerCold):
+        """The compiled per-frame operations, with the cold ones above."""
+
+
+def producer_ring(buf: Any, layout: Layout) -> ProducerRing:
+    """The compiled ring where it was built and ``buf`` suits it (aligned, writable), else the Python one."""
+    if _native_ring is not None:
+        try:
+            return _NativeProducerRing(buf, layout)
+        except (ValueError, BufferError):
+            pass
+    return PyProducerRing(buf, layout)
+
+
+def consumer_ring(buf: Any, layout: Layout, index: int, capacity: int) -> ConsumerRing:
+    if _native_ring is not None:
+        try:
+            return _native_ring.ConsumerCore(buf, layout, index, capacity)  # type: ignore[no-any-return]
+        except (ValueError, BufferError):
+            pass
+    return PyConsumerRing(buf, layout, index, capacity)

@@ -33,7 +33,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from . import _cuda, _platform
+from . import _cuda, _native, _platform
 from ._version import __version__
 from .errors import LinkError, ProtocolError
 from .frames.spec import FrameSpec
@@ -368,6 +368,7 @@ def gather_info() -> dict[str, Any]:
     }
     cuda_v, kernel_v = _driver_versions()
     out["driver"] = {"cuda": cuda_v, "kernel": kernel_v}
+    out["core"] = _native.status()  # after the driver probe, which decides the driver calls' module
     gpus: list[dict[str, Any]] = []
     try:
         dev0 = _cuda.device(0)
@@ -466,6 +467,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     )
     frameworks = [f"{d} {pk[d]}" for d in ("torch", "cupy-cuda13x", "cupy-cuda12x", "jax") if pk.get(d)]
     table.add_row("numpy / frameworks", f"{pk['numpy']} / {', '.join(frameworks) or 'none (numpy only)'}")
+    table.add_row("compiled core", " · ".join(f"{k} {v}" for k, v in info["core"].items()))
     drv = info["driver"]
     if drv["cuda"] or drv["kernel"]:
         table.add_row("driver", f"CUDA {drv['cuda'] or '?'} · kernel driver {drv['kernel'] or '?'}")
@@ -774,10 +776,21 @@ def _demo_summary(
 # ============================================================================================ bench
 
 
+def _core_label(report: dict[str, Any]) -> str:
+    """Which implementation the figures came from: 'compiled core', 'pure-Python core', or a mix."""
+    core = report.get("machine", {}).get("core", {})
+    kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)")}
+    return (
+        {"compiled": "compiled core", "python": "pure-Python core"}.get(kinds.pop(), "")
+        if len(kinds) == 1
+        else (" / ".join(f"{k} {v.split()[0]}" for k, v in core.items()) or "core unknown")
+    )
+
+
 def _bench_tables(report: dict[str, Any]) -> list[Any]:
     rows = report["rows"]
     table = Table(
-        title=f"cudalink {report['cudalink_version']} vs peers · backend {report['backend']}"
+        title=f"cudalink {report['cudalink_version']} vs peers · backend {report['backend']} · {_core_label(report)}"
         f"{' · quick' if report['quick'] else ''} · lower is better · ratio = cudalink / peer",
         title_justify="left",
     )
@@ -877,6 +890,10 @@ def _breakdown_tables(report: dict[str, Any]) -> list[Any]:
         ):
             rc = bd.get(key) or {}
             bt.add_row(Text(label, style="bold"), "producer", _us(rc.get("p50")), _us(rc.get("p99")))
+        for impl, rc in (bd.get("ring_cycle") or {}).items():
+            rc = rc or {}
+            label = f"ring ops of one frame, hot, {impl} ring (claim, publish, take, release)"
+            bt.add_row(Text(label, style="bold"), "both", _us(rc.get("p50")), _us(rc.get("p99")))
         out.append(bt)
     else:
         out.append(Text(f"breakdown: ERROR {bd}", style="red"))

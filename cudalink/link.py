@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 from . import _backends, _cuda, _platform, _trace
-from ._ring import ConsumerRing, ProducerRing, full_fence
+from ._ring import consumer_ring, producer_ring
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
@@ -144,7 +144,7 @@ class Sender:
         self._closed = False
         self._lock = threading.RLock()
         self._released = threading.Event()
-        self._release_events: dict[tuple[int, int, int], Any] = {}
+        self._release_events: dict[tuple[int, int, int], tuple[Any, Any]] = {}
         self._transport = transport or default_transport()
         self._slots = _backends.make_producer_slots(device, slots, cap, handles, self._transport.passes_fds)
         self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
@@ -179,7 +179,7 @@ class Sender:
                 self._slots.data_size,
             ),
         )
-        self._ring = ProducerRing(buf, self._layout)
+        self._ring = producer_ring(buf, self._layout)
         self._handler = _Handler(self)
         self._server.start(self._handler)
 
@@ -259,7 +259,9 @@ class Sender:
             self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, False)
 
     def _fences(self, slot: int) -> list[Any]:
-        """The release events consumers left on ``slot`` that the GPU has not passed yet (imported once).
+        """Raw handles of the release events consumers left on ``slot`` that the GPU has not passed yet.
+
+        Each event is imported once and kept.
 
         A fence whose event has completed orders nothing: in a steady stream the consumer's reads ended
         long before the slot comes round again, so a query replaces a stream wait.
@@ -272,16 +274,16 @@ class Sender:
         out = []
         for c in consumers:
             key = (c, self._ring.token(c), slot)
-            ev = self._release_events.get(key)
-            if ev is None:
+            got = self._release_events.get(key)
+            if got is None:
                 raw, flag = wire.RELEASE.unpack_from(self._server.header, self._layout.release_handle(c, slot))
                 try:
                     ev = _cuda.import_event(bytes(raw), flag)
                 except LinkError:
                     continue  # that consumer is gone; nothing of its can still be queued on our memory
-                self._release_events[key] = ev
-            if not _cuda.event_done(ev):
-                out.append(ev)
+                got = self._release_events[key] = (ev, _cuda.raw(ev))  # the Event owns the handle
+            if not _cuda.event_done(got[1]):
+                out.append(got[1])
         return out
 
     def _forget_consumer(self, index: int) -> None:
@@ -327,8 +329,8 @@ class Sender:
     def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
         self._seq += 1
         ring = self._ring
-        ring.publish(slot, self._seq, timestamp_ns, spec, meta)
-        full_fence()  # the stamp is visible before we read who sleeps: pairs with ConsumerRing.set_waiting
+        ring.publish(slot, self._seq, timestamp_ns, spec, meta)  # ends with a full fence: the stamp is
+        # visible before we read who sleeps (pairs with the consumer's set_waiting)
         if _trace.ON:
             _trace.mark(_trace.PUBLISHED)
         waiting = ring.waiting
@@ -457,7 +459,7 @@ class _Attachment:
     def __init__(self, client: Any, fixed: wire.Fixed, index: int, view: Any) -> None:
         self.client = client
         self.fixed = fixed
-        self.ring = ConsumerRing(client.header, fixed.layout, index, fixed.capacity)
+        self.ring = consumer_ring(client.header, fixed.layout, index, fixed.capacity)
         self.view = view
         self.handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
         self.generation = fixed.generation

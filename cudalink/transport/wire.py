@@ -43,8 +43,9 @@ holds frame ``seq``. A consumer reads a stamp, takes a lease, and re-reads the s
 even means the slot is its to read. The producer claims a slot by making its stamp odd only when no
 lease is set, and re-checks the leases after the claim. The two sides write-then-read opposite
 cells (a Dekker handshake), so each side puts a full fence between its store and its load
-(``cudalink._ring.full_fence``). Stamps only ever change in their lowest byte first (even to odd to
-even), so a torn read never shows a stale even stamp as a newer one.
+(``cudalink._ring.full_fence`` in Python, a C fence in ``cudalink._native.ring``). Stamps only ever
+change in their lowest byte first (even to odd to even), so a torn read never shows a stale even stamp as
+a newer one; the compiled ring stores each cell in one aligned 8-byte write.
 
 Slot record (``RECORD``, valid while the stamp is even and unchanged)::
 
@@ -147,6 +148,8 @@ OFF_FLAGS = 28
 OFF_PUBLISHED = 48
 OFF_DROPPED = 56
 OFF_LAST_PUBLISH = 64
+CONSUMER_OFF_RECEIVED = 16  # u64 received, then u64 skipped
+CONSUMER_OFF_LAST_RECV = 40
 CONSUMER_OFF_WAITING = 48
 
 REJECT_GENERATION = 1

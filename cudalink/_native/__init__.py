@@ -1,0 +1,55 @@
+"""The compiled core, where it was built: ``ring`` (the per-frame ring operations) and ``driver``
+(direct CUDA driver calls through cuda.bindings' ``cydriver``).
+
+Each is an optional extension: ``pip install .`` builds them where a C compiler (and, for ``driver``,
+``cuda.h``) exists, and the pure-Python implementations stand in everywhere else, a TouchDesigner
+Python without a matching wheel included. ``CUDALINK_PURE_PYTHON=1`` forces the Python ones, so the
+same tests run against both.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+PURE = os.environ.get("CUDALINK_PURE_PYTHON", "") not in ("", "0")
+
+#: why a compiled module is not in use (absent when it is)
+missing: dict[str, str] = {}
+
+
+def _load(name: str) -> ModuleType | None:
+    if PURE:
+        missing[name] = "CUDALINK_PURE_PYTHON is set"
+        return None
+    try:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError as exc:  # not built here, or built against another cuda-bindings
+        missing[name] = str(exc)
+        return None
+
+
+ring = _load("ring")
+driver: ModuleType | None = None  # loaded by cudalink._cuda with the CUDA packages, never on a CPU-only import
+
+
+def load_driver() -> ModuleType | None:
+    global driver
+    if driver is None and "driver" not in missing:
+        driver = _load("driver")
+    return driver
+
+
+def status() -> dict[str, str]:
+    """``{"ring": "compiled" | "python (why)", "driver": ...}`` for ``info`` and the bench."""
+    out = {}
+    for name, mod in (("ring", ring), ("driver", driver)):
+        if mod is not None:
+            out[name] = "compiled"
+        elif name in missing:
+            out[name] = f"python ({missing[name]})"
+        else:
+            out[name] = "python (not loaded yet)"
+    return out

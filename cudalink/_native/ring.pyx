@@ -1,0 +1,295 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The ring's per-frame operations, compiled: the same protocol as ``cudalink._ring``, cell for cell.
+
+Each side of the stamp/lease handshake stores its cell, fences, then loads the other's: here with
+C11-style atomics (``atomics.h``) instead of a lock round trip. Offsets come from ``wire.Layout`` at
+construction, so ``transport/wire.py`` still owns the layout; this file owns only the loops.
+
+The header buffer is re-acquired per call (``PyObject_GetBuffer``, no allocation), never kept: a
+segment the transport has closed raises ``ValueError`` here exactly as ``struct.pack_into`` would,
+instead of touching unmapped memory.
+"""
+
+from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memcpy
+
+import time
+
+from cudalink.errors import ProtocolError
+from cudalink.transport import wire
+
+cdef extern from "atomics.h":
+    uint64_t cl_load64(const void *p) nogil
+    uint32_t cl_load32(const void *p) nogil
+    void cl_store64(void *p, uint64_t v) nogil
+    void cl_store32(void *p, uint32_t v) nogil
+    void cl_fence() nogil
+    int CL_LITTLE_ENDIAN
+
+if not CL_LITTLE_ENDIAN:  # the wire is little-endian; a big-endian build uses the Python ring
+    raise ImportError("cudalink._native.ring: big-endian platform")
+
+cdef Py_ssize_t SPEC_AT = 16, SPEC_LEN = 144, META_LEN_AT = 28, META_AT = 160
+assert wire._SPEC_BYTES == slice(SPEC_AT, SPEC_AT + SPEC_LEN) and wire._META_LEN + SPEC_AT == META_LEN_AT
+assert wire.RECORD.size == META_AT + wire.META_MAX and wire.U64X2.size == 16
+cdef Py_ssize_t META_MAX = wire.META_MAX
+cdef Py_ssize_t OFF_PUBLISHED = wire.OFF_PUBLISHED, OFF_FLAGS = wire.OFF_FLAGS, RECORD_SIZE = wire.RECORD_SIZE
+cdef Py_ssize_t OFF_WAITING = wire.CONSUMER_OFF_WAITING, OFF_RECEIVED = wire.CONSUMER_OFF_RECEIVED
+cdef Py_ssize_t OFF_LAST_RECV = wire.CONSUMER_OFF_LAST_RECV
+cdef object _time_ns = time.time_ns
+cdef object _unpack_record = wire.unpack_record
+cdef object _spec_bytes = wire.spec_bytes
+
+
+cdef inline uint8_t *_map(object buf, Py_buffer *view, Py_ssize_t need) except NULL:
+    PyObject_GetBuffer(buf, view, PyBUF_WRITABLE)
+    if view.len < need:
+        PyBuffer_Release(view)
+        raise ValueError("cudalink: the header segment is smaller than its layout")
+    return <uint8_t *>view.buf
+
+
+cdef inline bint _column_set(const uint8_t *col, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t c
+    for c in range(n):
+        if cl_load64(col + 8 * c):
+            return True
+    return False
+
+
+cdef struct Offsets:
+    Py_ssize_t nslots, ncons, size, stamps, records, leases, fences, consumers, consumer_size
+
+
+cdef int _offsets(Offsets *o, object buf, object layout) except -1:
+    """Take the layout's offsets once, and check the buffer holds them (8-byte aligned, writable)."""
+    cdef Py_buffer v
+    cdef uint8_t *base
+    o.nslots = layout.nslots
+    o.ncons = layout.nconsumers
+    o.size = layout.size
+    o.stamps = layout.stamps
+    o.records = layout.records
+    o.leases = layout.leases
+    o.fences = layout.fences
+    o.consumers = layout.consumers
+    o.consumer_size = layout.consumer_size
+    base = _map(buf, &v, o.size)
+    PyBuffer_Release(&v)
+    if <uintptr_t>base % 8:
+        raise ValueError("cudalink: the header segment is not 8-byte aligned")
+    return 0
+
+
+cdef class ProducerCore:
+    cdef readonly object buf
+    cdef readonly object layout
+    cdef Offsets o
+    cdef uint64_t published, dropped
+    cdef object _spec, _spec_raw
+
+    def __init__(self, buf, layout):
+        cdef Py_buffer v
+        cdef uint8_t *base
+        _offsets(&self.o, buf, layout)
+        self.buf = buf
+        self.layout = layout
+        base = _map(buf, &v, self.o.size)
+        memcpy(&self.published, base + OFF_PUBLISHED, 8)
+        memcpy(&self.dropped, base + OFF_PUBLISHED + 8, 8)
+        PyBuffer_Release(&v)
+
+    cdef inline bint _leased(self, const uint8_t *base, Py_ssize_t slot) noexcept nogil:
+        return _column_set(base + self.o.leases + 8 * slot * self.o.ncons, self.o.ncons)
+
+    def claim(self, uint64_t seq):
+        """Take the oldest slot no consumer holds, marking it 'being written' for frame ``seq``."""
+        cdef Py_buffer v
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        cdef uint64_t tried = 0, oldest = 0, st
+        cdef Py_ssize_t i, slot
+        cdef uint8_t *cell
+        try:
+            while True:
+                slot = -1
+                for i in range(self.o.nslots):  # the oldest unleased slot
+                    st = cl_load64(base + self.o.stamps + 8 * i)
+                    if (slot < 0 or st < oldest) and not (tried >> i) & 1 and not self._leased(base, i):
+                        slot, oldest = i, st
+                if slot < 0:
+                    return None
+                cell = base + self.o.stamps + 8 * slot
+                cl_store64(cell, 2 * seq + 1)
+                cl_fence()  # our odd stamp is visible before we re-read the leases
+                if not self._leased(base, slot):
+                    return slot
+                cl_store64(cell, oldest)  # a consumer leased it between our check and our claim
+                tried |= (<uint64_t>1) << slot
+        finally:
+            PyBuffer_Release(&v)
+
+    def abort(self, Py_ssize_t slot):
+        cdef Py_buffer v
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        self._check(slot)
+        cl_store64(base + self.o.stamps + 8 * slot, 0)
+        PyBuffer_Release(&v)
+
+    cdef inline int _check(self, Py_ssize_t slot) except -1:
+        if not 0 <= slot < self.o.nslots:
+            raise IndexError(f"cudalink: slot {slot} outside 0..{self.o.nslots - 1}")
+        return 0
+
+    def publish(self, Py_ssize_t slot, uint64_t seq, timestamp_ns, spec, bytes meta):
+        """Write the record, stamp the slot even, count it, then fence: the caller next reads who sleeps."""
+        cdef Py_buffer v
+        cdef Py_ssize_t mlen = PyBytes_GET_SIZE(meta)
+        cdef uint64_t ts
+        cdef uint8_t *rec
+        self._check(slot)
+        if mlen > META_MAX:
+            raise ProtocolError(f"cudalink: meta is {mlen} bytes; at most {META_MAX} travel with a frame")
+        if spec is not self._spec:
+            self._spec_raw = _spec_bytes(spec)
+            self._spec = spec
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        rec = base + self.o.records + RECORD_SIZE * slot
+        memcpy(rec + SPEC_AT, PyBytes_AS_STRING(self._spec_raw), SPEC_LEN)
+        if mlen:
+            rec[META_LEN_AT] = <uint8_t>mlen
+            memcpy(rec + META_AT, PyBytes_AS_STRING(meta), mlen)
+        ts = _time_ns() if timestamp_ns is None else timestamp_ns
+        memcpy(rec, &seq, 8)
+        memcpy(rec + 8, &ts, 8)
+        cl_store64(base + self.o.stamps + 8 * slot, 2 * seq)
+        self.published += 1
+        memcpy(base + OFF_PUBLISHED, &self.published, 8)
+        memcpy(base + OFF_PUBLISHED + 8, &self.dropped, 8)
+        memcpy(base + OFF_PUBLISHED + 16, &ts, 8)
+        cl_fence()
+        PyBuffer_Release(&v)
+        return ts
+
+    def count_drop(self):
+        cdef Py_buffer v
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        self.dropped += 1
+        memcpy(base + OFF_PUBLISHED + 8, &self.dropped, 8)
+        PyBuffer_Release(&v)
+
+    def take_fences(self, Py_ssize_t slot):
+        """Consumers that left a GPU release fence on ``slot``; the flags are cleared."""
+        cdef Py_buffer v
+        cdef Py_ssize_t c
+        cdef uint8_t *col
+        self._check(slot)
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        col = base + self.o.fences + 4 * slot * self.o.ncons
+        out = []
+        for c in range(self.o.ncons):
+            if cl_load32(col + 4 * c):
+                cl_store32(col + 4 * c, 0)
+                out.append(c)
+        PyBuffer_Release(&v)
+        return out
+
+    def waiting(self, Py_ssize_t index):
+        cdef Py_buffer v
+        if not 0 <= index < self.o.ncons:
+            raise IndexError(f"cudalink: consumer index {index} outside 0..{self.o.ncons - 1}")
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        cdef bint on = cl_load32(base + self.o.consumers + self.o.consumer_size * index + OFF_WAITING) != 0
+        PyBuffer_Release(&v)
+        return on
+
+    def fence(self):
+        cl_fence()
+
+
+cdef class ConsumerCore:
+    cdef readonly object buf
+    cdef readonly object layout
+    cdef Offsets o
+    cdef readonly Py_ssize_t index
+    cdef readonly object capacity
+    cdef Py_ssize_t entry
+
+    def __init__(self, buf, layout, Py_ssize_t index, capacity):
+        _offsets(&self.o, buf, layout)
+        self.buf = buf
+        self.layout = layout
+        if not 0 <= index < self.o.ncons:
+            raise IndexError(f"cudalink: consumer index {index} outside 0..{self.o.ncons - 1}")
+        self.index = index
+        self.capacity = capacity
+        self.entry = self.o.consumers + self.o.consumer_size * index
+
+    def take(self, uint64_t after, bint newest):
+        """Lease the newest frame after ``after`` (the oldest when ``newest`` is False) and read its record."""
+        cdef Py_buffer v
+        cdef uint64_t lo = 2 * after, best, st, seq
+        cdef Py_ssize_t i, slot
+        cdef uint8_t *lease
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        try:
+            while True:
+                slot = -1
+                best = 0
+                for i in range(self.o.nslots):
+                    st = cl_load64(base + self.o.stamps + 8 * i)
+                    if st > lo and not st & 1 and (best == 0 or (st > best if newest else st < best)):
+                        slot, best = i, st
+                if best == 0:
+                    return None
+                seq = best >> 1
+                lease = base + self.o.leases + 8 * (slot * self.o.ncons + self.index)
+                cl_store64(lease, seq)
+                cl_fence()  # our lease is visible before we re-read the stamp
+                if cl_load64(base + self.o.stamps + 8 * slot) == best:
+                    rec = _unpack_record(self.buf, self.o.records + RECORD_SIZE * slot, self.capacity)
+                    if rec.seq == seq:
+                        return slot, rec
+                cl_store64(lease, 0)  # the producer reclaimed it between our read and our lease: look again
+        finally:
+            PyBuffer_Release(&v)
+
+    def release(self, Py_ssize_t slot, uint64_t seq, bint fenced):
+        cdef Py_buffer v
+        cdef uint8_t *lease
+        if not 0 <= slot < self.o.nslots:
+            raise IndexError(f"cudalink: slot {slot} outside 0..{self.o.nslots - 1}")
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        lease = base + self.o.leases + 8 * (slot * self.o.ncons + self.index)
+        if cl_load64(lease) == seq:
+            if fenced:
+                cl_store32(base + self.o.fences + 4 * (slot * self.o.ncons + self.index), 1)
+            cl_store64(lease, 0)
+            cl_fence()  # before the caller reads FLAG_PRODUCER_WAITING
+        PyBuffer_Release(&v)
+
+    def flags(self):
+        cdef Py_buffer v
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        cdef uint32_t f = cl_load32(base + OFF_FLAGS)
+        PyBuffer_Release(&v)
+        return f
+
+    def set_waiting(self, bint on):
+        """Announce (or withdraw) that we are about to sleep; re-check the stamps after announcing."""
+        cdef Py_buffer v
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        cl_store32(base + self.entry + OFF_WAITING, 1 if on else 0)
+        if on:
+            cl_fence()
+        PyBuffer_Release(&v)
+
+    def count(self, uint64_t received, uint64_t skipped):
+        cdef Py_buffer v
+        cdef uint64_t now = _time_ns()
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        memcpy(base + self.entry + OFF_RECEIVED, &received, 8)
+        memcpy(base + self.entry + OFF_RECEIVED + 8, &skipped, 8)
+        memcpy(base + self.entry + OFF_LAST_RECV, &now, 8)
+        PyBuffer_Release(&v)

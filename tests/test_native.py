@@ -1,0 +1,248 @@
+"""The compiled core (``cudalink._native``) against the Python reference it replaces.
+
+One protocol, two implementations: every operation sequence hypothesis draws is run on two header
+buffers, one through the Python rings and one through the compiled ones, and every result and every
+byte must agree. A compiled producer and a pure-Python consumer (and the reverse) share a real
+SharedMemory link across processes. The whole suite also runs once more with
+``CUDALINK_PURE_PYTHON=1`` (README's test command), so each implementation passes the same tests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cudalink
+from cudalink import _native, _ring
+from cudalink.frames.spec import FrameSpec
+from cudalink.transport import wire
+
+from . import _procs
+
+ROOT = Path(__file__).resolve().parent.parent
+native = pytest.mark.skipif(_native.ring is None, reason=f"compiled ring not in use: {_native.missing.get('ring')}")
+SPEC = FrameSpec((4, 6), np.dtype("uint16"))
+
+
+def test_compiled_core_is_built_where_a_compiler_exists() -> None:
+    """A silently failed build would leave only the Python twin tested: where a compiler exists, fail."""
+    if _native.PURE:
+        pytest.skip("CUDALINK_PURE_PYTHON is set: this run tests the Python implementations")
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("cl")):
+        pytest.skip("no C compiler here: the pure-Python core is the expected one")
+    assert _native.ring is not None, _native.missing
+    assert (ROOT / "cudalink" / "_native").is_dir()
+
+
+def test_pure_python_switch_is_honoured_in_a_child() -> None:
+    code = "import cudalink._native as n; print(n.status()['ring'])"
+    env = {**os.environ, "CUDALINK_PURE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("python (CUDALINK_PURE_PYTHON is set)"), out.stdout
+
+
+# -- differential: the same operations on both implementations ------------------------------------------
+
+NSLOTS, NCONS = 4, 3
+
+_op = st.one_of(
+    st.tuples(st.just("claim"), st.integers(1, 40)),
+    st.tuples(st.just("abort"), st.integers(0, NSLOTS - 1)),
+    st.tuples(
+        st.just("publish"),
+        st.integers(0, NSLOTS - 1),
+        st.integers(1, 40),
+        st.integers(0, 2**63),
+        st.binary(max_size=wire.META_MAX),
+    ),
+    st.tuples(st.just("drop")),
+    st.tuples(st.just("fences"), st.integers(0, NSLOTS - 1)),
+    st.tuples(st.just("waiting"), st.integers(0, NCONS - 1)),
+    st.tuples(st.just("take"), st.integers(0, NCONS - 1), st.integers(0, 40), st.booleans()),
+    st.tuples(
+        st.just("release"), st.integers(0, NCONS - 1), st.integers(0, NSLOTS - 1), st.integers(0, 40), st.booleans()
+    ),
+    st.tuples(st.just("set_waiting"), st.integers(0, NCONS - 1), st.booleans()),
+    st.tuples(st.just("flags"), st.integers(0, NCONS - 1)),
+)
+
+
+class _Side:
+    def __init__(self, producer: Any, consumer: Any) -> None:
+        self.layout = wire.Layout(NSLOTS, NCONS)
+        self.buf = bytearray(self.layout.size)
+        view = memoryview(self.buf)
+        self.tx = producer(view, self.layout)
+        self.rx = [consumer(view, self.layout, c, 1 << 20) for c in range(NCONS)]
+
+    def apply(self, op: tuple[Any, ...]) -> Any:
+        kind, *args = op
+        try:
+            if kind == "claim":
+                return self.tx.claim(args[0])
+            if kind == "abort":
+                return self.tx.abort(args[0])
+            if kind == "publish":
+                slot, seq, ts, meta = args
+                return self.tx.publish(slot, seq, ts, SPEC, meta)
+            if kind == "drop":
+                return self.tx.count_drop()
+            if kind == "fences":
+                return self.tx.take_fences(args[0])
+            if kind == "waiting":
+                return self.tx.waiting(args[0])
+            if kind == "take":
+                c, after, newest = args
+                return self.rx[c].take(after, newest)
+            if kind == "release":
+                c, slot, seq, fenced = args
+                return self.rx[c].release(slot, seq, fenced)
+            if kind == "set_waiting":
+                return self.rx[args[0]].set_waiting(args[1])
+            if kind == "flags":
+                return self.rx[args[0]].flags()
+        except Exception as exc:  # both must fail the same way, too
+            return ("raised", type(exc).__name__)
+        raise AssertionError(kind)
+
+
+@native
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_op, max_size=60))
+def test_compiled_ring_matches_the_python_ring_byte_for_byte(ops: list[tuple[Any, ...]]) -> None:
+    assert _native.ring is not None
+    py = _Side(_ring.PyProducerRing, _ring.PyConsumerRing)
+    c = _Side(_ring._NativeProducerRing, _native.ring.ConsumerCore)
+    for i, op in enumerate(ops):
+        want, got = py.apply(op), c.apply(op)
+        assert got == want, (i, op)
+        assert c.buf == py.buf, (i, op, [k for k in range(len(py.buf)) if c.buf[k] != py.buf[k]][:8])
+
+
+@native
+def test_compiled_ring_counts_like_the_python_ring() -> None:
+    assert _native.ring is not None
+    py = _Side(_ring.PyProducerRing, _ring.PyConsumerRing)
+    c = _Side(_ring._NativeProducerRing, _native.ring.ConsumerCore)
+    for side in (py, c):
+        side.rx[1].count(12345, 678)
+        entry = side.layout.consumer(1)
+        got = wire.U64X2.unpack_from(side.buf, entry + wire.CONSUMER_OFF_RECEIVED)
+        assert got == (12345, 678)
+        assert wire.read_u64(side.buf, entry + wire.CONSUMER_OFF_LAST_RECV) > 0
+
+
+@native
+def test_compiled_ring_refuses_bad_input_with_clear_errors() -> None:
+    assert _native.ring is not None
+    side = _Side(_ring._NativeProducerRing, _native.ring.ConsumerCore)
+    with pytest.raises(IndexError, match="cudalink: slot 9"):
+        side.tx.abort(9)
+    with pytest.raises(IndexError, match="cudalink: consumer index 7"):
+        side.tx.waiting(7)
+    with pytest.raises(cudalink.ProtocolError, match="at most 64"):
+        side.tx.publish(0, 1, 5, SPEC, b"x" * 65)
+    with pytest.raises(ValueError, match="smaller than its layout"):
+        _native.ring.ConsumerCore(memoryview(bytearray(64)), side.layout, 0, 1)
+
+
+@native
+def test_compiled_ring_on_a_closed_segment_raises_instead_of_touching_it() -> None:
+    """The ring never keeps a pointer: a segment the transport unmapped is an error, not a crash."""
+    assert _native.ring is not None
+    layout = wire.Layout(2, 1)
+    view = memoryview(bytearray(layout.size))
+    tx = _ring.producer_ring(view, layout)
+    assert type(tx) is _ring._NativeProducerRing
+    view.release()
+    with pytest.raises(ValueError):
+        tx.claim(1)
+
+
+@native
+def test_an_unaligned_header_gets_the_python_ring() -> None:
+    layout = wire.Layout(2, 1)
+    view = memoryview(bytearray(layout.size + 1))[1:]
+    assert type(_ring.producer_ring(view, layout)) is _ring.PyProducerRing
+    assert type(_ring.consumer_ring(view, layout, 0, 16)) is _ring.PyConsumerRing
+
+
+# -- the two implementations on one real link, across processes ---------------------------------------
+
+
+@native
+@pytest.mark.parametrize("pure_side", ["producer", "consumer"])
+def test_compiled_and_pure_python_processes_share_a_link(
+    name: str, ctx: mp.context.SpawnContext, monkeypatch: pytest.MonkeyPatch, pure_side: str
+) -> None:
+    """The env switch is read at import in each child: one side runs the Python ring, the other C."""
+    n, shape = 3000, (16, 16)
+    ready, result = ctx.Event(), ctx.Queue()
+    if pure_side == "producer":
+        monkeypatch.setenv("CUDALINK_PURE_PYTHON", "1")
+    prod = ctx.Process(target=_procs.host_producer, args=(name, n, shape, "uint8", 4, ready, None, 0.0002))
+    prod.start()
+    assert ready.wait(30)
+    if pure_side == "consumer":
+        monkeypatch.setenv("CUDALINK_PURE_PYTHON", "1")
+    else:
+        monkeypatch.delenv("CUDALINK_PURE_PYTHON")
+    cons = ctx.Process(target=_procs.host_consumer, args=(name, n, result, 0.0, False))
+    cons.start()
+    _pid, got, mismatches, tail, _, ordered = result.get(timeout=120)
+    prod.join(30)
+    cons.join(30)
+    assert got > 100 and mismatches == 0 and ordered, (got, mismatches, tail)
+
+
+# -- the compiled driver calls, on a GPU ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_compiled_driver_calls_copy_order_and_fail_like_the_python_ones() -> None:
+    """Where the driver module was built, frames go through it; its copies, events and errors are right."""
+    torch = pytest.importorskip("torch")
+    from cudalink import _cuda
+
+    _cuda._drv()
+    if _native.PURE:
+        assert _cuda._fast is None
+        pytest.skip("CUDALINK_PURE_PYTHON is set: the Python driver calls are in use")
+    assert _cuda._fast is not None, _native.missing
+    assert _cuda.record is _cuda._fast.record and _cuda.memcpy_dtod is _cuda._fast.memcpy_dtod
+    dev = _cuda.device(0)
+    dev.set_current()
+    stream = torch.cuda.current_stream()
+    s = int(stream.cuda_stream)
+    src = torch.arange(48 * 64, dtype=torch.int32, device="cuda").reshape(48, 64)
+    flat = torch.zeros_like(src)
+    _cuda.memcpy_dtod(flat.data_ptr(), src.data_ptr(), src.numel() * 4, s)
+    crop = src[:, 8:40]  # padded rows: one pitched copy
+    packed = torch.zeros((48, 32), dtype=torch.int32, device="cuda")
+    _cuda.memcpy_2d_dtod(packed.data_ptr(), 32 * 4, crop.data_ptr(), 64 * 4, 32 * 4, 48, s)
+    ev = _cuda.new_event()
+    h = int(ev)
+    slow = torch.cuda.Stream()
+    with torch.cuda.stream(slow):
+        torch.cuda._sleep(50_000_000)  # keep the event pending for a while
+    _cuda.record(h, int(slow.cuda_stream))
+    assert _cuda.event_done(h) is False  # pending work
+    _cuda.wait(s, h)
+    after = flat + 1  # queued behind the wait on the current stream
+    torch.cuda.synchronize()
+    assert _cuda.event_done(h) is True
+    assert torch.equal(flat, src) and torch.equal(packed, crop) and torch.equal(after, src + 1)
+    with pytest.raises(cudalink.LinkError, match=r"cudalink: cuMemcpyDtoDAsync failed with CUDA_ERROR_\w+"):
+        _cuda.memcpy_dtod(0, src.data_ptr(), 16, s)
+    _cuda.destroy_event(ev)

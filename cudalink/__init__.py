@@ -11,6 +11,7 @@ Importing cudalink never touches the GPU; CUDA is initialised by the first CUDA 
 
 from ._version import __version__
 from .errors import (
+    CudaError,
     CudaUnavailable,
     FormatError,
     LinkClosed,
@@ -18,11 +19,13 @@ from .errors import (
     LinkTimeout,
     ProducerGone,
     ProtocolError,
+    ProtocolReason,
 )
 from .frames import Frame, FrameSpec, PixelFormat, RowOrigin
 from .link import Receiver, Sender
 
 __all__ = [
+    "CudaError",
     "CudaUnavailable",
     "FormatError",
     "Frame",
@@ -33,6 +36,7 @@ __all__ = [
     "PixelFormat",
     "ProducerGone",
     "ProtocolError",
+    "ProtocolReason",
     "Receiver",
     "RowOrigin",
     "Sender",

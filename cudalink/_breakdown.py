@@ -54,7 +54,7 @@ TOTALS: tuple[tuple[str, str, str], ...] = (
 
 def breakdown_consumer(name: str, device: int, lib: str, wait: str, out: Any) -> None:
     """The traced consumer: recv, export, release; one list of marks per frame, sent back at the end."""
-    from ._bench import GpuLib, _child_init, _one_line
+    from ._measure import GpuLib, _child_init, _one_line
     from .errors import ProducerGone
     from .link import Receiver
 
@@ -107,7 +107,7 @@ def ring_cycles(n: int = 20_000, batch: int = 50) -> dict[str, dict[str, float] 
     ``batch`` frames (a single frame is below the clock's resolution).
     """
     from . import _ring
-    from ._bench import summarize
+    from ._measure import summarize
     from .frames.spec import FrameSpec
     from .transport import wire
 
@@ -145,7 +145,7 @@ def run(
     wait: str = "block",
 ) -> dict[str, Any]:
     """One traced run; returns ``{"stages": [...], "totals": [...], "reserve_commit": summary}``."""
-    from ._bench import GpuLib, summarize
+    from ._measure import GpuLib, summarize
     from .errors import LinkError
     from .link import Sender
 

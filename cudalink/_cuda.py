@@ -12,13 +12,15 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from . import _native
-from .errors import CudaUnavailable, FormatError, LinkError
-from .frames.spec import FrameSpec
+from .errors import CudaError, CudaUnavailable, FormatError, LinkError
+
+if TYPE_CHECKING:  # the CUDA glue imports nothing of cudalink's above errors and _native (no import cycle)
+    from .frames.spec import FrameSpec
 
 NO_GPU_HINT = "use device='cpu' for the host backend (same API, numpy frames)"
 
@@ -33,7 +35,6 @@ class ArrayInfo(NamedTuple):
     owner: object
 
 
-_frame_cls: Any = None
 _driver_mod: Any = None
 #: ``cudalink._native.driver`` where it was built and a driver is present: the per-frame driver calls go
 #: straight to C, and raw event handles are plain ints. Decided with the first use of cuda.bindings.
@@ -54,8 +55,8 @@ def _drv() -> Any:
     if _driver_mod is None:
         try:
             from cuda.bindings import driver
-        except ImportError:
-            raise CudaUnavailable(NO_CUDA_PACKAGES) from None
+        except ImportError as exc:
+            raise CudaUnavailable(NO_CUDA_PACKAGES) from exc
         _use_fast(_native.load_driver())
         _driver_mod = driver
     return _driver_mod
@@ -66,8 +67,8 @@ def _core() -> Any:
     if _core_mod is None:
         try:
             import cuda.core
-        except ImportError:
-            raise CudaUnavailable(NO_CUDA_PACKAGES) from None
+        except ImportError as exc:
+            raise CudaUnavailable(NO_CUDA_PACKAGES) from exc
         _drv()  # decides the handle representation before any event exists
         _core_mod = cuda.core
     return _core_mod
@@ -96,16 +97,21 @@ def _view_cls() -> Any:
 
 
 def check(ret: Any, what: str) -> Any:
-    """Unwrap a cuda.bindings ``(CUresult, *values)`` tuple, raising a LinkError that names the call."""
+    """Unwrap a cuda.bindings ``(CUresult, *values)`` tuple; a failure is a :class:`CudaError` naming the call."""
     err = ret[0]
     if err:
-        drv = _drv()
-        try:
-            name = drv.cuGetErrorName(err)[1].decode()
-        except Exception:
-            name = str(int(err))
-        raise LinkError(f"cudalink: {what} failed with {name}")
+        raise cuda_error(int(err), what)
     return ret[1] if len(ret) == 2 else ret[1:]
+
+
+def cuda_error(code: int, what: str) -> CudaError:
+    """The one translation of a failed driver call (the compiled driver calls use it too)."""
+    try:
+        drv = _drv()
+        name = drv.cuGetErrorName(drv.CUresult(code))[1].decode()
+    except Exception:
+        name = f"CUresult {code}"
+    return CudaError(f"cudalink: {what} failed with {name}", code, name)
 
 
 # -- arrays ----------------------------------------------------------------------------------------------
@@ -117,19 +123,11 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
     ``stream_ptr`` is handed to the exporter (DLPack ``stream=``), so its pending work is ordered before
     ours on that stream; -1 means no ordering.
     """
-    global _frame_cls
-    if _frame_cls is None:
-        from .frames.frame import Frame as _F
-
-        _frame_cls = _F
-    if isinstance(obj, _frame_cls):  # our own frames: no CAI side effects, and the frame's own sync
-        if not obj.is_cuda:
-            return _host_info(obj.numpy())
-        if stream_ptr != -1 and obj._sync is not None:
-            obj._sync.wait(stream_ptr)
-        spec = obj.spec
-        return ArrayInfo(obj.ptr, spec.shape, spec.dtype, spec.strides, int(obj.__dlpack_device__()[1]), False, obj)
     cls = type(obj)
+    own = getattr(cls, "_cudalink_array_info", None)
+    if own is not None:  # our own frames describe themselves (no CAI side effects, their own sync), so this
+        described: ArrayInfo = own(obj, stream_ptr)  # module never imports cudalink.frames.frame: no cycle
+        return described
     if stream_ptr == -1 and cls.__module__ == "torch" and getattr(obj, "is_cuda", False):
         info = _torch_info(obj)
         if info is not None:
@@ -141,19 +139,19 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
         try:
             return _device_info(obj, _any_interface()(obj, stream_ptr=stream_ptr))
         except Exception as exc:
-            raise FormatError(f"cudalink: cannot read {cls.__name__} through cuda.core: {exc}") from None
+            raise FormatError(f"cudalink: cannot read {cls.__name__} through cuda.core: {exc}") from exc
     has_cai = hasattr(cls, "__cuda_array_interface__")  # on the type: never evaluate a property here
     if cls is np.ndarray or (not has_cai and hasattr(cls, "__array_interface__")):
-        return _host_info(np.asarray(obj))
+        return host_info(np.asarray(obj))
     dl_dev = getattr(obj, "__dlpack_device__", None)
     if dl_dev is not None:
         if int(dl_dev()[0]) in (1, 3):  # CPU or pinned host memory (a torch CPU tensor, say)
-            return _host_info(np.from_dlpack(obj))
+            return host_info(np.from_dlpack(obj))
     elif not has_cai:
         try:
-            return _host_info(np.asarray(obj))
+            return host_info(np.asarray(obj))
         except Exception as exc:
-            raise FormatError(f"cudalink: cannot read {cls.__name__} as an array: {exc}") from None
+            raise FormatError(f"cudalink: cannot read {cls.__name__} as an array: {exc}") from exc
     smv = _view_cls()
     try:
         if has_cai:
@@ -163,11 +161,11 @@ def describe_array(obj: Any, stream_ptr: int = -1) -> ArrayInfo:
         else:
             view = smv.from_dlpack(obj, stream_ptr=stream_ptr)
     except Exception as exc:
-        raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from None
+        raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from exc
     return _device_info(obj, view)
 
 
-_torch_dtypes: dict[Any, np.dtype[Any]] = {}
+_torch_dtypes: dict[Any, np.dtype[Any] | None] = {}
 
 
 def _torch_info(t: Any) -> ArrayInfo | None:
@@ -176,15 +174,13 @@ def _torch_info(t: Any) -> ArrayInfo | None:
     Only for callers that need no stream ordering (``stream_ptr=-1``); anything unusual (a dtype numpy
     lacks, non-contiguous memory) returns None and takes the general path.
     """
-    if not _torch_dtypes:
-        import torch
-
-        from .frames.spec import SUPPORTED_DTYPES
-
-        for name in SUPPORTED_DTYPES:
-            if hasattr(torch, name):
-                _torch_dtypes[getattr(torch, name)] = np.dtype(name)
-    dtype = _torch_dtypes.get(t.dtype)
+    dtype = _torch_dtypes.get(t.dtype, _ANY_UNSET)
+    if dtype is _ANY_UNSET:  # once per torch dtype: numpy's dtype of the same name, or None (bfloat16, fp8)
+        try:
+            dtype = np.dtype(str(t.dtype).removeprefix("torch."))
+        except TypeError:
+            dtype = None
+        _torch_dtypes[t.dtype] = dtype
     if dtype is None or not t.is_contiguous():
         return None
     return ArrayInfo(t.data_ptr(), tuple(t.shape), dtype, None, t.get_device(), False, t)
@@ -232,7 +228,7 @@ def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
     return True
 
 
-def _host_info(arr: np.ndarray[Any, Any]) -> ArrayInfo:
+def host_info(arr: np.ndarray[Any, Any]) -> ArrayInfo:
     strides = None if arr.flags.c_contiguous else tuple(arr.strides)
     return ArrayInfo(int(arr.ctypes.data), tuple(arr.shape), arr.dtype, strides, -1, not arr.flags.writeable, arr)
 
@@ -319,9 +315,9 @@ def device(ordinal: int) -> Any:
         dev = core.Device(ordinal)
         dev.set_current()
     except RuntimeError as exc:  # includes cuda.pathfinder's DynamicLibNotFoundError (no driver)
-        raise CudaUnavailable(f"cudalink: no usable CUDA driver ({exc}); {NO_GPU_HINT}") from None
+        raise CudaUnavailable(f"cudalink: no usable CUDA driver ({exc}); {NO_GPU_HINT}") from exc
     except (ValueError, IndexError) as exc:
-        raise CudaUnavailable(f"cudalink: no CUDA device {ordinal} ({exc}); {NO_GPU_HINT}") from None
+        raise CudaUnavailable(f"cudalink: no CUDA device {ordinal} ({exc}); {NO_GPU_HINT}") from exc
     return dev
 
 
@@ -335,24 +331,21 @@ def device_by_uuid(uuid: bytes, fallback: int) -> Any:
     if any(uuid):
         for i in range(count):
             dev = core.Device(i)
-            if _uuid_bytes(dev) == uuid:
+            if uuid_of(dev) == uuid:
                 dev.set_current()
                 return dev
         raise CudaUnavailable("cudalink: the producer's GPU is not visible here; check CUDA_VISIBLE_DEVICES")
     return device(fallback)
 
 
-def _uuid_bytes(dev: Any) -> bytes:
+def uuid_of(dev: Any) -> bytes:
+    """The GPU's 16-byte UUID (zeros where the driver gives none): how the header names the device."""
     import uuid as _uuid
 
     try:
         return _uuid.UUID(str(dev.uuid)).bytes
     except Exception:
         return b"\0" * 16
-
-
-def uuid_of(dev: Any) -> bytes:
-    return _uuid_bytes(dev)
 
 
 def ipc_support(dev: Any) -> dict[str, bool]:
@@ -377,19 +370,39 @@ def require_pool_ipc(dev: Any) -> None:
         )
 
 
-def stream_handle(stream: Any) -> int:
-    """Raw CUstream value of a cuda.core Stream, a torch/cupy stream, or an int."""
+def stream_handle(stream: Any, *, dlpack: bool = False) -> int:
+    """Raw CUstream value of a cuda.core Stream, a torch/cupy stream, or an int: the one normalisation.
+
+    ``dlpack=True`` applies DLPack's rules for the ``stream=`` argument of ``__dlpack__``: None is the
+    legacy default stream (1), -1 (no synchronisation) passes through, 0 is refused, and errors are
+    ``BufferError`` (what DLPack consumers expect). Otherwise a 0 from a framework means its default
+    stream, which is the legacy one (1).
+    """
+    if type(stream) is int and stream > 0:  # what torch and cupy pass to __dlpack__: checked first
+        return stream
     if stream is None:
+        if dlpack:
+            return 1
         raise LinkError("cudalink: no stream")
-    if hasattr(stream, "handle") and not isinstance(stream, int):
-        return int(stream.handle)
-    if hasattr(stream, "cuda_stream"):
-        return int(stream.cuda_stream) or 1
-    if hasattr(stream, "__cuda_stream__"):
-        return int(stream.__cuda_stream__()[1]) or 1
-    if isinstance(stream, (int, np.integer)):
-        return int(stream) or 1
-    raise LinkError(f"cudalink: {stream!r} is not a stream (pass a cuda.core/torch/cupy stream or an int handle)")
+    if hasattr(stream, "handle") and not isinstance(stream, int):  # a cuda.core Stream
+        value, framework = int(stream.handle), False
+    elif hasattr(stream, "cuda_stream"):  # torch / cupy stream objects
+        value, framework = int(stream.cuda_stream), True
+    elif hasattr(stream, "__cuda_stream__"):
+        value, framework = int(stream.__cuda_stream__()[1]), True
+    elif isinstance(stream, (int, np.integer)):
+        value, framework = int(stream), True
+    elif dlpack:
+        raise BufferError(f"cudalink: stream must be an int stream handle, got {stream!r}")
+    else:
+        raise LinkError(f"cudalink: {stream!r} is not a stream (pass a cuda.core/torch/cupy stream or an int handle)")
+    if dlpack:
+        if value == 0:
+            raise BufferError("cudalink: DLPack forbids stream=0; pass 1 for the legacy default stream")
+        if value < -1:
+            raise BufferError(f"cudalink: invalid DLPack stream {value}")
+        return value
+    return (value or 1) if framework else value
 
 
 # -- handles this process exported ------------------------------------------------------------------------
@@ -443,7 +456,7 @@ def import_event(raw: bytes, flag: int) -> Any:
     try:
         return Event.from_ipc_descriptor(IPCEventDescriptor._init(raw, bool(flag)))
     except Exception as exc:
-        raise LinkError(f"cudalink: could not open the producer's IPC event: {exc}") from None
+        raise LinkError(f"cudalink: could not open the producer's IPC event: {exc}") from exc
 
 
 def raw(ev: Any) -> Any:
@@ -637,7 +650,7 @@ class PoolImporter:
             try:
                 self.mr = core.DeviceMemoryResource.from_allocation_handle(self.dev, self.fds[0])
             except Exception as exc:
-                raise LinkError(f"cudalink: could not map the producer's memory pool: {exc}") from None
+                raise LinkError(f"cudalink: could not map the producer's memory pool: {exc}") from exc
             finally:
                 self._close_fds()
         return self.mr
@@ -661,7 +674,7 @@ class PoolImporter:
         try:
             buf = Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(handle, size), stream=stream)
         except Exception as exc:
-            raise LinkError(f"cudalink: could not map the producer's slot: {exc}") from None
+            raise LinkError(f"cudalink: could not map the producer's slot: {exc}") from exc
         return int(buf.handle), buf
 
     def close_one(self, keep: Any, stream: Any) -> None:

@@ -110,7 +110,7 @@ def floor_child(
 
 def _gpu_ops(shape: tuple[int, ...], device: int, lib: str, ev_handle: tuple[bytes, int]) -> Any:
     """The consumer-side driver floors, built once: an imported IPC event, a cached view, an own IPC event."""
-    from ._bench import GpuLib
+    from ._measure import GpuLib
 
     g = GpuLib(lib, device)
     g.context()
@@ -225,8 +225,8 @@ def _run_child(
         del work
         try:
             msg = q.get(timeout=60)
-        except queue_mod.Empty:
-            raise RuntimeError(f"floor child '{kind}' sent no result") from None
+        except queue_mod.Empty as exc:
+            raise RuntimeError(f"floor child '{kind}' sent no result") from exc
         if msg[0] == "error":
             raise RuntimeError(f"floor child '{kind}': {msg[1]}")
         return dict(msg[1])
@@ -241,7 +241,7 @@ def _producer_ops(
     device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float, ev: Any, stream: Any
 ) -> dict[str, list[int]]:
     """The producer's driver floor, at the cadence: one frame's ``cuMemcpyDtoDAsync`` and an IPC event record."""
-    from ._bench import GpuLib
+    from ._measure import GpuLib
 
     g = GpuLib(lib, device)
     n = int(math.prod(shape))

@@ -20,6 +20,7 @@ import time
 from typing import Any, Protocol
 
 from . import _native
+from .errors import ProtocolError
 from .frames.spec import FrameSpec
 from .transport import wire
 from .transport.wire import Layout
@@ -236,6 +237,25 @@ class PyConsumerRing:
     def count(self, received: int, skipped: int) -> None:
         wire.U64X2.pack_into(self.buf, self._counts_off, received, skipped)
         _put64(self.buf, self._last_recv_off, time.time_ns())
+
+
+def read_record(buf: Any, layout: Layout, slot: int, capacity: int) -> wire.SlotRecord | None:
+    """A seqlock read for observers that take no lease (the monitor, on a read-only mapping).
+
+    The record counts only if the slot's stamp is even and unchanged around it, and names the same frame.
+    """
+    off = layout.stamp(slot)
+    for _ in range(5):
+        before = wire.read_u64(buf, off)
+        if before == 0 or before & 1:
+            return None
+        try:
+            rec = wire.unpack_record(buf, layout.record(slot), capacity)
+        except ProtocolError:
+            rec = None
+        if wire.read_u64(buf, off) == before:
+            return rec if rec is not None and rec.seq == before >> 1 else None
+    return None
 
 
 class ProducerRing(Protocol):

@@ -27,15 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from . import _cuda, _native, _platform
+from ._measure import summarize
+from ._ring import read_record
 from ._version import __version__
-from .errors import LinkError, ProtocolError
+from .errors import LinkError
 from .frames.spec import FrameSpec
 from .transport import wire
 
@@ -58,10 +59,9 @@ def _us(v: float | None) -> str:
 
 
 def _pcts(values_ns: Sequence[int]) -> tuple[float | None, float | None]:
-    if not values_ns:
-        return None, None
-    a = np.asarray(values_ns, dtype=np.float64) / 1e3
-    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+    """p50/p99 in µs through the bench's one summary (``_measure.summarize``)."""
+    got = summarize(values_ns)
+    return (got["p50"], got["p99"]) if got else (None, None)
 
 
 def _ago(ns: int, now_ns: int) -> str:
@@ -115,31 +115,15 @@ def _map_readonly(name: str) -> tuple[Any, Callable[[], None]]:
     seg = header_segment(name)
     try:
         buf, close = map_readonly(seg)
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
         raise LinkError(
             f"cudalink: no link named {name!r} here (no shared-memory segment {seg}); "
             "check the name, and that its producer runs on this machine as this user"
-        ) from None
+        ) from exc
     if len(buf) < wire.FIXED_SIZE:
         close()
         raise LinkError(f"cudalink: segment {seg} is {len(buf)} bytes: not a cudalink link (or still being created)")
     return buf, close
-
-
-def _read_record(buf: Any, layout: wire.Layout, slot: int, capacity: int) -> wire.SlotRecord | None:
-    """Seqlock read: the record counts only if the slot's stamp is even and unchanged around it."""
-    off = layout.stamps + 8 * slot
-    for _ in range(5):
-        before = wire.read_u64(buf, off)
-        if before == 0 or before & 1:
-            return None
-        try:
-            rec = wire.unpack_record(buf, layout.record(slot), capacity)
-        except ProtocolError:
-            rec = None
-        if wire.read_u64(buf, off) == before:
-            return rec if rec is not None and rec.seq == before >> 1 else None
-    return None
 
 
 def read_snapshot(name: str) -> Snapshot:
@@ -152,7 +136,7 @@ def read_snapshot(name: str) -> Snapshot:
         stamps = wire.read_stamps(buf, layout)
         even = [(int(s) >> 1, i) for i, s in enumerate(stamps) if s and not s & 1]
         newest_seq, newest_slot = max(even) if even else (0, -1)
-        records = {slot: _read_record(buf, layout, slot, fixed.capacity) for slot in range(layout.nslots)}
+        records = {slot: read_record(buf, layout, slot, fixed.capacity) for slot in range(layout.nslots)}
         newest = records.get(newest_slot) if newest_slot >= 0 else None
         columns = [wire.read_column(buf, layout, slot) for slot in range(layout.nslots)]
         consumers = []
@@ -346,7 +330,7 @@ def _driver_versions() -> tuple[str | None, str | None]:
 
 def gather_info() -> dict[str, Any]:
     """Everything ``info`` reports, each probe wrapped so a missing driver is a finding, not a crash."""
-    from ._bench import short_reason
+    from ._measure import short_reason
 
     out: dict[str, Any] = {
         "cudalink": __version__,
@@ -509,8 +493,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _parse_shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
-    except ValueError:
-        raise LinkError(f"cudalink: --shape must be integers like 720,1280,4; got {text!r}") from None
+    except ValueError as exc:
+        raise LinkError(f"cudalink: --shape must be integers like 720,1280,4; got {text!r}") from exc
     if not shape or any(s <= 0 for s in shape):
         raise LinkError(f"cudalink: --shape must be positive integers like 720,1280,4; got {text!r}")
     return shape

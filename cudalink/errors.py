@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import enum
+
 __all__ = [
+    "CudaError",
     "CudaUnavailable",
     "FormatError",
     "LinkClosed",
@@ -10,6 +13,7 @@ __all__ = [
     "LinkTimeout",
     "ProducerGone",
     "ProtocolError",
+    "ProtocolReason",
 ]
 
 
@@ -29,8 +33,36 @@ class FormatError(LinkError, ValueError):
     """A frame, array or spec does not match what the link carries."""
 
 
+class ProtocolReason(enum.Enum):
+    """Why a :class:`ProtocolError` was raised. Code branches on this, never on the message."""
+
+    CORRUPT = "corrupt"  #: shared state or a message breaks the layout's rules (or another version's)
+    REFUSED = "refused"  #: the producer refused with a code this version does not know
+    STALE_GENERATION = "stale-generation"  #: we read the header of an earlier producer: re-read it
+    FULL = "full"  #: every consumer entry is taken
+    WRONG_USER = "wrong-user"  #: links are private to the user that created them
+    BAD_HELLO = "bad-hello"  #: the producer could not accept our HELLO
+    CLOSING = "closing"  #: the producer is shutting down
+    STALE_KEY = "stale-key"  #: the loopback rendezvous file changed (the producer restarted): re-read it
+
+    @property
+    def retryable(self) -> bool:
+        """The producer restarted or is going away: attaching again (to the next one) can succeed."""
+        return self in (ProtocolReason.STALE_GENERATION, ProtocolReason.CLOSING, ProtocolReason.STALE_KEY)
+
+
 class ProtocolError(LinkError):
-    """Shared state or a control message is corrupt, foreign or from an incompatible version."""
+    """Shared state or a control message is corrupt, foreign or from an incompatible version.
+
+    ``reason`` (a :class:`ProtocolReason`) says which; the message is for people.
+    """
+
+    def __init__(self, message: str, reason: ProtocolReason = ProtocolReason.CORRUPT) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[ProtocolError], tuple[str, ProtocolReason]]:
+        return type(self), (str(self), self.reason)
 
 
 class LinkClosed(LinkError):
@@ -39,3 +71,15 @@ class LinkClosed(LinkError):
 
 class CudaUnavailable(LinkError, RuntimeError):
     """No usable CUDA driver/GPU, or the GPU lacks a needed feature. The message names the way out."""
+
+
+class CudaError(LinkError):
+    """A CUDA driver call failed. ``result`` is its ``CUresult`` code, ``name`` the driver's name for it."""
+
+    def __init__(self, message: str, result: int, name: str) -> None:
+        super().__init__(message)
+        self.result = result
+        self.name = name
+
+    def __reduce__(self) -> tuple[type[CudaError], tuple[str, int, str]]:
+        return type(self), (str(self), self.result, self.name)

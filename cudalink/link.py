@@ -622,14 +622,14 @@ class Receiver:
             try:
                 data, fds = client.handshake(hello, wire.WELCOME.size, max(0.05, deadline - time.monotonic()))
             except (TimeoutError, ConnectionError) as exc:
-                raise NoProducer(f"handshake failed: {exc}") from None
+                raise NoProducer(f"handshake failed: {exc}") from exc
             try:
                 welcome = wire.unpack_reply(data, fixed.nconsumers)
             except ProtocolError as exc:
                 for fd in fds:
                     os.close(fd)
-                if any(f"(reason {r})" in str(exc) for r in wire.RETRY_REASONS) or not data:
-                    raise NoProducer(str(exc)) from None
+                if exc.reason.retryable or not data:
+                    raise NoProducer(str(exc)) from exc
                 raise
             view = _backends.make_consumer_view(fixed, client, fds)
             view.setup(client.header, fixed.layout, welcome.index)
@@ -711,11 +711,11 @@ class Receiver:
         if self._att is None:
             try:
                 self._attach(limit)
-            except LinkTimeout:
+            except LinkTimeout as exc:
                 if self._dead_generation:
                     raise ProducerGone(
                         f"cudalink: producer of {self.name!r} is gone and no new one appeared within {limit}s"
-                    ) from None
+                    ) from exc
                 raise
             self.reattached += 1 if self._dead_generation else 0
         att = self._att

@@ -462,7 +462,7 @@ def _convert_cuda(frame: Frame, plan: _Plan, stream: int, backend: str | None) -
             "(td/README.md), or pass method='numpy' for a slow host round trip, or have the producer "
             "send what TD takes as-is "
             "(uint8/uint16/float32, origin='bottom', BGRA for 8-bit RGBA)"
-        ) from None
+        ) from exc
     dev = frame._device_id
     _cuda.device(dev)
     if name == "cupy":
@@ -609,11 +609,16 @@ class TopUpload:
 _default_streams: dict[int, Any] = {}
 
 
-def _default_stream(device: int) -> int:
-    stream = _default_streams.get(device)
+def _stream_in(cache: dict[int, Any], device: int) -> int:
+    """Our own non-default stream on ``device``, made once per ``cache`` (module-wide, or a sink's)."""
+    stream = cache.get(device)
     if stream is None:
-        stream = _default_streams[device] = _cuda.device(device).create_stream()
+        stream = cache[device] = _cuda.device(device).create_stream()
     return _cuda.stream_handle(stream)
+
+
+def _default_stream(device: int) -> int:
+    return _stream_in(_default_streams, device)
 
 
 def _prepare(
@@ -734,10 +739,7 @@ class ScriptTopSink:
         """The stream copies for ``device`` are ordered on: the one given, or our own non-default one."""
         if self._user_stream is not None:
             return _cuda.stream_handle(self._user_stream)
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = _cuda.device(device).create_stream()
-        return _cuda.stream_handle(stream)
+        return _stream_in(self._streams, device)
 
     def show(self, frame: Frame, script_op: Any, *, flip: Switch = False, swap_rb: Switch = False) -> TopUpload:
         """Upload ``frame``; the previous upload is let go only once this one has been handed to TD."""

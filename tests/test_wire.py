@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import struct
 
 import numpy as np
@@ -194,9 +195,30 @@ def test_random_reply_bytes(data: bytes, maxc: int) -> None:
     assert w.index < maxc and w.nfds <= 4
 
 
-def test_reject_carries_its_reason() -> None:
-    with pytest.raises(cudalink.ProtocolError, match="private to the user"):
-        wire.unpack_reply(wire.pack_reject(wire.REJECT_UID, "links are private to the user"), 8)
+@pytest.mark.parametrize(
+    ("code", "reason", "retry"),
+    [
+        (wire.REJECT_GENERATION, cudalink.ProtocolReason.STALE_GENERATION, True),
+        (wire.REJECT_FULL, cudalink.ProtocolReason.FULL, False),
+        (wire.REJECT_UID, cudalink.ProtocolReason.WRONG_USER, False),
+        (wire.REJECT_BAD_HELLO, cudalink.ProtocolReason.BAD_HELLO, False),
+        (wire.REJECT_CLOSING, cudalink.ProtocolReason.CLOSING, True),
+        (wire.REJECT_KEY, cudalink.ProtocolReason.STALE_KEY, True),
+        (999, cudalink.ProtocolReason.REFUSED, False),  # a newer producer's code: refused, not retried
+    ],
+)
+def test_reject_carries_its_reason_as_an_enum(code: int, reason: cudalink.ProtocolReason, retry: bool) -> None:
+    with pytest.raises(cudalink.ProtocolError, match="some text") as info:
+        wire.unpack_reply(wire.pack_reject(code, "some text"), 8)
+    assert info.value.reason is reason and reason.retryable is retry
+    again = pickle.loads(pickle.dumps(info.value))  # crosses process boundaries intact
+    assert again.reason is reason and str(again) == str(info.value)
+
+
+def test_a_corrupt_reply_is_a_corrupt_protocol_error() -> None:
+    with pytest.raises(cudalink.ProtocolError) as info:
+        wire.unpack_reply(b"CLOK" + bytes(3), 8)
+    assert info.value.reason is cudalink.ProtocolReason.CORRUPT and not info.value.reason.retryable
 
 
 @given(

@@ -8,15 +8,13 @@ built; handles travel as plain integers (``_cuda.raw``).
 The entry points come from ``cuGetProcAddress`` through cuda.bindings, so this module needs no
 ``cuda.h`` to build and calls the very libcuda cuda.bindings loaded. (Compiling against
 ``cydriver.pxd`` needs a ``cuda.h`` at least as new as the installed cuda-bindings, which toolkits and
-wheels often disagree on.) Errors become the same ``LinkError`` text ``_cuda.check`` gives. The GIL
+wheels often disagree on.) Errors are ``_cuda.cuda_error``'s ``CudaError``, as for the Python calls. The GIL
 stays held: these calls only queue work, and dropping it per call would invite a hand-off to another
 thread in the middle of a frame.
 """
 
 from libc.stdint cimport uintptr_t
 from libc.string cimport memset
-
-from cudalink.errors import LinkError
 
 cdef extern from "driver_api.h":
     ctypedef int cl_CUresult
@@ -71,11 +69,9 @@ cdef cl_Memcpy2DAsync_t _copy2d = <cl_Memcpy2DAsync_t>_entry(_drv, "cuMemcpy2DAs
 
 
 cdef int _fail(cl_CUresult err, str what) except -1:
-    try:
-        name = _drv.cuGetErrorName(_drv.CUresult(err))[1].decode()
-    except Exception:
-        name = str(err)
-    raise LinkError(f"cudalink: {what} failed with {name}")
+    from cudalink._cuda import cuda_error  # the one translation, shared with the Python calls
+
+    raise cuda_error(err, what)
 
 
 def record(uintptr_t event, uintptr_t stream):

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import _cuda  # after ..errors; _cuda imports .spec, which is fine mid-package-init
+from .. import _cuda  # downward only: _cuda never imports this module (frames describe themselves to it)
 from ..errors import FormatError, LinkClosed
 from .spec import FrameSpec, PixelFormat, RowOrigin
 
@@ -297,6 +297,16 @@ class Frame:
             raise LinkClosed("cudalink: this frame was released; receive a new one (or keep it until you are done)")
         return hold
 
+    def _cudalink_array_info(self, stream_ptr: int) -> _cuda.ArrayInfo:
+        """What ``_cuda.describe_array`` needs of a frame sent on (a relay): no array-interface side effects,
+        and the frame's own sync orders its producer before ``stream_ptr`` (-1: no ordering)."""
+        if not self._is_cuda:
+            return _cuda.host_info(self.numpy())
+        if stream_ptr != -1 and self._sync is not None:
+            self._sync.wait(stream_ptr)
+        spec = self._spec
+        return _cuda.ArrayInfo(self.ptr, spec.shape, spec.dtype, spec.strides, self._device_id, False, self)
+
     # -- DLPack -----------------------------------------------------------------------------------------
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -334,7 +344,7 @@ class Frame:
             )
         if copy:
             raise BufferError("cudalink: copy=True is not supported for CUDA frames; copy in your framework")
-        s = _stream_value(stream)
+        s = _cuda.stream_handle(stream, dlpack=True)
         hold = self._live()
         if s != -1:
             if self._sync is not None:
@@ -398,22 +408,3 @@ class Frame:
         hold = self._live()
         stream = self._sync.cai_stream() if self._sync is not None else None
         return _cuda.copy_to_host(hold.ptr, self._spec, self._device_id, stream)
-
-
-def _stream_value(stream: Any) -> int:
-    """Map a DLPack ``stream`` argument to a raw CUstream value (None means the legacy default stream)."""
-    if stream is None:
-        return 1
-    if type(stream) is int and stream > 0:  # what torch and cupy pass: the common case, checked first
-        return stream
-    if hasattr(stream, "handle"):  # a cuda.core Stream
-        stream = int(stream.handle)
-    elif hasattr(stream, "cuda_stream"):  # torch / cupy stream objects
-        stream = int(stream.cuda_stream)
-    elif not isinstance(stream, int):
-        raise BufferError(f"cudalink: stream must be an int stream handle, got {stream!r}")
-    if stream == 0:
-        raise BufferError("cudalink: DLPack forbids stream=0; pass 1 for the legacy default stream")
-    if stream < -1:
-        raise BufferError(f"cudalink: invalid DLPack stream {stream}")
-    return int(stream)

@@ -146,8 +146,8 @@ class FrameSpec:
                 )
         try:
             org = RowOrigin(origin.value if isinstance(origin, RowOrigin) else str(origin).lower())
-        except ValueError:
-            raise FormatError(f"cudalink: origin must be 'top' or 'bottom', got {origin!r}") from None
+        except ValueError as exc:
+            raise FormatError(f"cudalink: origin must be 'top' or 'bottom', got {origin!r}") from exc
         object.__setattr__(self, "shape", dims)
         object.__setattr__(self, "dtype", dt)
         object.__setattr__(self, "strides", st)
@@ -230,6 +230,6 @@ def _pixel_format(value: PixelFormat | str | None) -> PixelFormat | None:
             break
     try:
         return PixelFormat[text]
-    except KeyError:
+    except KeyError as exc:
         names = ", ".join(PixelFormat.__members__)
-        raise FormatError(f"cudalink: unknown pixel format {value!r}; use one of {names} (e.g. 'RGBA8')") from None
+        raise FormatError(f"cudalink: unknown pixel format {value!r}; use one of {names} (e.g. 'RGBA8')") from exc

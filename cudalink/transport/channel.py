@@ -103,7 +103,7 @@ class UnixChannel(Channel):
         except OSError as exc:
             listener.close()
             if exc.errno == errno.EADDRINUSE:
-                raise LinkError(f"cudalink: link {name!r} was just claimed by another producer") from None
+                raise LinkError(f"cudalink: link {name!r} was just claimed by another producer") from exc
             raise
         finally:
             os.umask(old)
@@ -121,10 +121,10 @@ class UnixChannel(Channel):
                 sock.connect(path)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 sock.close()
-                raise NoProducer(str(exc)) from None
-            except PermissionError:
+                raise NoProducer(str(exc)) from exc
+            except PermissionError as exc:
                 sock.close()
-                raise LinkError(DENIED.format(name=name)) from None
+                raise LinkError(DENIED.format(name=name)) from exc
             except OSError:
                 sock.close()
                 raise
@@ -157,8 +157,8 @@ class LoopbackChannel(Channel):
                 data = f.read(wire.RENDEZVOUS.size + 1)
         except FileNotFoundError:
             return None
-        except PermissionError:
-            raise LinkError(DENIED.format(name=name)) from None
+        except PermissionError as exc:
+            raise LinkError(DENIED.format(name=name)) from exc
         try:
             return wire.unpack_rendezvous(data)
         except ProtocolError:
@@ -189,7 +189,7 @@ class LoopbackChannel(Channel):
             try:
                 sock = socket.create_connection(("127.0.0.1", record.port), timeout=timeout)
             except (ConnectionRefusedError, TimeoutError) as exc:
-                raise NoProducer(str(exc)) from None
+                raise NoProducer(str(exc)) from exc
             return ClientSocket(sock, record.key)
 
         return Found(self.kind, self.header(name, record.generation), connect)

@@ -144,8 +144,8 @@ class _ShmClient(SocketClient):
     def map_data(self, generation: int, size: int) -> memoryview:
         try:
             seg = Segment(_open_segment(_platform.segment_name(self._name, f"-{generation:016x}")))
-        except FileNotFoundError:
-            raise NoProducer("data segment vanished") from None
+        except FileNotFoundError as exc:
+            raise NoProducer("data segment vanished") from exc
         if len(seg.buf) < size:
             raise LinkError(f"cudalink: data segment is {len(seg.buf)} bytes, header promises {size}")
         self.data_segment = seg
@@ -235,10 +235,10 @@ class SharedMemoryTransport(Transport):
             raise NoProducer(f"no link named {name!r}")
         try:
             seg = _open_segment(found.header)
-        except FileNotFoundError:
-            raise NoProducer(f"no link named {name!r}") from None
-        except PermissionError:
-            raise LinkError(DENIED.format(name=name)) from None
+        except FileNotFoundError as exc:
+            raise NoProducer(f"no link named {name!r}") from exc
+        except PermissionError as exc:
+            raise LinkError(DENIED.format(name=name)) from exc
         return _ShmClient(name, Segment(seg), found)
 
 

@@ -98,7 +98,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, ProtocolReason
 from ..frames.spec import MAX_NDIM, SUPPORTED_DTYPES, FrameSpec, PixelFormat, RowOrigin
 
 MAGIC = b"CUDALINK"
@@ -158,8 +158,15 @@ REJECT_UID = 3
 REJECT_BAD_HELLO = 4
 REJECT_CLOSING = 5
 REJECT_KEY = 6  # the loopback channel's proof failed: a stale rendezvous file, so re-read it
-#: reasons after which a consumer simply retries (the producer restarted or is going away)
-RETRY_REASONS = (REJECT_GENERATION, REJECT_CLOSING, REJECT_KEY)
+#: what each REJECT code means to the consumer (``ProtocolError.reason``; ``.retryable`` says whether to retry)
+REJECT_REASONS = {
+    REJECT_GENERATION: ProtocolReason.STALE_GENERATION,
+    REJECT_FULL: ProtocolReason.FULL,
+    REJECT_UID: ProtocolReason.WRONG_USER,
+    REJECT_BAD_HELLO: ProtocolReason.BAD_HELLO,
+    REJECT_CLOSING: ProtocolReason.CLOSING,
+    REJECT_KEY: ProtocolReason.STALE_KEY,
+}
 
 assert FIXED.size <= FIXED_SIZE and RECORD.size <= RECORD_SIZE and HANDLE.size <= HANDLE_SIZE
 assert CONSUMER.size == CONSUMER_FIXED
@@ -444,7 +451,7 @@ def _unpack_record(buf: Any, off: int, capacity: int) -> SlotRecord:
             ORIGIN_BY_CODE[ocode],
         )
     except ValueError as exc:
-        raise ProtocolError(f"cudalink: slot record holds an invalid spec: {exc}") from None
+        raise ProtocolError(f"cudalink: slot record holds an invalid spec: {exc}") from exc
     if spec.nbytes != nbytes or nbytes > capacity:
         raise ProtocolError(f"cudalink: slot record spans {spec.nbytes} bytes (says {nbytes}), slot holds {capacity}")
     return SlotRecord(seq, ts, spec, bytes(meta[:mlen]))
@@ -517,11 +524,12 @@ def pack_reject(reason: int, text: str) -> bytes:
 
 
 def unpack_reply(data: bytes, max_consumers: int) -> Welcome:
-    """Decode the producer's answer to HELLO; a REJECT becomes a ProtocolError carrying its text."""
+    """Decode the producer's answer to HELLO; a REJECT becomes a ProtocolError carrying its reason and text."""
     if len(data) >= REJECT.size and data[:4] == b"CLNO":
         _, _, reason = REJECT.unpack_from(data)
         text = data[REJECT.size : REJECT.size + REJECT_TEXT_MAX].decode("utf-8", "replace")
-        raise ProtocolError(f"cudalink: producer refused to attach (reason {reason}): {text}")
+        why = REJECT_REASONS.get(reason, ProtocolReason.REFUSED)
+        raise ProtocolError(f"cudalink: producer refused to attach (reason {reason}, {why.value}): {text}", why)
     if len(data) != WELCOME.size:
         raise ProtocolError(f"cudalink: WELCOME is {len(data)} bytes, expected {WELCOME.size}")
     magic, version, index, gen, nfds = WELCOME.unpack(data)

@@ -1,0 +1,181 @@
+"""The package's shape, checked: the import graph has no cycle and no upward import, and the CUDA glue
+stands on its own (it imports nothing of cudalink above ``errors`` and ``_native``).
+
+Edges come from every ``import`` that runs, function-level ones included (not those under
+``if TYPE_CHECKING:``), plus the implicit ones to the packages of what is imported (importing ``a.b`` from outside ``a``
+first runs ``a/__init__``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "cudalink"
+
+#: lower layers never import higher ones; a module may import its own layer (the cycle check covers that)
+LAYERS: list[set[str]] = [
+    {"cudalink.errors", "cudalink._version", "cudalink._trace", "cudalink._native", "cudalink._platform"},
+    {"cudalink._cuda", "cudalink.transport.base"},
+    {"cudalink.frames", "cudalink.frames.spec", "cudalink.frames.frame"},
+    {
+        "cudalink.transport",
+        "cudalink.transport.wire",
+        "cudalink.transport.control",
+        "cudalink.transport.channel",
+        "cudalink.transport.shm",
+        "cudalink.transport.memory",
+        "cudalink._ring",
+        "cudalink._backends",
+    },
+    {"cudalink.link"},
+    {"cudalink", "cudalink.td"},
+    {"cudalink._measure", "cudalink._floors", "cudalink._breakdown", "cudalink._bench", "cudalink.cli"},
+    {"cudalink.__main__"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = p
+    return out
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for the type checker never run)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    target = node.module or ""
+                targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
+            for t in targets:
+                while t not in mods and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t not in mods or t == mod:
+                    continue
+                graph[mod].add(t)
+                pkg = t
+                while "." in pkg:  # importing a.b.c from outside a.b first runs a/b/__init__
+                    pkg = pkg.rsplit(".", 1)[0]
+                    if pkg in mods and pkg != mod and not mod.startswith(pkg + "."):
+                        graph[mod].add(pkg)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return [*path[path.index(d) :], d]
+            if d not in state and (found := visit(d)):
+                return found
+        state[m] = 2
+        path.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_checker_finds_a_cycle_when_there_is_one() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert _cycle(graph) == ["a", "b", "c", "a"]
+
+
+def test_no_module_imports_upward() -> None:
+    graph = import_graph()
+    layer = {m: i for i, group in enumerate(LAYERS) for m in group}
+    unplaced = sorted(set(graph) - set(layer))
+    assert not unplaced, f"place these modules in LAYERS: {unplaced}"
+    upward = [
+        f"{m} (layer {layer[m]}) imports {d} (layer {layer[d]})"
+        for m, deps in graph.items()
+        for d in deps
+        if layer[d] > layer[m]
+    ]
+    assert not upward, upward
+
+
+def test_frames_know_nothing_of_transports_and_cuda_glue_nothing_of_frames() -> None:
+    graph = import_graph()
+    for m in ("cudalink.frames", "cudalink.frames.spec", "cudalink.frames.frame"):
+        assert not {d for d in graph[m] if d.startswith(("cudalink.transport", "cudalink.link"))}, m
+    assert graph["cudalink._cuda"] <= {"cudalink", "cudalink.errors", "cudalink._native"}, graph["cudalink._cuda"]
+
+
+class _TorchDtype:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+class _Tensor:
+    """What ``_cuda._torch_info`` reads of a torch tensor (its C methods), without torch."""
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = _TorchDtype(dtype)
+        self.shape = (2, 3)
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def data_ptr(self) -> int:
+        return 4096
+
+    def get_device(self) -> int:
+        return 0
+
+
+def test_torch_dtypes_map_to_numpy_by_name_and_the_rest_take_the_general_path() -> None:
+    """The CUDA glue no longer imports cudalink.frames for its dtype table: numpy names the dtype."""
+    import numpy as np
+
+    from cudalink import _cuda
+
+    info = _cuda._torch_info(_Tensor("float32"))
+    assert info is not None and info.dtype == np.dtype("float32") and info.shape == (2, 3) and info.ptr == 4096
+    assert _cuda._torch_info(_Tensor("uint16")).dtype == np.dtype("uint16")  # type: ignore[union-attr]
+    assert _cuda._torch_info(_Tensor("bfloat16")) is None  # numpy has no bfloat16: DLPack/CAI path decides

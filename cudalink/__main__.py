@@ -1,8 +1,8 @@
-"""``python -m cudalink``: the command line lives in :mod:`cudalink.cli`."""
+"""``python -m cudalink``: the command line lives in :mod:`cudalink.tools.cli`."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":  # spawn children import this module under another name: run nothing then
     sys.exit(main())

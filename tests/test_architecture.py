@@ -30,7 +30,11 @@ LAYERS: list[set[str]] = [
     },
     {"cudalink.link"},
     {"cudalink", "cudalink.td"},
-    {"cudalink._measure", "cudalink._floors", "cudalink._breakdown", "cudalink._bench", "cudalink.cli"},
+    {"cudalink.tools", "cudalink.tools.measure", "cudalink.tools.ui", "cudalink.tools.peers"},
+    {"cudalink.tools.peers.link", "cudalink.tools.peers.shm", "cudalink.tools.peers.mpqueue"},
+    {"cudalink.tools.floors", "cudalink.tools.breakdown", "cudalink.tools.bench", "cudalink.tools.monitor"},
+    {"cudalink.tools.demo", "cudalink.tools.info", "cudalink.tools.report"},
+    {"cudalink.tools.cli"},
     {"cudalink.__main__"},
 ]
 
@@ -139,6 +143,10 @@ def test_no_module_imports_upward() -> None:
 
 def test_frames_know_nothing_of_transports_and_cuda_glue_nothing_of_frames() -> None:
     graph = import_graph()
+    library = [m for m in graph if not m.startswith(("cudalink.tools", "cudalink.__main__"))]
+    assert not [m for m in library if any(d.startswith("cudalink.tools") for d in graph[m])], (
+        "the library imports a tool"
+    )
     for m in ("cudalink.frames", "cudalink.frames.spec", "cudalink.frames.frame"):
         assert not {d for d in graph[m] if d.startswith(("cudalink.transport", "cudalink.link"))}, m
     assert graph["cudalink._cuda"] <= {"cudalink", "cudalink.errors", "cudalink._native"}, graph["cudalink._cuda"]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cudalink
-from cudalink import _bench
+from cudalink.tools import demo, measure
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,10 +102,10 @@ def test_explicit_gpu_without_gpu_is_one_line() -> None:
 
 def test_demo_pattern_checksums_are_exact() -> None:
     for dtype in ("uint8", "int8", "float16", "float32", "uint16"):
-        pat = _bench.Pattern((5, 7, 3), dtype)
+        pat = demo.Pattern((5, 7, 3), dtype)
         src = pat.source()
         for k in (0, 1, 112, 113, 999):
-            s = k % _bench.PATTERN_PERIOD
+            s = k % demo.PATTERN_PERIOD
             frame = src[s : s + pat.n]
             assert int(frame.view(np.uint8).sum(dtype=np.uint64)) == pat.checksum(k)
             assert np.array_equal(frame[pat.sample_idx], pat.expected(k))
@@ -227,10 +227,10 @@ def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
 
 
 def test_summarize_percentiles() -> None:
-    s = _bench.summarize([1000, 2000, 3000, 4000])
+    s = measure.summarize([1000, 2000, 3000, 4000])
     assert s is not None
     assert s["p50"] == pytest.approx(2.5) and s["n"] == 4
-    assert _bench.summarize([]) is None
+    assert measure.summarize([]) is None
 
 
 def test_no_command_prints_help() -> None:

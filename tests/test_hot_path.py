@@ -192,7 +192,7 @@ def _summary(p50: float, p99: float | None = None) -> dict[str, float]:
 
 @pytest.mark.parametrize(("block", "met"), [(14.9, True), (15.1, False)])
 def test_goals_judge_each_figure_against_its_floor(block: float, met: bool) -> None:
-    from cudalink._bench import goals
+    from cudalink.tools.bench import goals
 
     report = {
         "floors": {"wake": _summary(10.0), "spin": _summary(1.0), "view_read": _summary(2.0)},

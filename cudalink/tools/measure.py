@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda
-from .errors import CudaUnavailable, LinkError
+from .. import _cuda
+from ..errors import CudaUnavailable, LinkError
 
 
 def summarize(values_ns: Sequence[int] | np.ndarray[Any, Any]) -> dict[str, float] | None:

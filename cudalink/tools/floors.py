@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda
+from .. import _cuda
 
 _T = struct.Struct("<q")
 _T2 = struct.Struct("<qq")  # the spin floor's word and its complement: a torn read never passes as a stamp
@@ -51,7 +51,7 @@ def floor_child(
     conn: Any, seg_name: str, kind: str, shape: tuple[int, ...], device: int, lib: str, ev: Any, out: Any
 ) -> None:
     """One floor, in a spawned child: wait the way a consumer waits, then time the bare operation."""
-    from .transport.shm import _open_segment
+    from ..transport.shm import _open_segment
 
     fd = conn.fileno()
 
@@ -110,7 +110,7 @@ def floor_child(
 
 def _gpu_ops(shape: tuple[int, ...], device: int, lib: str, ev_handle: tuple[bytes, int]) -> Any:
     """The consumer-side driver floors, built once: an imported IPC event, a cached view, an own IPC event."""
-    from ._measure import GpuLib
+    from .measure import GpuLib
 
     g = GpuLib(lib, device)
     g.context()
@@ -154,7 +154,7 @@ def measure(
     backend_device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float, warm: int
 ) -> dict[str, list[int]]:
     """All floors for this backend, in ns per sample (warm-up samples dropped)."""
-    from .transport.shm import _open_segment, _unlink_segment
+    from ..transport.shm import _open_segment, _unlink_segment
 
     ctx = mp.get_context("spawn")
     size = 16 + int(math.prod(shape))
@@ -241,7 +241,7 @@ def _producer_ops(
     device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float, ev: Any, stream: Any
 ) -> dict[str, list[int]]:
     """The producer's driver floor, at the cadence: one frame's ``cuMemcpyDtoDAsync`` and an IPC event record."""
-    from ._measure import GpuLib
+    from .measure import GpuLib
 
     g = GpuLib(lib, device)
     n = int(math.prod(shape))

@@ -1,4 +1,4 @@
-"""The engine behind ``python -m cudalink bench`` and the child processes of ``demo``.
+"""The engine behind ``python -m cudalink bench`` .
 
 Every child entry point lives here, at module level: ``spawn`` children import their target by
 name, and functions defined in ``__main__`` do not survive that. Times compared across processes
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
+import importlib.metadata
 import importlib.util
 import math
 import multiprocessing as mp
 import os
 import platform
 import queue as queue_mod
-import select
-import struct
 import sys
 import time
 import traceback
@@ -32,376 +32,22 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda, _native, _platform
-from ._version import __version__
-from .errors import LinkError, LinkTimeout, ProducerGone
-
-__all__ = [
-    "Backend",
-    "Bench",
-    "ConsumerJob",
-    "DemoConfig",
-    "GpuLib",
-    "bench_consumer",
-    "demo_consumer",
-    "demo_producer",
-    "gpu_lib_name",
-    "resolve_backend",
-    "summarize",
-]
-
-from ._measure import (  # noqa: F401  (re-exported: the CLI and tests reach them through _bench)
-    Backend,
-    GpuLib,
-    _child_init,
-    _one_line,
-    gpu_lib_name,
-    resolve_backend,
-    short_reason,
-    summarize,
-)
-
-# ============================================================================================ demo children
-
-PATTERN_PERIOD = 113  # prime, so frame k's content differs from k-1's; 0..112 fits every dtype exactly
-DEMO_META = struct.Struct("<QQ")  # frame counter k, byte checksum
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    slots: int
-    device: int  # -1: host backend
-    lib: str
-    consumers: int
-    seconds: float | None
-    frames: int | None
-    fps: float
-    report_s: float = 0.25
-
-
-class Pattern:
-    """Frame k is element i -> (i + k) mod 113, cast to the dtype: changing content, closed-form checksum.
-
-    The producer sends views into one precomputed array (no per-frame generation cost); consumers
-    check sampled elements against k and the whole frame's byte sum against the stamped checksum,
-    so a stale, torn or foreign frame is caught.
-    """
-
-    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
-        self.shape = shape
-        self.dtype = np.dtype(dtype)
-        self.n = int(math.prod(shape))
-        m = PATTERN_PERIOD
-        per = np.arange(m).astype(self.dtype)
-        self._bytes = per.view(np.uint8).reshape(m, self.dtype.itemsize).sum(axis=1).astype(np.int64)
-        self.sample_idx = sorted({0, self.n // 2, self.n - 1})
-
-    def source(self) -> np.ndarray[Any, Any]:
-        """One flat array; frame k is ``source[k % 113 : k % 113 + n]``."""
-        return (np.arange(self.n + PATTERN_PERIOD) % PATTERN_PERIOD).astype(self.dtype)
-
-    def checksum(self, k: int) -> int:
-        m, s = PATTERN_PERIOD, k % PATTERN_PERIOD
-        q, rem = divmod(self.n, m)
-        part = int(self._bytes[(s + np.arange(rem)) % m].sum()) if rem else 0
-        return q * int(self._bytes.sum()) + part
-
-    def expected(self, k: int) -> np.ndarray[Any, Any]:
-        idx = np.asarray(self.sample_idx)
-        return ((idx + k % PATTERN_PERIOD) % PATTERN_PERIOD).astype(self.dtype)
-
-
-def demo_producer(cfg: DemoConfig, out: Any, stop: Any) -> None:
-    """Publish pattern frames until ``stop``, --seconds or --frames; report stats to ``out`` as it goes."""
-    _child_init()
-    from .link import Sender
-
-    tx: Sender | None = None
-    try:
-        pat = Pattern(cfg.shape, cfg.dtype)
-        lib = GpuLib(cfg.lib, cfg.device) if cfg.device >= 0 else None
-        src: Any = pat.source()
-        if lib is not None:
-            src = lib.from_numpy(src)
-            lib.sync()
-        tx = Sender(
-            cfg.name,
-            shape=cfg.shape,
-            dtype=cfg.dtype,
-            slots=cfg.slots,
-            device=cfg.device if cfg.device >= 0 else "cpu",
-            max_consumers=max(16, cfg.consumers),
-        )
-        out.put(("ready", os.getpid(), tx.generation))
-        deadline = time.monotonic() + 60.0
-        while tx.stats()["consumers"] < cfg.consumers and not stop.is_set():
-            if time.monotonic() > deadline:
-                n = tx.stats()["consumers"]
-                raise LinkTimeout(f"cudalink: only {n} of {cfg.consumers} consumers attached within 60s")
-            time.sleep(0.01)
-        out.put(("streaming", time.time()))
-        start = last = time.monotonic()
-        period = 1.0 / cfg.fps if cfg.fps > 0 else 0.0
-        next_t = start
-        k = 0
-        while not stop.is_set():
-            now = time.monotonic()
-            if cfg.frames is not None and tx.seq >= cfg.frames:
-                break
-            if cfg.seconds is not None and now - start >= cfg.seconds:
-                break
-            s = k % PATTERN_PERIOD
-            frame = src[s : s + pat.n].reshape(cfg.shape)
-            tx.send(frame, meta=DEMO_META.pack(k, pat.checksum(k)))
-            k += 1
-            if now - last >= cfg.report_s:
-                out.put(("producer", dict(tx.stats(), attempts=k, elapsed=now - start)))
-                last = now
-            if period:
-                next_t += period
-                delay = next_t - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                elif delay < -period:
-                    next_t = time.monotonic()  # fell behind: do not burst to catch up
-        out.put(("producer_done", dict(tx.stats(), attempts=k, elapsed=time.monotonic() - start)))
-    except BaseException as exc:
-        out.put(("error", "producer", _one_line(exc)))
-    finally:
-        if tx is not None:
-            with contextlib.suppress(Exception):
-                tx.close(timeout=5.0)
-
-
-def demo_consumer(cfg: DemoConfig, index: int, out: Any, stop: Any) -> None:
-    """Receive, verify content against the stamped counter/checksum, report latency and counts."""
-    _child_init()
-    from .link import Receiver
-
-    received = mismatches = 0
-    lat: list[int] = []
-    last = time.monotonic()
-    rx: Receiver | None = None
-    first_error = ""
-    try:
-        pat = Pattern(cfg.shape, cfg.dtype)
-        lib = GpuLib(cfg.lib, cfg.device) if cfg.device >= 0 else None
-        if lib is not None:
-            lib.context()
-        rx = Receiver(cfg.name, timeout=30.0, wait="hybrid")
-        out.put(("attached", index, os.getpid()))
-        while True:
-            try:
-                frame = rx.recv(timeout=0.5)
-            except LinkTimeout:
-                if stop.is_set():
-                    break
-                continue
-            except ProducerGone:
-                break
-            lat.append(time.time_ns() - frame.timestamp_ns)
-            received += 1
-            k, checksum = DEMO_META.unpack(frame.meta[: DEMO_META.size])
-            if lib is not None:
-                t = lib.from_dlpack(frame)
-                got, total = lib.take(t, pat.sample_idx), lib.bytesum(t)
-                del t
-            else:
-                flat = frame.numpy().reshape(-1)
-                got = flat[pat.sample_idx]
-                total = int(flat.view(np.uint8).sum(dtype=np.uint64))
-                del flat
-            frame.release()
-            if total != checksum or not np.array_equal(got, pat.expected(k)):
-                mismatches += 1
-                if not first_error:
-                    first_error = f"frame {frame.seq} (k={k}): byte sum {total} vs {checksum}, samples {got}"
-            now = time.monotonic()
-            if now - last >= cfg.report_s:
-                out.put(("consumer", index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
-                lat = []
-                last = now
-        out.put(("consumer", index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
-        out.put(("done", index))
-    except BaseException as exc:
-        out.put(("error", index, _one_line(exc)))
-    finally:
-        if rx is not None:
-            with contextlib.suppress(Exception):
-                rx.close()
-
-
-# ============================================================================================ bench children
-
-PEER_MSG = struct.Struct("<QIq")  # seq, slot, publish time (time.time_ns)
-
-
-@dataclass(frozen=True)
-class ConsumerJob:
-    """What one bench consumer process does; its channel (pipe or queue) travels beside it."""
-
-    peer: str  # "cudalink" | "shm" | "torch-mp" | "core-pickle"
-    index: int
-    name: str  # link name, or shared-memory segment name
-    mode: str = "recv"  # "recv" (blocking receive) | "poll" (take a waiting frame + export) | "async"
-    wait: str = "hybrid"
-    latest: bool = True
-    shape: tuple[int, ...] = ()
-    dtype: str = "uint8"
-    nslots: int = 4
-    stride: int = 0
-    device: int = -1
-    lib: str = ""
-    timeout: float = 30.0
-
-
-class _LinkSource:
-    def __init__(self, job: ConsumerJob) -> None:
-        from .link import Receiver
-
-        self.lib = GpuLib(job.lib, job.device) if job.device >= 0 and job.lib else None
-        if self.lib is not None:
-            self.lib.context()
-        wait: Any = "hybrid" if job.mode == "async" else job.wait
-        self.rx = Receiver(job.name, wait=wait, latest=job.latest, timeout=job.timeout)
-
-    @property
-    def skipped(self) -> int:
-        return self.rx.skipped
-
-    def take(self) -> tuple[int, Any, int] | None:
-        try:
-            f = self.rx.recv()
-        except ProducerGone:
-            return None
-        return f.seq, f, f.timestamp_ns
-
-    def ready(self, timeout: float) -> bool:
-        return bool(select.select([self.rx.fileno()], [], [], timeout)[0])
-
-    def take_now(self) -> tuple[int, Any, int] | bool | None:
-        try:
-            f = self.rx.poll()
-        except ProducerGone:
-            return None
-        return False if f is None else (f.seq, f, f.timestamp_ns)
-
-    def export(self, obj: Any) -> Any:
-        return self.lib.from_dlpack(obj) if self.lib is not None else np.from_dlpack(obj)
-
-    def done(self, obj: Any) -> None:
-        obj.release()
-
-    def close(self) -> None:
-        self.rx.close()
-
-
-class _ShmSource:
-    """The plain peer: a shared-memory ring the producer copies into, plus one pipe message per frame."""
-
-    def __init__(self, job: ConsumerJob, conn: Any) -> None:
-        from .transport.shm import _open_segment
-
-        self.conn = conn
-        self.seg = _open_segment(job.name)
-        dt = np.dtype(job.dtype)
-        self.views: list[np.ndarray[Any, Any]] = [
-            np.ndarray(job.shape, dt, buffer=self.seg.buf, offset=i * job.stride) for i in range(job.nslots)
-        ]
-        self.lib = GpuLib(job.lib, job.device) if job.device >= 0 and job.lib else None
-        self.dev: Any = None
-        if self.lib is not None:
-            self.lib.context()
-            self.dev = self.lib.empty(job.shape, job.dtype)
-        self.skipped = 0
-
-    def _get(self, msg: bytes) -> tuple[int, Any, int] | None:
-        if not msg:
-            return None
-        seq, slot, pub = PEER_MSG.unpack(msg)
-        view = self.views[slot]
-        if self.lib is not None:  # the frame is only usable once it is on this process's GPU
-            self.lib.copy(self.dev, view)
-            self.lib.sync()
-            return seq, self.dev, pub
-        return seq, view, pub
-
-    def take(self) -> tuple[int, Any, int] | None:
-        try:
-            return self._get(self.conn.recv_bytes())
-        except EOFError:
-            return None
-
-    def ready(self, timeout: float) -> bool:
-        return bool(self.conn.poll(timeout))
-
-    def take_now(self) -> tuple[int, Any, int] | bool | None:
-        return self.take()
-
-    def export(self, obj: Any) -> Any:
-        return obj if self.lib is not None else np.asarray(obj)
-
-    def done(self, obj: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        self.views = []
-        self.dev = None
-        with contextlib.suppress(Exception):
-            self.seg.close()
-
-
-class _QueueSource:
-    """torch.multiprocessing CUDA tensors, or cuda.core Buffers, unpickled from an mp.Queue."""
-
-    def __init__(self, job: ConsumerJob, q: Any) -> None:
-        self.q = q
-        self.peer = job.peer
-        self.timeout = job.timeout
-        if job.peer == "torch-mp":
-            import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reducers)
-
-            GpuLib("torch", job.device).context()
-        else:
-            _cuda.device(job.device)
-        self.skipped = 0
-
-    def take(self) -> tuple[int, Any, int] | None:
-        item = self.q.get(timeout=self.timeout)
-        return None if item is None else (int(item[0]), item[1], int(item[2]))
-
-    def ready(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.q.empty():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(20e-6)
-        return True
-
-    def take_now(self) -> tuple[int, Any, int] | bool | None:
-        return self.take()
-
-    def export(self, obj: Any) -> Any:
-        return obj  # already a tensor / a Buffer
-
-    def done(self, obj: Any) -> None:
-        if self.peer == "core-pickle":
-            with contextlib.suppress(Exception):
-                obj.close()
-
-    def close(self) -> None:
-        pass
+from .. import _cuda, _native, _platform
+from .._version import __version__
+from ..errors import LinkError, LinkTimeout, ProducerGone
+from .measure import Backend, GpuLib, _child_init, _one_line, summarize
+from .peers import ConsumerJob
+from .peers.link import LinkProducer, LinkSource
+from .peers.mpqueue import QueueProducer, QueueSource
+from .peers.shm import ShmProducer, ShmSource
 
 
 def _open_source(job: ConsumerJob, chan: Any) -> Any:
     if job.peer == "cudalink":
-        return _LinkSource(job)
+        return LinkSource(job)
     if job.peer == "shm":
-        return _ShmSource(job, chan)
-    return _QueueSource(job, chan)
+        return ShmSource(job, chan)
+    return QueueSource(job, chan)
 
 
 def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
@@ -481,9 +127,7 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
                 src.close()
 
 
-async def _consume_async(
-    src: _LinkSource, seqs: list[int], times: list[int], walls: list[int], pubs: list[int]
-) -> None:
+async def _consume_async(src: LinkSource, seqs: list[int], times: list[int], walls: list[int], pubs: list[int]) -> None:
     while True:
         try:
             f = await src.rx.recv_async()
@@ -495,196 +139,6 @@ async def _consume_async(
         pubs.append(f.timestamp_ns)
         f.release()
 
-
-# ============================================================================================ bench producers
-
-
-class _LinkProducer:
-    peer = "cudalink"
-
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, backend: Backend) -> None:
-        from .link import Sender
-
-        self.name = name
-        self.tx = Sender(
-            name,
-            shape=shape,
-            dtype=dtype,
-            slots=nslots,
-            device=backend.sender_device,
-            max_consumers=max(16, k),
-        )
-
-    def chan(self, i: int) -> Any:
-        return None
-
-    def job_fields(self) -> dict[str, Any]:
-        return {}
-
-    def wait_connected(self, k: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.tx.stats()["consumers"] < k:
-            if time.monotonic() > deadline:
-                raise LinkTimeout(f"cudalink: only {self.tx.stats()['consumers']} of {k} consumers attached")
-            time.sleep(0.002)
-
-    def send(self, src: Any) -> int | None:
-        return self.tx.send(src)
-
-    def finish(self) -> None:
-        self.tx.close(timeout=15.0)
-
-    def close(self) -> None:
-        self.tx.close(timeout=1.0)
-
-
-class _ShmProducer:
-    peer = "shm"
-
-    def __init__(
-        self, ctx: Any, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, lib: GpuLib | None
-    ) -> None:
-        from ._backends import align
-        from .transport.shm import _open_segment
-
-        self.name = name
-        self.lib = lib
-        dt = np.dtype(dtype)
-        self.stride = align(int(math.prod(shape)) * dt.itemsize)
-        self.nslots = nslots
-        self.seg = _open_segment(name, create=True, size=self.stride * nslots)
-        self.views: list[np.ndarray[Any, Any]] = [
-            np.ndarray(shape, dt, buffer=self.seg.buf, offset=i * self.stride) for i in range(nslots)
-        ]
-        pipes = [ctx.Pipe(duplex=False) for _ in range(k)]
-        self.readers = [r for r, _ in pipes]
-        self.writers = [w for _, w in pipes]
-        self.seq = 0
-
-    def chan(self, i: int) -> Any:
-        return self.readers[i]
-
-    def job_fields(self) -> dict[str, Any]:
-        return {"nslots": self.nslots, "stride": self.stride}
-
-    def wait_connected(self, k: int, timeout: float) -> None:
-        pass
-
-    def send(self, src: Any) -> int | None:
-        self.seq += 1
-        slot = self.seq % self.nslots
-        if self.lib is not None:
-            self.lib.to_host(self.views[slot], src)
-        else:
-            np.copyto(self.views[slot], src)
-        msg = PEER_MSG.pack(self.seq, slot, time.time_ns())
-        for w in self.writers:
-            w.send_bytes(msg)
-        return self.seq
-
-    def finish(self) -> None:
-        for w in self.writers:
-            with contextlib.suppress(OSError):
-                w.send_bytes(b"")
-
-    def close(self) -> None:
-        from .transport.shm import _unlink_segment
-
-        for c in (*self.readers, *self.writers):
-            with contextlib.suppress(OSError):
-                c.close()
-        self.views = []
-        with contextlib.suppress(Exception):
-            self.seg.close()
-        _unlink_segment(self.name)
-
-
-class _QueueProducer:
-    """torch-mp: a CUDA tensor per frame through mp.Queue; core-pickle: a cuda.core IPC-pool Buffer."""
-
-    def __init__(
-        self,
-        ctx: Any,
-        peer: str,
-        name: str,
-        shape: tuple[int, ...],
-        dtype: str,
-        k: int,
-        nslots: int,
-        lib: GpuLib,
-        ordinal: int,
-    ) -> None:
-        self.peer = peer
-        self.name = name
-        self.lib = lib
-        self.nslots = nslots
-        self.seq = 0
-        self.nbytes = int(math.prod(shape)) * np.dtype(dtype).itemsize
-        self.pool: list[Any] = []
-        self.mr: Any = None
-        self.stream: Any = None
-        if peer == "torch-mp":
-            import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reducers)
-
-            self.pool = [lib.empty(shape, dtype) for _ in range(nslots)]
-        else:
-            from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
-
-            dev = _cuda.device(ordinal)
-            self.stream = dev.create_stream()
-            gran = 2 << 20
-            per = (self.nbytes + gran - 1) // gran * gran
-            self.mr = DeviceMemoryResource(
-                dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=per * nslots + gran)
-            )
-            self.pool = [self.mr.allocate(self.nbytes, stream=self.stream) for _ in range(nslots)]
-            self.stream.sync()
-        self.queues = [ctx.Queue() for _ in range(k)]
-
-    def chan(self, i: int) -> Any:
-        return self.queues[i]
-
-    def job_fields(self) -> dict[str, Any]:
-        return {}
-
-    def wait_connected(self, k: int, timeout: float) -> None:
-        pass
-
-    def send(self, src: Any) -> int | None:
-        self.seq += 1
-        item = self.pool[self.seq % self.nslots]
-        if self.peer == "torch-mp":
-            item.copy_(src)
-        else:  # no IPC event travels with a pickled Buffer: the producer must wait for its copy
-            stream = _cuda.stream_handle(self.stream)
-            _cuda.memcpy_dtod(int(item.handle), self.lib.ptr(src), self.nbytes, stream)
-            self.stream.sync()
-        pub = time.time_ns()
-        for q in self.queues:
-            q.put((self.seq, item, pub))
-        return self.seq
-
-    def finish(self) -> None:
-        for q in self.queues:
-            q.put(None)
-
-    def close(self) -> None:
-        for q in self.queues:
-            with contextlib.suppress(Exception):
-                q.cancel_join_thread()
-                q.close()
-        # Freeing the peers' shared objects (CUDA tensors sent by torch.multiprocessing, cuda.core Buffers
-        # pickled through mp.Queue) segfaulted inside torch / cuda.core on an H200, even with every
-        # importer joined. They are the peers', not cudalink's: keep them until the process exits
-        # (the CLI leaves with os._exit once the report is written).
-        with contextlib.suppress(Exception):
-            if self.peer == "core-pickle":
-                self.stream.sync()
-        _KEEP_UNTIL_EXIT.append((self.pool, getattr(self, "mr", None), getattr(self, "stream", None)))
-        self.pool = []
-
-
-_KEEP_UNTIL_EXIT: list[Any] = []
 
 # ============================================================================================ the bench
 
@@ -890,7 +344,7 @@ class Bench:
         return run
 
     def _floors_step(self) -> None:
-        from . import _floors
+        from . import floors as _floors
 
         pl, b = self.plan, self.backend
         try:
@@ -901,7 +355,7 @@ class Bench:
             self._floors = _one_line(exc)
 
     def _breakdown_step(self) -> None:
-        from . import _breakdown
+        from . import breakdown as _breakdown
 
         pl, b = self.plan, self.backend
         try:
@@ -947,12 +401,12 @@ class Bench:
     def _producer(self, peer: str, shape: tuple[int, ...], dtype: str, k: int) -> Any:
         b, slots = self.backend, self.plan.slots
         if peer == "cudalink":
-            return _LinkProducer(self._name(), shape, dtype, k, slots, b)
+            return LinkProducer(self._name(), shape, dtype, k, slots, b)
         lib = self._gpu() if b.is_cuda else None
         if peer == "shm":
-            return _ShmProducer(self._ctx, f"cudalink-peer-{self._name()}", shape, dtype, k, slots, lib)
+            return ShmProducer(self._ctx, f"cudalink-peer-{self._name()}", shape, dtype, k, slots, lib)
         assert lib is not None
-        return _QueueProducer(self._ctx, peer, self._name(), shape, dtype, k, slots, lib, b.device)
+        return QueueProducer(self._ctx, peer, self._name(), shape, dtype, k, slots, lib, b.device)
 
     def _run(
         self,
@@ -1049,7 +503,7 @@ class Bench:
 
     def _copy_bw(self, shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
         """Sender.send + stream sync vs a plain D2D copy + sync of the same float32 frame, in this process."""
-        from .link import Sender
+        from ..link import Sender
 
         lib = self._gpu()
         src = lib.empty(shape, "float32")

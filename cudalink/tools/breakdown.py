@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _trace
+from .. import _trace
 
 #: each stage is named by the mark that ends it and lasts from the previous mark of the same frame, so
 #: a backend that skips a step (the CPU has no events) folds its time into the next stage, never loses it.
@@ -54,9 +54,9 @@ TOTALS: tuple[tuple[str, str, str], ...] = (
 
 def breakdown_consumer(name: str, device: int, lib: str, wait: str, out: Any) -> None:
     """The traced consumer: recv, export, release; one list of marks per frame, sent back at the end."""
-    from ._measure import GpuLib, _child_init, _one_line
-    from .errors import ProducerGone
-    from .link import Receiver
+    from ..errors import ProducerGone
+    from ..link import Receiver
+    from .measure import GpuLib, _child_init, _one_line
 
     _child_init()
     per_frame: dict[int, list[tuple[str, int]]] = {}
@@ -106,10 +106,10 @@ def ring_cycles(n: int = 20_000, batch: int = 50) -> dict[str, dict[str, float] 
     a frame is read off the same run as the Python ring it replaces. Samples are per-frame means over
     ``batch`` frames (a single frame is below the clock's resolution).
     """
-    from . import _ring
-    from ._measure import summarize
-    from .frames.spec import FrameSpec
-    from .transport import wire
+    from .. import _ring
+    from ..frames.spec import FrameSpec
+    from ..transport import wire
+    from .measure import summarize
 
     impls: dict[str, tuple[Any, Any]] = {"python": (_ring.PyProducerRing, _ring.PyConsumerRing)}
     if _ring._native_ring is not None:
@@ -145,9 +145,9 @@ def run(
     wait: str = "block",
 ) -> dict[str, Any]:
     """One traced run; returns ``{"stages": [...], "totals": [...], "reserve_commit": summary}``."""
-    from ._measure import GpuLib, summarize
-    from .errors import LinkError
-    from .link import Sender
+    from ..errors import LinkError
+    from ..link import Sender
+    from .measure import GpuLib, summarize
 
     ctx = mp.get_context("spawn")
     name = f"breakdown-{os.getpid()}-{time.monotonic_ns() & 0xFFFFFF:x}"

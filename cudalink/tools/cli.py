@@ -1,0 +1,109 @@
+"""``python -m cudalink demo|info|monitor|bench``: see it work, check a machine, watch a link, measure.
+
+Every command prints one ``cudalink: ...`` line on failure (``--debug`` shows the traceback), so a
+user sees what to do instead of a stack. ``monitor`` maps the header segment read-only and never
+joins the link, so watching a production link cannot disturb it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import traceback
+from collections.abc import Sequence
+
+from .._version import __version__
+from ..errors import LinkError
+from .demo import cmd_demo
+from .info import cmd_info
+from .monitor import cmd_monitor
+from .report import cmd_bench
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show full tracebacks instead of one-line errors",
+    )
+    parser = argparse.ArgumentParser(
+        prog="python -m cudalink",
+        parents=[common],
+        description="cudalink: zero-copy GPU (and CPU) frames between processes.",
+    )
+    parser.add_argument("--version", action="version", version=f"cudalink {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,info,monitor,bench}")
+
+    p = sub.add_parser("demo", parents=[common], help="one producer and N consumer processes on one link, live stats")
+    p.add_argument("--device", default="auto", help="cpu | 0 | cuda:N | auto (default: a GPU if usable, else cpu)")
+    p.add_argument("--consumers", type=int, default=2, help="consumer processes (default 2)")
+    p.add_argument("--shape", default="720,1280,4", help="frame shape (default 720,1280,4)")
+    p.add_argument("--dtype", default="uint8", help="frame dtype (default uint8)")
+    p.add_argument("--slots", type=int, default=4, help="ring slots (default 4)")
+    p.add_argument("--fps", type=float, default=60.0, help="producer frame rate; 0 = as fast as possible (default 60)")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this long (default 5 unless --frames)")
+    p.add_argument("--frames", type=int, default=None, help="stop after this many published frames")
+    p.add_argument("--name", default=None, help="link name (default demo-<pid>)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "info", parents=[common], help="driver, GPUs, IPC support, shared memory: is this machine ready?"
+    )
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("monitor", parents=[common], help="watch a link read-only (never joins it)")
+    p.add_argument("name", help="link name, as given to Sender")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between samples (default 0.5)")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
+    p.set_defaults(func=cmd_monitor)
+
+    p = sub.add_parser("bench", parents=[common], help="latency/throughput vs torch.multiprocessing and other peers")
+    p.add_argument("--quick", action="store_true", help="short CPU-backend run (CI: under a minute on 2 cores)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON report here (default: stdout)")
+    p.add_argument("--device", default=None, help="cpu | 0 | cuda:N | auto (default: auto; cpu with --quick)")
+    p.add_argument("--frames", type=int, default=None, help="frames per latency run (overrides the plan)")
+    p.add_argument("--fanout", type=int, default=8, help="consumers in the fan-out run (default 8)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="only the floors and where one frame's time goes, stage by stage, across both processes",
+    )
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m cudalink`` and the ``cudalink`` script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = bool(getattr(args, "debug", False))
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    import multiprocessing
+
+    # every child we start is spawned; making it the default too keeps torch's queue feeders from
+    # assuming fork (and warning) when CUDA tensors are pickled in this process
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("cudalink: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if not text.startswith("cudalink:"):
+            text = f"cudalink: {type(exc).__name__}: {text}" if not isinstance(exc, LinkError) else f"cudalink: {text}"
+        print(text, file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

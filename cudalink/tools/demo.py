@@ -1,0 +1,468 @@
+"""``demo``: a producer and consumers in spawned processes, verifying every frame, with a live view.
+
+The child entry points are module-level functions (``spawn`` imports them by name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import struct
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import LinkError, LinkTimeout, ProducerGone
+from ..frames.spec import FrameSpec
+from ..transport import wire
+from .measure import GpuLib, _child_init, _one_line, resolve_backend
+from .monitor import Snapshot, read_snapshot
+from .ui import _console, _pcts, _us
+
+PATTERN_PERIOD = 113  # prime, so frame k's content differs from k-1's; 0..112 fits every dtype exactly
+DEMO_META = struct.Struct("<QQ")  # frame counter k, byte checksum
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    slots: int
+    device: int  # -1: host backend
+    lib: str
+    consumers: int
+    seconds: float | None
+    frames: int | None
+    fps: float
+    report_s: float = 0.25
+
+
+class Pattern:
+    """Frame k is element i -> (i + k) mod 113, cast to the dtype: changing content, closed-form checksum.
+
+    The producer sends views into one precomputed array (no per-frame generation cost); consumers
+    check sampled elements against k and the whole frame's byte sum against the stamped checksum,
+    so a stale, torn or foreign frame is caught.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        self.n = int(math.prod(shape))
+        m = PATTERN_PERIOD
+        per = np.arange(m).astype(self.dtype)
+        self._bytes = per.view(np.uint8).reshape(m, self.dtype.itemsize).sum(axis=1).astype(np.int64)
+        self.sample_idx = sorted({0, self.n // 2, self.n - 1})
+
+    def source(self) -> np.ndarray[Any, Any]:
+        """One flat array; frame k is ``source[k % 113 : k % 113 + n]``."""
+        return (np.arange(self.n + PATTERN_PERIOD) % PATTERN_PERIOD).astype(self.dtype)
+
+    def checksum(self, k: int) -> int:
+        m, s = PATTERN_PERIOD, k % PATTERN_PERIOD
+        q, rem = divmod(self.n, m)
+        part = int(self._bytes[(s + np.arange(rem)) % m].sum()) if rem else 0
+        return q * int(self._bytes.sum()) + part
+
+    def expected(self, k: int) -> np.ndarray[Any, Any]:
+        idx = np.asarray(self.sample_idx)
+        return ((idx + k % PATTERN_PERIOD) % PATTERN_PERIOD).astype(self.dtype)
+
+
+def demo_producer(cfg: DemoConfig, out: Any, stop: Any) -> None:
+    """Publish pattern frames until ``stop``, --seconds or --frames; report stats to ``out`` as it goes."""
+    _child_init()
+    from ..link import Sender
+
+    tx: Sender | None = None
+    try:
+        pat = Pattern(cfg.shape, cfg.dtype)
+        lib = GpuLib(cfg.lib, cfg.device) if cfg.device >= 0 else None
+        src: Any = pat.source()
+        if lib is not None:
+            src = lib.from_numpy(src)
+            lib.sync()
+        tx = Sender(
+            cfg.name,
+            shape=cfg.shape,
+            dtype=cfg.dtype,
+            slots=cfg.slots,
+            device=cfg.device if cfg.device >= 0 else "cpu",
+            max_consumers=max(16, cfg.consumers),
+        )
+        out.put(("ready", os.getpid(), tx.generation))
+        deadline = time.monotonic() + 60.0
+        while tx.stats()["consumers"] < cfg.consumers and not stop.is_set():
+            if time.monotonic() > deadline:
+                n = tx.stats()["consumers"]
+                raise LinkTimeout(f"cudalink: only {n} of {cfg.consumers} consumers attached within 60s")
+            time.sleep(0.01)
+        out.put(("streaming", time.time()))
+        start = last = time.monotonic()
+        period = 1.0 / cfg.fps if cfg.fps > 0 else 0.0
+        next_t = start
+        k = 0
+        while not stop.is_set():
+            now = time.monotonic()
+            if cfg.frames is not None and tx.seq >= cfg.frames:
+                break
+            if cfg.seconds is not None and now - start >= cfg.seconds:
+                break
+            s = k % PATTERN_PERIOD
+            frame = src[s : s + pat.n].reshape(cfg.shape)
+            tx.send(frame, meta=DEMO_META.pack(k, pat.checksum(k)))
+            k += 1
+            if now - last >= cfg.report_s:
+                out.put(("producer", dict(tx.stats(), attempts=k, elapsed=now - start)))
+                last = now
+            if period:
+                next_t += period
+                delay = next_t - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                elif delay < -period:
+                    next_t = time.monotonic()  # fell behind: do not burst to catch up
+        out.put(("producer_done", dict(tx.stats(), attempts=k, elapsed=time.monotonic() - start)))
+    except BaseException as exc:
+        out.put(("error", "producer", _one_line(exc)))
+    finally:
+        if tx is not None:
+            with contextlib.suppress(Exception):
+                tx.close(timeout=5.0)
+
+
+def demo_consumer(cfg: DemoConfig, index: int, out: Any, stop: Any) -> None:
+    """Receive, verify content against the stamped counter/checksum, report latency and counts."""
+    _child_init()
+    from ..link import Receiver
+
+    received = mismatches = 0
+    lat: list[int] = []
+    last = time.monotonic()
+    rx: Receiver | None = None
+    first_error = ""
+    try:
+        pat = Pattern(cfg.shape, cfg.dtype)
+        lib = GpuLib(cfg.lib, cfg.device) if cfg.device >= 0 else None
+        if lib is not None:
+            lib.context()
+        rx = Receiver(cfg.name, timeout=30.0, wait="hybrid")
+        out.put(("attached", index, os.getpid()))
+        while True:
+            try:
+                frame = rx.recv(timeout=0.5)
+            except LinkTimeout:
+                if stop.is_set():
+                    break
+                continue
+            except ProducerGone:
+                break
+            lat.append(time.time_ns() - frame.timestamp_ns)
+            received += 1
+            k, checksum = DEMO_META.unpack(frame.meta[: DEMO_META.size])
+            if lib is not None:
+                t = lib.from_dlpack(frame)
+                got, total = lib.take(t, pat.sample_idx), lib.bytesum(t)
+                del t
+            else:
+                flat = frame.numpy().reshape(-1)
+                got = flat[pat.sample_idx]
+                total = int(flat.view(np.uint8).sum(dtype=np.uint64))
+                del flat
+            frame.release()
+            if total != checksum or not np.array_equal(got, pat.expected(k)):
+                mismatches += 1
+                if not first_error:
+                    first_error = f"frame {frame.seq} (k={k}): byte sum {total} vs {checksum}, samples {got}"
+            now = time.monotonic()
+            if now - last >= cfg.report_s:
+                out.put(("consumer", index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
+                lat = []
+                last = now
+        out.put(("consumer", index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
+        out.put(("done", index))
+    except BaseException as exc:
+        out.put(("error", index, _one_line(exc)))
+    finally:
+        if rx is not None:
+            with contextlib.suppress(Exception):
+                rx.close()
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+    except ValueError as exc:
+        raise LinkError(f"cudalink: --shape must be integers like 720,1280,4; got {text!r}") from exc
+    if not shape or any(s <= 0 for s in shape):
+        raise LinkError(f"cudalink: --shape must be positive integers like 720,1280,4; got {text!r}")
+    return shape
+
+
+@dataclass
+class _ConsumerState:
+    index: int
+    pid: int = 0
+    status: str = "starting"
+    received: int = 0
+    skipped: int = 0
+    mismatches: int = 0
+    first_error: str = ""
+    error: str = ""
+    lat: list[int] = field(default_factory=list)
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=2000))
+    fps: float = 0.0
+    _mark: tuple[float, int] = (0.0, 0)
+
+
+@dataclass
+class _ProducerState:
+    pid: int = 0
+    status: str = "starting"
+    generation: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    fps: float = 0.0
+    _mark: tuple[float, int] = (0.0, 0)
+
+
+def _update_fps(state: _ConsumerState | _ProducerState, count: int) -> None:
+    now = time.monotonic()
+    t, n = state._mark
+    if t == 0.0:
+        state._mark = (now, count)
+    elif now - t >= 0.5:
+        state.fps = (count - n) / (now - t)
+        state._mark = (now, count)
+
+
+def _demo_view(
+    cfg: Any, backend: str, prod: _ProducerState, cons: list[_ConsumerState], snap: Snapshot | None
+) -> Group:
+    st = prod.stats
+    head = Text.assemble(
+        ("cudalink demo ", "bold"),
+        (cfg.name, "bold cyan"),
+        f"  {backend} · {'x'.join(map(str, cfg.shape))} {cfg.dtype} · {cfg.slots} slots · "
+        f"{cfg.consumers} consumer(s) · {f'{cfg.fps:g} fps' if cfg.fps else 'max rate'}",
+    )
+    ptext = Text(
+        f"producer pid {prod.pid or '?'} [{prod.status}]: published {st.get('published', 0):,} · "
+        f"{prod.fps:,.1f} fps · dropped {st.get('dropped', 0):,} · "
+        f"consumers attached {st.get('consumers', 0)}" + (f" · ERROR {prod.error}" if prod.error else "")
+    )
+    leases: dict[int, str] = {}
+    if snap is not None:
+        for info in snap.consumers:
+            leases[info.pid] = ", ".join(f"{lease.slot}:{lease.seq}" for lease in info.leases) or "none"
+    table = Table(title_justify="left")
+    for col in (
+        "consumer",
+        "pid",
+        "state",
+        "received",
+        "fps",
+        "skipped",
+        "mismatches",
+        "latency p50",
+        "p99",
+        "leases (slot:seq)",
+    ):
+        table.add_column(col, justify="left" if col in ("state", "leases (slot:seq)") else "right")
+    for c in cons:
+        p50, p99 = _pcts(list(c.recent))
+        state = c.status + (f": {c.error}" if c.error else "")
+        table.add_row(
+            str(c.index),
+            str(c.pid or "?"),
+            state,
+            f"{c.received:,}",
+            f"{c.fps:,.1f}",
+            f"{c.skipped:,}",
+            Text(str(c.mismatches), style="bold red" if c.mismatches else ""),
+            _us(p50),
+            _us(p99),
+            leases.get(c.pid, "—"),
+        )
+    return Group(head, ptext, table)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+
+    console = _console()
+    shape = _parse_shape(args.shape)
+    spec = FrameSpec(shape, args.dtype)  # validates shape and dtype before any process starts
+    if args.consumers < 1 or args.consumers > wire.MAX_CONSUMERS:
+        raise LinkError(f"cudalink: --consumers must be 1..{wire.MAX_CONSUMERS}")
+    backend = resolve_backend(args.device)
+    if backend.note:
+        console.print(Text(backend.note, style="yellow"))
+    seconds = args.seconds if args.seconds is not None else (None if args.frames else 5.0)
+    name = args.name or f"demo-{os.getpid()}"
+    cfg = DemoConfig(
+        name,
+        shape,
+        spec.dtype.name,
+        args.slots,
+        backend.device,
+        backend.lib,
+        args.consumers,
+        seconds,
+        args.frames,
+        args.fps,
+    )
+    ctx = mp.get_context("spawn")
+    out: Any = ctx.Queue()
+    stop: Any = ctx.Event()
+    prod = _ProducerState()
+    cons = [_ConsumerState(i) for i in range(args.consumers)]
+    producer = ctx.Process(target=demo_producer, args=(cfg, out, stop), daemon=True)
+    producer.start()
+    prod.pid = producer.pid or 0
+    workers: list[Any] = []
+    budget = (seconds or 0) + (args.frames or 0) / max(1.0, args.fps or 1000.0) + 90.0
+    hard_deadline = time.monotonic() + budget
+    stop_deadline: float | None = None
+    producer_done = interrupted = False
+    snap: Snapshot | None = None
+    last_snap = 0.0
+    with Live(_demo_view(cfg, backend.label, prod, cons, None), console=console, auto_refresh=False) as live:
+        while True:
+            try:
+                try:
+                    msg = out.get(timeout=0.1)
+                except queue_mod.Empty:
+                    msg = None
+                while msg is not None:
+                    kind = msg[0]
+                    if kind == "ready":
+                        prod.status, prod.generation = "waiting for consumers", int(msg[2])
+                        for c in cons:
+                            w = ctx.Process(target=demo_consumer, args=(cfg, c.index, out, stop), daemon=True)
+                            w.start()
+                            c.pid = w.pid or 0
+                            workers.append(w)
+                    elif kind == "streaming":
+                        prod.status = "streaming"
+                    elif kind in ("producer", "producer_done"):
+                        prod.stats = dict(msg[1])
+                        _update_fps(prod, int(prod.stats.get("published", 0)))
+                        if kind == "producer_done":
+                            prod.status, producer_done = "done", True
+                    elif kind == "attached":
+                        cons[msg[1]].status = "receiving"
+                    elif kind == "consumer":
+                        _, i, pid, received, skipped, mism, lat, first = msg
+                        c = cons[i]
+                        c.pid, c.received, c.skipped, c.mismatches = pid, received, skipped, mism
+                        c.first_error = c.first_error or first
+                        c.lat.extend(lat)
+                        c.recent.extend(lat)
+                        _update_fps(c, received)
+                    elif kind == "done":
+                        cons[msg[1]].status = "done"
+                    elif kind == "error":
+                        if msg[1] == "producer":
+                            prod.status, prod.error, producer_done = "failed", msg[2], True
+                            stop.set()
+                        else:
+                            cons[msg[1]].status, cons[msg[1]].error = "failed", msg[2]
+                    try:
+                        msg = out.get_nowait()
+                    except queue_mod.Empty:
+                        msg = None
+                for c, w in zip(cons, workers, strict=False):
+                    if c.status in ("starting", "receiving") and not w.is_alive():
+                        c.status, c.error = "crashed", f"exit code {w.exitcode}"
+                if not producer_done and not producer.is_alive():
+                    prod.status, prod.error, producer_done = "crashed", f"exit code {producer.exitcode}", True
+                    stop.set()
+                now = time.monotonic()
+                if now - last_snap > 0.5:
+                    last_snap = now
+                    try:
+                        snap = read_snapshot(name)
+                    except LinkError:
+                        snap = None
+                live.update(_demo_view(cfg, backend.label, prod, cons, snap), refresh=True)
+                finished = all(c.status in ("done", "failed", "crashed") for c in cons)
+                if producer_done and (finished or not workers):
+                    break
+                if now > hard_deadline and stop_deadline is None:
+                    stop.set()
+                    stop_deadline = now + 10.0
+                if stop_deadline is not None and now > stop_deadline:
+                    for c in cons:
+                        if c.status in ("starting", "receiving"):
+                            c.status, c.error = "failed", "did not stop in time"
+                    break
+            except KeyboardInterrupt:
+                interrupted = True
+                stop.set()
+                stop_deadline = time.monotonic() + 10.0
+    if not console.is_terminal:
+        console.line()  # a non-terminal Live ends its last render without a newline
+    for p in (producer, *workers):
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=2.0)
+    return _demo_summary(console, cfg, backend.label, prod, cons, interrupted)
+
+
+def _demo_summary(
+    console: Console,
+    cfg: Any,
+    backend: str,
+    prod: _ProducerState,
+    cons: list[_ConsumerState],
+    interrupted: bool,
+) -> int:
+    st = prod.stats
+    elapsed = float(st.get("elapsed", 0.0)) or 1e-9
+    published = int(st.get("published", 0))
+    total = sum(c.received for c in cons)
+    mism = sum(c.mismatches for c in cons)
+    bad = [c for c in cons if c.status != "done"]
+    all_lat = [x for c in cons for x in c.lat]
+    p50, p99 = _pcts(all_lat)
+    console.print(
+        f"summary: {published:,} frames published in {elapsed:.1f} s ({published / elapsed:,.1f} fps) "
+        f"on {backend}, {int(st.get('dropped', 0)):,} dropped"
+    )
+    for c in cons:
+        c50, c99 = _pcts(c.lat)
+        console.print(
+            f"  consumer {c.index} (pid {c.pid}): {c.status}, received {c.received:,}, "
+            f"skipped {c.skipped:,}, mismatches {c.mismatches}, latency p50 {_us(c50)} p99 {_us(c99)}"
+            + (f" — {c.error}" if c.error else "")
+            + (f" — first mismatch: {c.first_error}" if c.first_error else "")
+        )
+    console.print(
+        f"frames received: {total}, mismatches: {mism}, failed consumers: {len(bad)}, "
+        f"handoff latency p50 {_us(p50)} p99 {_us(p99)}"
+    )
+    ok = not prod.error and not bad and mism == 0 and all(c.received > 0 for c in cons)
+    if ok:
+        console.print(Text(f"OK: {len(cons)} consumer(s) verified {total:,} frames, 0 mismatches", style="bold green"))
+        return 130 if interrupted else 0
+    why = (
+        prod.error
+        or (f"{mism} mismatched frames" if mism else "")
+        or (f"consumer {bad[0].index} {bad[0].status}" if bad else "a consumer received no frames")
+    )
+    print(f"cudalink: demo failed: {why}", file=sys.stderr)
+    return 1

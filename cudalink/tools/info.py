@@ -1,0 +1,213 @@
+"""``info``: is this machine ready? Driver, GPUs, IPC support, the compiled core, shared memory."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from .. import _cuda, _native, _platform
+from .._version import __version__
+from .ui import _console
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_versions() -> tuple[str | None, str | None]:
+    """(CUDA driver API version, kernel driver version); None where no driver answers."""
+    cuda_v = kernel_v = None
+    try:
+        from cuda.core import system
+
+        fn = getattr(system, "get_user_mode_driver_version", None)
+        if fn is not None:
+            cuda_v = ".".join(map(str, fn()))
+        kfn = getattr(system, "get_kernel_mode_driver_version", None) or getattr(system, "get_driver_version", None)
+        if kfn is not None:
+            v = kfn()
+            kernel_v = ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+    except Exception:
+        pass
+    if cuda_v is None:
+        try:
+            drv: Any = importlib.import_module("cuda.bindings.driver")
+            v = int(_cuda.check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
+            cuda_v = f"{v // 1000}.{v % 1000 // 10}"
+        except Exception:
+            pass
+    return cuda_v, kernel_v
+
+
+def gather_info() -> dict[str, Any]:
+    """Everything ``info`` reports, each probe wrapped so a missing driver is a finding, not a crash."""
+    from .measure import short_reason
+
+    out: dict[str, Any] = {
+        "cudalink": __version__,
+        "python": f"{sys.version.split()[0]} ({platform.python_implementation()})",
+        "platform": platform.platform(),
+        "packages": {
+            d: _version(d)
+            for d in (
+                "cuda-core",
+                "cuda-bindings",
+                "numpy",
+                "rich",
+                "torch",
+                "cupy-cuda13x",
+                "cupy-cuda12x",
+                "jax",
+            )
+        },
+    }
+    cuda_v, kernel_v = _driver_versions()
+    out["driver"] = {"cuda": cuda_v, "kernel": kernel_v}
+    _native.load_driver()  # so the report says why the compiled driver calls are (not) in use
+    out["core"] = _native.status()  # after the driver probe, which decides the driver calls' module
+    gpus: list[dict[str, Any]] = []
+    try:
+        dev0 = _cuda.device(0)
+    except Exception as exc:
+        out["gpu_error"] = short_reason(exc)
+    else:
+        try:
+            import cuda.core
+
+            devs = list(cuda.core.Device.get_all_devices())
+        except Exception:
+            devs = [dev0]
+        for d in devs:
+            g: dict[str, Any] = {"ordinal": int(d.device_id)}
+            for key, attr in (
+                ("name", "name"),
+                ("uuid", "uuid"),
+                ("compute_capability", "compute_capability"),
+            ):
+                try:
+                    v = getattr(d, attr)
+                    g[key] = ".".join(map(str, tuple(v))) if key == "compute_capability" else str(v)
+                except Exception:
+                    g[key] = None
+            try:
+                g["ipc"] = _cuda.ipc_support(d)
+            except Exception as exc:
+                g["ipc"] = {}
+                g["ipc_error"] = short_reason(exc)
+            try:
+                g["ipc"]["ipc_event_supported"] = bool(d.properties.ipc_event_supported)
+            except Exception:
+                g["ipc"].setdefault("ipc_event_supported", False)
+            gpus.append(g)
+    out["gpus"] = gpus
+    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    try:
+        du = shutil.disk_usage(shm_dir)
+        out["shm"] = {"path": shm_dir, "total": du.total, "free": du.free}
+    except OSError as exc:
+        out["shm"] = {"path": shm_dir, "error": str(exc)}
+    try:
+        out["runtime_dir"] = _platform.runtime_dir()
+    except Exception as exc:
+        out["runtime_dir_error"] = str(exc)
+    return out
+
+
+def _verdict(info: dict[str, Any]) -> tuple[bool, str]:
+    """(ready, one line that says what works and what to do)."""
+    if "runtime_dir_error" in info:
+        return False, f"not ready: {info['runtime_dir_error']}"
+    shm = info.get("shm", {})
+    low = ""
+    if "free" in shm and shm["free"] < 256 << 20:
+        low = f"; note {shm['path']} has only {shm['free'] >> 20} MiB free (in Docker pass --shm-size=1g or --ipc=host)"
+    gpus = info.get("gpus", [])
+    ready = [
+        g
+        for g in gpus
+        if all(
+            g.get("ipc", {}).get(k)
+            for k in ("memory_pools_supported", "handle_type_posix_file_descriptor_supported", "linux")
+        )
+    ]
+    if ready:
+        events = "" if all(g["ipc"].get("ipc_event_supported") for g in ready) else " (IPC events unsupported!)"
+        ords = ", ".join(str(g["ordinal"]) for g in ready)
+        return (
+            True,
+            f"CUDA IPC ready on GPU {ords}{events}: Sender(name, shape=..., device=0) shares frames zero-copy{low}",
+        )
+    if gpus:
+        return True, (
+            "GPU found, but cuda.core IPC memory pools are not available here: use "
+            f"Sender(..., handles='legacy') (cuIpc handles) or device='cpu'{low}"
+        )
+    why = info.get("gpu_error", "no GPU")
+    return True, (
+        f"no GPU ({why}): CPU backend works; use Sender(name, shape=..., device='cpu') (same API, numpy "
+        f"frames). For CUDA IPC, run on a Linux machine with an NVIDIA driver and GPU{low}"
+    )
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    console = _console()
+    info = gather_info()
+    table = Table(title=f"cudalink {__version__} · {info['platform']}", show_header=False, title_justify="left")
+    table.add_column("check", style="bold")
+    table.add_column("value")
+    table.add_row("python", info["python"])
+    pk = info["packages"]
+    table.add_row(
+        "cuda.core / cuda-bindings",
+        f"{pk['cuda-core'] or 'not installed'} / {pk['cuda-bindings'] or 'not installed'}",
+    )
+    frameworks = [f"{d} {pk[d]}" for d in ("torch", "cupy-cuda13x", "cupy-cuda12x", "jax") if pk.get(d)]
+    table.add_row("numpy / frameworks", f"{pk['numpy']} / {', '.join(frameworks) or 'none (numpy only)'}")
+    table.add_row("compiled core", " · ".join(f"{k} {v}" for k, v in info["core"].items()))
+    drv = info["driver"]
+    if drv["cuda"] or drv["kernel"]:
+        table.add_row("driver", f"CUDA {drv['cuda'] or '?'} · kernel driver {drv['kernel'] or '?'}")
+    else:
+        table.add_row("driver", "no CUDA driver")
+    if info["gpus"]:
+        for g in info["gpus"]:
+            ipc = g.get("ipc", {})
+            marks = " · ".join(
+                f"{label} {'yes' if ipc.get(key) else 'no'}"
+                for key, label in (
+                    ("memory_pools_supported", "IPC pool"),
+                    ("handle_type_posix_file_descriptor_supported", "POSIX fd handle"),
+                    ("ipc_event_supported", "IPC event"),
+                    ("linux", "Linux"),
+                )
+            )
+            table.add_row(f"GPU {g['ordinal']}", f"{g.get('name')} (sm {g.get('compute_capability')}) · {marks}")
+    else:
+        table.add_row("GPUs", f"none ({info.get('gpu_error', 'no CUDA driver')})")
+    shm = info["shm"]
+    if "free" in shm:
+        table.add_row(
+            "shared memory",
+            f"{shm['path']}: {shm['free'] / 2**30:,.1f} GiB free of {shm['total'] / 2**30:,.1f} GiB",
+        )
+    else:
+        table.add_row("shared memory", f"{shm['path']}: {shm.get('error')}")
+    table.add_row("control sockets", info.get("runtime_dir") or f"ERROR {info.get('runtime_dir_error')}")
+    console.print(table)
+    ok, line = _verdict(info)
+    console.print(Text("verdict: " + line, style="bold green" if ok else "bold red"), soft_wrap=True)
+    return 0 if ok else 1

@@ -1,0 +1,241 @@
+"""``monitor``: watch a live link through a read-only mapping of its header; never joins it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .. import _platform
+from .._ring import read_record
+from ..errors import LinkError
+from ..transport import wire
+from .ui import _ago, _console, _us
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    slot: int
+    seq: int
+    frames_behind: int
+    age_s: float | None  # since that frame was published, when its record is still readable
+
+
+@dataclass(frozen=True)
+class ConsumerInfo:
+    index: int
+    pid: int
+    alive: bool
+    received: int
+    skipped: int
+    joined_ns: int
+    last_recv_ns: int
+    leases: tuple[LeaseInfo, ...]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One read-only look at a link's header."""
+
+    name: str
+    fixed: wire.Fixed
+    mono: float
+    now_ns: int
+    newest_seq: int
+    newest_slot: int
+    newest: wire.SlotRecord | None
+    consumers: tuple[ConsumerInfo, ...]
+    producer_alive: bool
+
+
+def _map_readonly(name: str) -> tuple[Any, Callable[[], None]]:
+    """The header segment mapped read-only (POSIX) or copied (Windows): a monitor can never write to it."""
+    from ..transport.shm import header_segment, map_readonly
+
+    seg = header_segment(name)
+    try:
+        buf, close = map_readonly(seg)
+    except FileNotFoundError as exc:
+        raise LinkError(
+            f"cudalink: no link named {name!r} here (no shared-memory segment {seg}); "
+            "check the name, and that its producer runs on this machine as this user"
+        ) from exc
+    if len(buf) < wire.FIXED_SIZE:
+        close()
+        raise LinkError(f"cudalink: segment {seg} is {len(buf)} bytes: not a cudalink link (or still being created)")
+    return buf, close
+
+
+def read_snapshot(name: str) -> Snapshot:
+    """Decode a link's header through a read-only mapping; never connects to the producer."""
+    buf, close = _map_readonly(name)
+    try:
+        fixed = wire.read_fixed(buf, len(buf))
+        layout = fixed.layout
+        now_ns, mono = time.time_ns(), time.monotonic()
+        stamps = wire.read_stamps(buf, layout)
+        even = [(int(s) >> 1, i) for i, s in enumerate(stamps) if s and not s & 1]
+        newest_seq, newest_slot = max(even) if even else (0, -1)
+        records = {slot: read_record(buf, layout, slot, fixed.capacity) for slot in range(layout.nslots)}
+        newest = records.get(newest_slot) if newest_slot >= 0 else None
+        columns = [wire.read_column(buf, layout, slot) for slot in range(layout.nslots)]
+        consumers = []
+        for c in range(layout.nconsumers):
+            state, pid, _token, received, skipped, joined, last = wire.CONSUMER.unpack_from(buf, layout.consumer(c))
+            if state != 1:
+                continue
+            leases = []
+            for slot in range(layout.nslots):
+                seq = int(columns[slot][c])
+                if seq:
+                    rec = records.get(slot)
+                    age = (now_ns - rec.timestamp_ns) / 1e9 if rec is not None and rec.seq == seq else None
+                    leases.append(LeaseInfo(slot, seq, max(0, newest_seq - seq), age))
+            consumers.append(
+                ConsumerInfo(c, pid, _platform.pid_alive(pid), received, skipped, joined, last, tuple(leases))
+            )
+        return Snapshot(
+            name,
+            fixed,
+            mono,
+            now_ns,
+            newest_seq,
+            newest_slot,
+            newest,
+            tuple(consumers),
+            _platform.pid_alive(fixed.pid),
+        )
+    finally:
+        close()
+
+
+def _flags(flags: int) -> str:
+    names = [
+        n
+        for bit, n in (
+            (wire.FLAG_READY, "ready"),
+            (wire.FLAG_SHUTDOWN, "shutdown"),
+            (wire.FLAG_PRODUCER_WAITING, "producer-waiting"),
+        )
+        if flags & bit
+    ]
+    return ",".join(names) or "none"
+
+
+def _rate(cur: int, old: int, dt: float) -> float | None:
+    return (cur - old) / dt if dt > 0 and cur >= old else None
+
+
+def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
+    """Header lines plus a consumer table; rates come from the previous snapshot of the same generation."""
+    f = snap.fixed
+    same = prev is not None and prev.fixed.generation == f.generation
+    dt = snap.mono - prev.mono if same and prev is not None else 0.0
+    fps = _rate(f.published, prev.fixed.published, dt) if same and prev is not None else None
+    drop_rate = _rate(f.dropped, prev.fixed.dropped, dt) if same and prev is not None else None
+    device = "cpu" if f.backend == wire.BACKEND_HOST else f"cuda:{f.device}"
+    alive = "alive" if snap.producer_alive else "NOT RUNNING (stale segment)"
+    lines = [
+        Text.assemble(
+            ("cudalink monitor ", "bold"),
+            (snap.name, "bold cyan"),
+            f"  generation {f.generation:016x}  ",
+            f"producer pid {f.pid} ({alive})",
+        ),
+        Text(
+            f"backend {wire.BACKEND_NAMES.get(f.backend, '?')} on {device} · {f.nslots} slots of "
+            f"{f.capacity:,} bytes · up to {f.nconsumers} consumers · flags {_flags(f.flags)}"
+        ),
+    ]
+    if snap.newest is not None:
+        spec = snap.newest.spec
+        fmt = f" {spec.pixel_format.value}" if spec.pixel_format else ""
+        lines.append(
+            Text(
+                f"newest frame: seq {snap.newest_seq} in slot {snap.newest_slot}: {spec.shape} "
+                f"{spec.dtype.name}{fmt} (origin {spec.origin.value}), "
+                f"published {_ago(snap.newest.timestamp_ns, snap.now_ns)}"
+            )
+        )
+    else:
+        lines.append(Text("newest frame: none published yet"))
+    fps_text = f"{fps:,.1f} fps" if fps is not None else "fps n/a (one sample)"
+    drops = f" ({drop_rate:,.1f}/s now)" if drop_rate else ""
+    lines.append(
+        Text(
+            f"published {f.published:,} · {fps_text} · dropped {f.dropped:,}{drops} · "
+            f"last publish {_ago(f.last_publish_ns, snap.now_ns)}"
+        )
+    )
+    table = Table(title=f"consumers ({len(snap.consumers)} joined)", title_justify="left")
+    for col in (
+        "#",
+        "pid",
+        "received",
+        "skipped",
+        "fps",
+        "last recv",
+        "leases (slot:seq · frames behind · age)",
+    ):
+        table.add_column(col, justify="right" if col not in ("leases (slot:seq · frames behind · age)",) else "left")
+    old = {c.index: c for c in prev.consumers} if same and prev is not None else {}
+    for c in snap.consumers:
+        o = old.get(c.index)
+        r = _rate(c.received, o.received, dt) if o is not None and o.pid == c.pid else None
+        leases = ", ".join(
+            f"{lease.slot}:{lease.seq} · {lease.frames_behind} · "
+            + (_us(lease.age_s * 1e6) if lease.age_s is not None else "?")
+            for lease in c.leases
+        )
+        pid = f"{c.pid}" if c.alive else f"{c.pid} (dead)"
+        table.add_row(
+            str(c.index),
+            pid,
+            f"{c.received:,}",
+            f"{c.skipped:,}",
+            f"{r:,.1f}" if r is not None else "—",
+            _ago(c.last_recv_ns, snap.now_ns),
+            leases or "none",
+        )
+    return Group(*lines, table)
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    console = _console()
+    interval = max(0.05, float(args.interval))
+    if args.once:
+        first = read_snapshot(args.name)
+        time.sleep(interval)
+        try:
+            second = read_snapshot(args.name)
+        except LinkError:
+            second = None  # the producer went away between the two looks: show what we saw
+        console.print(render_snapshot(second or first, first if second is not None else None))
+        return 0
+    deadline = time.monotonic() + args.seconds if args.seconds else math.inf
+    prev: Snapshot | None = None
+    with Live(Text(f"attaching to {args.name!r} (read-only)…"), console=console, auto_refresh=False) as live:
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    snap = read_snapshot(args.name)
+                except LinkError as exc:
+                    live.update(Text(f"{exc}\nwaiting for a producer… (Ctrl-C to stop)"), refresh=True)
+                    prev = None
+                else:
+                    live.update(render_snapshot(snap, prev), refresh=True)
+                    prev = snap
+                time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        except KeyboardInterrupt:
+            pass
+    if not console.is_terminal:
+        console.line()
+    return 0

@@ -1,0 +1,93 @@
+"""cudalink itself, as the bench drives it: a Sender in the parent, a Receiver per consumer."""
+
+from __future__ import annotations
+
+import select
+import time
+from typing import Any
+
+import numpy as np
+
+from ...errors import LinkTimeout, ProducerGone
+from ..measure import Backend, GpuLib
+from . import ConsumerJob
+
+
+class LinkSource:
+    def __init__(self, job: ConsumerJob) -> None:
+        from ...link import Receiver
+
+        self.lib = GpuLib(job.lib, job.device) if job.device >= 0 and job.lib else None
+        if self.lib is not None:
+            self.lib.context()
+        wait: Any = "hybrid" if job.mode == "async" else job.wait
+        self.rx = Receiver(job.name, wait=wait, latest=job.latest, timeout=job.timeout)
+
+    @property
+    def skipped(self) -> int:
+        return self.rx.skipped
+
+    def take(self) -> tuple[int, Any, int] | None:
+        try:
+            f = self.rx.recv()
+        except ProducerGone:
+            return None
+        return f.seq, f, f.timestamp_ns
+
+    def ready(self, timeout: float) -> bool:
+        return bool(select.select([self.rx.fileno()], [], [], timeout)[0])
+
+    def take_now(self) -> tuple[int, Any, int] | bool | None:
+        try:
+            f = self.rx.poll()
+        except ProducerGone:
+            return None
+        return False if f is None else (f.seq, f, f.timestamp_ns)
+
+    def export(self, obj: Any) -> Any:
+        return self.lib.from_dlpack(obj) if self.lib is not None else np.from_dlpack(obj)
+
+    def done(self, obj: Any) -> None:
+        obj.release()
+
+    def close(self) -> None:
+        self.rx.close()
+
+
+class LinkProducer:
+    peer = "cudalink"
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, backend: Backend) -> None:
+        from ...link import Sender
+
+        self.name = name
+        self.tx = Sender(
+            name,
+            shape=shape,
+            dtype=dtype,
+            slots=nslots,
+            device=backend.sender_device,
+            max_consumers=max(16, k),
+        )
+
+    def chan(self, i: int) -> Any:
+        return None
+
+    def job_fields(self) -> dict[str, Any]:
+        return {}
+
+    def wait_connected(self, k: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.tx.stats()["consumers"] < k:
+            if time.monotonic() > deadline:
+                raise LinkTimeout(f"cudalink: only {self.tx.stats()['consumers']} of {k} consumers attached")
+            time.sleep(0.002)
+
+    def send(self, src: Any) -> int | None:
+        return self.tx.send(src)
+
+    def finish(self) -> None:
+        self.tx.close(timeout=15.0)
+
+    def close(self) -> None:
+        self.tx.close(timeout=1.0)

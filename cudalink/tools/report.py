@@ -1,0 +1,234 @@
+"""``bench``: run it, then print its tables (peers, wait modes, floors, breakdown, goals) and write the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import LinkError
+from .measure import resolve_backend
+from .peers.mpqueue import KEEP_UNTIL_EXIT
+from .ui import _console, _us
+
+
+def _core_label(report: dict[str, Any]) -> str:
+    """Which implementation the figures came from: 'compiled core', 'pure-Python core', or a mix."""
+    core = report.get("machine", {}).get("core", {})
+    kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)")}
+    return (
+        {"compiled": "compiled core", "python": "pure-Python core"}.get(kinds.pop(), "")
+        if len(kinds) == 1
+        else (" / ".join(f"{k} {v.split()[0]}" for k, v in core.items()) or "core unknown")
+    )
+
+
+def _bench_tables(report: dict[str, Any]) -> list[Any]:
+    rows = report["rows"]
+    table = Table(
+        title=f"cudalink {report['cudalink_version']} vs peers · backend {report['backend']} · {_core_label(report)}"
+        f"{' · quick' if report['quick'] else ''} · lower is better · ratio = cudalink / peer",
+        title_justify="left",
+    )
+    for col in ("metric", "peer", "cudalink p50", "p99", "peer p50", "p99", "ratio p50", "ratio p99", "note"):
+        table.add_column(col, justify="left" if col in ("metric", "peer", "note") else "right")
+    skipped: dict[str, list[str]] = {}
+
+    def ratio(v: float | None) -> Text:
+        if v is None:
+            return Text("—")
+        return Text(f"{v:.2f}x", style="green" if v <= 1.0 else "red")
+
+    for r in rows:
+        if r["status"] == "skipped":
+            key = f"{r['peer_label']}: {r['reason']}"
+            skipped.setdefault(key, []).append(r["id"])
+            continue
+        c, p = r["cudalink"] or {}, r["peer"] or {}
+        unit = "" if r["unit"] == "us" else f" ({r['unit']})"
+        note = r["note"] if r["status"] == "ok" else f"ERROR {r['reason']}"
+        table.add_row(
+            r["metric"] + unit,
+            r["peer_label"],
+            _us(c.get("p50")),
+            _us(c.get("p99")),
+            _us(p.get("p50")),
+            _us(p.get("p99")),
+            ratio(r["ratio_p50"]),
+            ratio(r["ratio_p99"]),
+            Text(note, style="red" if r["status"] == "error" else ""),
+        )
+    waits = Table(title=f"wait modes (issue 5) · handoff latency on {report['backend']}", title_justify="left")
+    for col in ("mode", "API", "p50", "p99", "samples"):
+        waits.add_column(col, justify="left" if col in ("mode", "API") else "right")
+    for w in report["wait_modes"]:
+        h = w["handoff"] or {}
+        waits.add_row(
+            w["mode"],
+            w["api"],
+            _us(h.get("p50")),
+            _us(h.get("p99")),
+            f"{int(h.get('n', 0))}" if w["status"] == "ok" else f"ERROR {w['reason']}",
+        )
+    out: list[Any] = [table, waits]
+    if skipped:
+        lines = [Text("skipped (not measured on this machine):", style="bold")]
+        lines += [Text(f"  {k}  [{', '.join(dict.fromkeys(v))}]") for k, v in skipped.items()]
+        out.append(Group(*lines))
+    return out
+
+
+FLOOR_LABELS = {
+    "wake": "bare socketpair wake between two Python processes (2 ms cadence)",
+    "spin": "bare Python spin on a shared-memory word",
+    "view_read": "numpy view of a SharedMemory slot, made + read after a wake",
+    "wait_event": "cuStreamWaitEvent on an IPC event imported from the producer",
+    "dlpack_cached": "from_dlpack of a view built once",
+    "wait_dlpack": "cuStreamWaitEvent + from_dlpack of a cached view",
+    "record_ipc_event": "cuEventRecord of an IPC event (consumer, after a wake)",
+    "memcpy": "cuMemcpyDtoDAsync of one 1080p uint8 frame (producer)",
+    "record": "cuEventRecord of an IPC event (producer)",
+    "memcpy_record": "cuMemcpyDtoDAsync + cuEventRecord (producer)",
+}
+
+
+def _breakdown_tables(report: dict[str, Any]) -> list[Any]:
+    """Floors (what the machine allows) and the per-stage breakdown of cudalink's own path."""
+    out: list[Any] = []
+    floors = report.get("floors")
+    ft = Table(title=f"floors on {report['backend']} · no cudalink code · measured in this run", title_justify="left")
+    for col in ("floor", "what", "p50", "p99", "samples"):
+        ft.add_column(col, justify="left" if col in ("floor", "what") else "right")
+    if isinstance(floors, dict):
+        for k, v in floors.items():
+            v = v or {}
+            ft.add_row(k, FLOOR_LABELS.get(k, k), _us(v.get("p50")), _us(v.get("p99")), f"{int(v.get('n', 0))}")
+        out.append(ft)
+    else:
+        out.append(Text(f"floors: ERROR {floors}", style="red"))
+    bd = report.get("breakdown")
+    if isinstance(bd, dict):
+        bt = Table(
+            title=f"breakdown · one frame, stage by stage · wait={bd['wait']!r} · {bd['frames']} frames",
+            title_justify="left",
+        )
+        for col in ("stage", "side", "p50", "p99"):
+            bt.add_column(col, justify="left" if col in ("stage", "side") else "right")
+        for st in bd["stages"]:
+            u = st["us"] or {}
+            bt.add_row(st["stage"], st["side"], _us(u.get("p50")), _us(u.get("p99")))
+        for tot in bd["totals"]:
+            u = tot["us"] or {}
+            bt.add_row(Text(tot["span"], style="bold"), "total", _us(u.get("p50")), _us(u.get("p99")))
+        for key, label in (
+            ("reserve_commit", "reserve() + commit, back to back, no consumer"),
+            ("reserve_commit_attached", "reserve() + commit, back to back, a consumer waiting"),
+        ):
+            rc = bd.get(key) or {}
+            bt.add_row(Text(label, style="bold"), "producer", _us(rc.get("p50")), _us(rc.get("p99")))
+        for impl, rc in (bd.get("ring_cycle") or {}).items():
+            rc = rc or {}
+            label = f"ring ops of one frame, hot, {impl} ring (claim, publish, take, release)"
+            bt.add_row(Text(label, style="bold"), "both", _us(rc.get("p50")), _us(rc.get("p99")))
+        out.append(bt)
+    else:
+        out.append(Text(f"breakdown: ERROR {bd}", style="red"))
+    return out
+
+
+def _goals_table(report: dict[str, Any]) -> Table:
+    gt = Table(title="goals · cudalink against its floor from this run", title_justify="left")
+    for col in ("goal", "cudalink", "reference", "against", "ratio", "target", "met"):
+        gt.add_column(col, justify="left" if col in ("goal", "against", "target") else "right")
+    for g in report.get("goals", []):
+        fps = "fps" in g["goal"]
+        share = "share" in g["goal"]
+
+        def fmt(v: float | None, fps: bool = fps, share: bool = share) -> str:
+            if v is None:
+                return "—"
+            if share:
+                return f"{v:.0%}"
+            return f"{v:,.0f} fps" if fps else _us(v)
+
+        met = g["met"]
+        gt.add_row(
+            g["goal"],
+            fmt(g["cudalink"]),
+            fmt(g["reference"]) if not share else "100%",
+            g["reference_label"],
+            "—" if g["ratio"] is None else f"{g['ratio']:.2f}x",
+            g["target"],
+            Text(
+                "—" if met is None else ("yes" if met else "no"),
+                style="" if met is None else ("green" if met else "red"),
+            ),
+        )
+    return gt
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import bench as _bench
+
+    console, err = _console(), _console(stderr=True)
+    device = args.device or ("cpu" if args.quick else "auto")
+    backend = resolve_backend(device)
+    if backend.note:
+        err.print(Text(backend.note, style="yellow"))
+    if args.json:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            raise LinkError(f"cudalink: cannot write --json {args.json}: no directory {parent}")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task("bench", total=None)
+
+        def on_step(desc: str, i: int, n: int) -> None:
+            progress.update(task, description=f"bench: {desc}", completed=i, total=n)
+
+        bench = _bench.Bench(
+            quick=args.quick,
+            backend=backend,
+            frames=args.frames,
+            fanout=args.fanout,
+            debug=bool(getattr(args, "debug", False)),
+            progress=on_step,
+            breakdown_only=args.breakdown,
+        )
+        report = bench.run()
+    tables = _breakdown_tables(report)
+    if not args.breakdown:
+        tables = _bench_tables(report) + tables + [_goals_table(report)]
+    for t in tables:
+        console.print(t)
+    text = json.dumps(report, indent=2)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+        console.print(f"JSON written to {args.json}")
+    else:
+        sys.stdout.write(text + "\n")
+    errors = [r for r in report.get("rows", []) if r["status"] == "error"]
+    errors += [w for w in report.get("wait_modes", []) if w["status"] == "error"]
+    errors += [
+        {"reason": f"{part}: {report[part]}"} for part in ("floors", "breakdown") if isinstance(report.get(part), str)
+    ]
+    code = 0
+    if errors:
+        first = errors[0]
+        print(f"cudalink: {len(errors)} bench measurement(s) failed; first: {first['reason']}", file=sys.stderr)
+        code = 1
+    if KEEP_UNTIL_EXIT:
+        # the GPU peers' shared tensors/buffers crash torch/cuda.core when freed (see peers/mpqueue.py): skip teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

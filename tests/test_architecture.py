@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
         "cudalink._backends",
     },
     {"cudalink.link"},
-    {"cudalink", "cudalink.td"},
+    {"cudalink", "cudalink.td", "cudalink.td.formats", "cudalink.td.source", "cudalink.td.convert", "cudalink.td.sink"},
     {"cudalink.tools", "cudalink.tools.measure", "cudalink.tools.ui", "cudalink.tools.peers"},
     {"cudalink.tools.peers.link", "cudalink.tools.peers.shm", "cudalink.tools.peers.mpqueue"},
     {"cudalink.tools.floors", "cudalink.tools.breakdown", "cudalink.tools.bench", "cudalink.tools.monitor"},

@@ -16,6 +16,7 @@ import pytest
 import cudalink
 import cudalink.td as ctd
 from cudalink import FormatError, LinkError, PixelFormat, RowOrigin
+from cudalink.td.sink import _producer_closing
 from cudalink.transport import MemoryTransport
 
 try:
@@ -681,7 +682,7 @@ def test_zero_copy_image_is_copied_before_a_closing_producer_frees_it() -> None:
     closer = threading.Thread(target=tx.close, kwargs={"timeout": 10})
     closer.start()
     for _ in range(200):
-        if ctd._producer_closing(rx.receiver):  # type: ignore[arg-type]
+        if _producer_closing(rx.receiver):  # type: ignore[arg-type]
             break
         time.sleep(0.005)
     t0 = time.monotonic()

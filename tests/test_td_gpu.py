@@ -22,6 +22,7 @@ import pytest
 
 import cudalink
 import cudalink.td as ctd
+import cudalink.td.convert as td_convert
 from cudalink import PixelFormat, RowOrigin
 
 try:
@@ -267,7 +268,7 @@ def test_gpu_conversions_in_process(torch: Any, backend: str) -> None:
 
 
 def test_no_gpu_array_library_is_a_clear_error(torch: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ctd, "_backend_cache", {"cupy": None, "torch": None})
+    monkeypatch.setattr(td_convert, "_backend_cache", {"cupy": None, "torch": None})
     half = pattern(torch, (4, 4, 4), "float16")
     torch.cuda.synchronize()
     frame = cudalink.Frame.from_array(half, pixel_format="RGBA", origin="bottom")

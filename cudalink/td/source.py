@@ -1,0 +1,180 @@
+"""TD -> link: a TOP's ``cudaMemory()`` as a Frame, and a Sender fed from TOPs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import numpy as np
+
+from .. import _cuda
+from ..errors import FormatError, LinkError
+from ..frames.frame import Frame
+from ..frames.spec import FrameSpec
+from ..link import Sender
+from ..transport.base import Transport
+from .formats import CUDAMemoryLike, spec_from_cuda_memory
+
+
+class _StreamReady:
+    """TD fills ``CUDAMemory`` in order on the stream given to ``cudaMemory``: consumers wait on it."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: int) -> None:
+        self.stream = stream
+
+    def wait(self, stream: int) -> None:
+        if stream != self.stream:
+            _cuda.join_streams(stream, [self.stream])
+
+    def cai_stream(self) -> int | None:
+        return self.stream
+
+
+def frame_from_cuda_memory(
+    mem: CUDAMemoryLike,
+    *,
+    stream: Any = None,
+    seq: int = 0,
+    device: int | str = 0,
+    timestamp_ns: int | None = None,
+) -> Frame:
+    """Wrap TD's ``CUDAMemory`` as a :class:`~cudalink.Frame` without a copy.
+
+    The frame owns ``mem``: TD frees the memory when the ``CUDAMemory`` object dies, so holding only
+    ``mem.ptr`` would be a use-after-free. ``stream`` is the one given to ``TOP.cudaMemory(stream=)``
+    (None: TD's default stream); consumers are ordered after it. ``device="cpu"`` is for host fakes.
+    """
+    spec = spec_from_cuda_memory(mem)
+    ptr = getattr(mem, "ptr", None)
+    size = getattr(mem, "size", None)
+    if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)) or not ptr:
+        raise FormatError(f"cudalink: CUDAMemory.ptr must be a non-null int address, got {ptr!r}")
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < spec.nbytes:
+        raise FormatError(
+            f"cudalink: CUDAMemory.size is {size!r} bytes but {spec.shape} {spec.dtype.name} needs {spec.nbytes}"
+        )
+    ts = time.time_ns() if timestamp_ns is None else timestamp_ns
+    if device == "cpu":
+        return Frame(spec, int(ptr), mem, device="cpu", seq=seq, timestamp_ns=ts)
+    ordinal = _cuda.parse_device(device)
+    ready = _StreamReady(1 if stream is None else _cuda.stream_handle(stream))
+    return Frame(spec, int(ptr), mem, device=ordinal, seq=seq, timestamp_ns=ts, sync=ready)
+
+
+class TDSender:
+    """Exports a TOP each frame through a :class:`~cudalink.Sender`, never blocking TD's CPU.
+
+    ``send_top`` asks TD for ``cudaMemory()`` on this object's own non-default stream, then queues one
+    D2D copy into the link's IPC ring on that same stream; the ring keeps the ``CUDAMemory`` alive until
+    the copy has run. The link is created on the first frame and follows size/format changes
+    (consumers re-attach by themselves when it has to be re-created). Call it from an Execute DAT's
+    ``onFrameEnd``: ``cudaMemory()`` inside a cook stalls TD.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        device: int | str = 0,
+        slots: int = 3,
+        capacity: int | None = None,
+        policy: Literal["drop", "block"] = "drop",
+        max_consumers: int = 16,
+        handles: str = "auto",
+        transport: Transport | None = None,
+    ) -> None:
+        self.name = name
+        self.device: int | str = "cpu" if device == "cpu" else _cuda.parse_device(device)
+        self.slots = slots
+        self.capacity = capacity
+        self.policy: Literal["drop", "block"] = policy
+        self.max_consumers = max_consumers
+        self.handles = handles
+        self.transport = transport
+        self.sent = 0
+        self.dropped = 0
+        self._sender: Sender | None = None
+        self._stream: Any = None
+        self._stream_int: int | None = None
+        self._closed = False
+
+    @property
+    def stream(self) -> int | None:
+        """Raw stream handle to pass to ``TOP.cudaMemory(stream=...)`` (None on host links)."""
+        if self.device == "cpu":
+            return None
+        if self._stream_int is None:
+            assert isinstance(self.device, int)
+            self._stream = _cuda.device(self.device).create_stream()
+            self._stream_int = _cuda.stream_handle(self._stream)
+        return self._stream_int
+
+    @property
+    def sender(self) -> Sender | None:
+        """The underlying link, once the first frame has created it."""
+        return self._sender
+
+    def send_top(self, top: Any, *, meta: bytes = b"") -> int | None:
+        """``top.cudaMemory()`` on our stream, then :meth:`send`; returns the seq, or None if dropped."""
+        stream = self.stream
+        mem = top.cudaMemory() if stream is None else top.cudaMemory(stream=stream)
+        return self.send(mem, meta=meta)
+
+    def send(self, mem: CUDAMemoryLike, *, meta: bytes = b"") -> int | None:
+        """Publish one ``CUDAMemory`` (filled on :attr:`stream`); returns the seq, or None if dropped."""
+        if self._closed:
+            raise LinkError(f"cudalink: TDSender {self.name!r} is closed; create a new one")
+        stream = self.stream
+        frame = frame_from_cuda_memory(mem, stream=stream, device=self.device)
+        sender = self._sender_for(frame.spec)
+        seq = sender.send(frame, stream=stream, meta=meta)
+        if seq is None:
+            self.dropped += 1
+        else:
+            self.sent += 1
+        return seq
+
+    def _sender_for(self, spec: FrameSpec) -> Sender:
+        current = self._sender
+        if current is not None:
+            if current.spec == spec:
+                return current
+            try:
+                current.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
+                return current
+            except FormatError:  # larger than the slots: a new link, which consumers re-attach to
+                self._sender = None
+                current.close()
+        self._sender = Sender(
+            self.name,
+            shape=spec.shape,
+            dtype=spec.dtype,
+            slots=self.slots,
+            device=self.device,
+            pixel_format=spec.pixel_format,
+            origin=spec.origin,
+            capacity=max(self.capacity or 0, spec.nbytes),
+            policy=self.policy,
+            max_consumers=self.max_consumers,
+            handles=self.handles,
+            transport=self.transport,
+        )
+        return self._sender
+
+    def close(self) -> None:
+        """Close the link (consumers get ProducerGone); the stream goes with this object."""
+        self._closed = True
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()
+
+    def __enter__(self) -> TDSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<cudalink.td.TDSender {self.name!r} {self.device} sent={self.sent} dropped={self.dropped}>"

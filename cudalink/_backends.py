@@ -8,7 +8,7 @@ on the GPU). Host and CUDA links therefore share every line of protocol code.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,12 +17,48 @@ from .errors import FormatError, LinkError
 from .frames.frame import Frame, ReleaseCallback, _Hold
 from .frames.spec import FrameSpec
 from .transport import wire
+from .transport.base import Client, Region
 
 SLOT_ALIGN = 4096
 
 
 def align(n: int, a: int = SLOT_ALIGN) -> int:
     return (n + a - 1) // a * a
+
+
+# ======================================================================================= the interface
+
+
+class ProducerSlots(Protocol):
+    """Where a producer's slots live and how a frame gets in: host memory or the GPU."""
+
+    backend: int  #: wire.BACKEND_*
+    device: int  #: CUDA ordinal, -1 for host
+    device_uuid: bytes
+    data_size: int  #: bytes of the transport's host data region this backend needs (0 on the GPU)
+    stream: Any  #: the link's own CUDA stream (cuda.core ``Stream``), None for host slots
+    stream_int: int
+
+    def bind(self, region: Region | None) -> None: ...
+    def handles(self) -> list[wire.SlotHandle]: ...
+    def fds(self) -> list[int]: ...
+    def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None: ...
+    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame: ...
+    def commit(self, slot: int, streams: list[int], stream: Any) -> None: ...
+    def close(self, timeout: float) -> None: ...
+
+
+class ConsumerView(Protocol):
+    """A consumer's side of one producer generation's slots: frames out, release fences back."""
+
+    device: int
+
+    def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None: ...
+    def frame(
+        self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback, gen: int
+    ) -> Frame: ...
+    def fence(self, slot: int, streams: list[int]) -> bool: ...
+    def close(self) -> None: ...
 
 
 # ======================================================================================= producer side
@@ -34,16 +70,23 @@ class HostSlots:
     backend = wire.BACKEND_HOST
     device = -1
     device_uuid = b"\0" * 16
+    stream = None
+    stream_int = 0
 
     def __init__(self, nslots: int, capacity: int) -> None:
         self.nslots = nslots
         self.stride = align(capacity)
         self.data_size = self.stride * nslots
-        self._region: Any = None
+        self._region: Region | None = None
         self._views: dict[tuple[int, int], tuple[FrameSpec, np.ndarray[Any, Any]]] = {}
 
-    def bind(self, region: Any) -> None:
+    def bind(self, region: Region | None) -> None:
         self._region = region
+
+    def _bound(self) -> Region:
+        if self._region is None:
+            raise LinkError("cudalink: host slots used before the transport gave them a data region")
+        return self._region
 
     def handles(self) -> list[wire.SlotHandle]:
         return [wire.SlotHandle(b"", i * self.stride, b"", 0) for i in range(self.nslots)]
@@ -59,7 +102,7 @@ class HostSlots:
             if len(self._views) > 4 * self.nslots:
                 self._views.clear()
             view: np.ndarray[Any, Any] = np.ndarray(
-                spec.shape, spec.dtype, buffer=self._region.buf, offset=slot * self.stride, strides=spec.strides
+                spec.shape, spec.dtype, buffer=self._bound().buf, offset=slot * self.stride, strides=spec.strides
             )
             got = self._views[key] = (spec, view)
         return got[1]
@@ -83,10 +126,11 @@ class HostSlots:
             _trace.mark(_trace.COPY_QUEUED)
 
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame:
+        region = self._bound()
         return Frame(
             spec,
-            self._region.address + slot * self.stride,
-            self._region,
+            region.address + slot * self.stride,
+            region,
             seq=seq,
             timestamp_ns=ts,
             writable=True,
@@ -151,7 +195,7 @@ class CudaSlots:
         self._join: Any = None
         self._tls = threading.local()
 
-    def bind(self, region: Any) -> None:
+    def bind(self, region: Region | None) -> None:
         pass
 
     def handles(self) -> list[wire.SlotHandle]:
@@ -266,11 +310,16 @@ class CudaSlots:
 
 
 class HostView:
-    def __init__(self, fixed: wire.Fixed, client: Any, fds: list[int]) -> None:
-        client.map_data(fixed.generation, fixed.data_size)
-        self.region = client.data_segment
+    device = -1
 
-    def setup(self, header: Any, layout: wire.Layout, index: int) -> None:
+    def __init__(self, fixed: wire.Fixed, client: Client, fds: list[int]) -> None:
+        client.map_data(fixed.generation, fixed.data_size)
+        region = client.data_segment
+        if region is None:
+            raise LinkError("cudalink: the transport mapped no data region for a host link")
+        self.region: Region = region
+
+    def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         pass
 
     def frame(
@@ -308,7 +357,7 @@ class _ConsumerSync:
 class CudaView:
     """The consumer's imports: the pool (once), each slot buffer and ready event (once, lazily)."""
 
-    def __init__(self, fixed: wire.Fixed, client: Any, fds: list[int]) -> None:
+    def __init__(self, fixed: wire.Fixed, client: Client, fds: list[int]) -> None:
         self.dev = _cuda.device_by_uuid(fixed.device_uuid, fixed.device)
         self.device = int(self.dev.device_id)
         self.stream = self.dev.create_stream()
@@ -326,7 +375,7 @@ class CudaView:
         self._lock = threading.Lock()
         self._closed = False
 
-    def setup(self, header: Any, layout: wire.Layout, index: int) -> None:
+    def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         """Create this consumer's per-slot release events and publish their handles for the producer."""
         self.release_events = [_cuda.new_ipc_event(self.stream) for _ in range(layout.nslots)]
         self._release_raw = [_cuda.raw(ev) for ev in self.release_events]
@@ -416,14 +465,14 @@ def resolve_handles(handles: str, passes_fds: bool) -> str:
 
 def make_producer_slots(
     device: int | str, nslots: int, capacity: int, handles: str, passes_fds: bool = True
-) -> HostSlots | CudaSlots:
+) -> ProducerSlots:
     if device == "cpu":
         return HostSlots(nslots, capacity)
     handles = resolve_handles(handles, passes_fds)
     return CudaSlots(_cuda.parse_device(device), nslots, capacity, handles)
 
 
-def make_consumer_view(fixed: wire.Fixed, client: Any, fds: list[int]) -> HostView | CudaView:
+def make_consumer_view(fixed: wire.Fixed, client: Client, fds: list[int]) -> ConsumerView:
     if fixed.backend == wire.BACKEND_HOST:
         return HostView(fixed, client, fds)
     return CudaView(fixed, client, fds)

@@ -16,7 +16,7 @@ from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGon
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import wire
-from .transport.base import UNVERIFIED_UID, NoProducer, Peer, Reply, ServerHandler, Transport
+from .transport.base import UNVERIFIED_UID, Client, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
 
 __all__ = ["Receiver", "Sender"]
@@ -154,7 +154,7 @@ class Sender:
         except BaseException:
             self._slots.close(0)
             raise
-        self._slots.bind(getattr(self._server, "data_segment", None))
+        self._slots.bind(self._server.data_segment)
         buf = self._server.header
         for slot, h in enumerate(self._slots.handles()):
             wire.pack_handle(buf, self._layout.handle(slot), h)
@@ -213,7 +213,7 @@ class Sender:
     @property
     def stream(self) -> Any:
         """The link's own CUDA stream (cuda.core ``Stream``), or None on CPU links."""
-        return getattr(self._slots, "stream", None)
+        return self._slots.stream
 
     def stats(self) -> dict[str, int]:
         buf = self._server.header
@@ -364,7 +364,7 @@ class Sender:
                 ts = time.time_ns()
                 frame = self._slots.writable_frame(slot, spec, self._seq + 1, ts, fences)
                 if fences:  # whoever writes the slot first waits for consumers still reading it (GPU-side)
-                    writer = _cuda.stream_handle(stream) if stream is not None else self._slots.stream_int  # type: ignore[union-attr]
+                    writer = _cuda.stream_handle(stream) if stream is not None else self._slots.stream_int
                     frame._sync.wait(writer)  # type: ignore[union-attr]
             except BaseException:
                 self._ring.abort(slot)
@@ -456,7 +456,7 @@ class Sender:
 class _Attachment:
     """One producer generation as seen by one Receiver. Lives until its last frame is released."""
 
-    def __init__(self, client: Any, fixed: wire.Fixed, index: int, view: Any) -> None:
+    def __init__(self, client: Client, fixed: wire.Fixed, index: int, view: _backends.ConsumerView) -> None:
         self.client = client
         self.fixed = fixed
         self.ring = consumer_ring(client.header, fixed.layout, index, fixed.capacity)

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["UNVERIFIED_UID", "Client", "NoProducer", "Peer", "Server", "ServerHandler", "Transport"]
+__all__ = ["UNVERIFIED_UID", "Client", "NoProducer", "Peer", "Region", "Server", "ServerHandler", "Transport"]
+
+
+class Region(Protocol):
+    """A shared region with a stable address: host frames point into it and keep it mapped while alive."""
+
+    buf: memoryview
+    address: int
 
 
 class NoProducer(Exception):
@@ -57,6 +65,8 @@ class Server(abc.ABC):
 
     header: memoryview
     data: memoryview | None
+    #: the host data region (None for CUDA links, whose slots live on the GPU)
+    data_segment: Region | None
 
     @abc.abstractmethod
     def start(self, handler: ServerHandler) -> None:
@@ -82,6 +92,8 @@ class Client(abc.ABC):
     """The consumer's end of one producer generation."""
 
     header: memoryview
+    #: the host data region, once :meth:`map_data` has mapped it
+    data_segment: Region | None
 
     @abc.abstractmethod
     def handshake(self, hello: bytes, reply_size: int, timeout: float) -> tuple[bytes, list[int]]:

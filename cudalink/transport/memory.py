@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import _platform
 from ..errors import LinkError
-from .base import NoProducer, Server, ServerHandler, Transport
+from .base import NoProducer, Region, Server, ServerHandler, Transport
 from .control import ClientSocket, ControlLoop, SameProcessGate, SocketClient
 
 __all__ = ["MemoryTransport"]
@@ -67,7 +67,7 @@ class _MemoryClient(SocketClient):
         self._server = server
         self.header_segment = server.header_segment
         self.header = server.header
-        self.data_segment: _Region | None = None
+        self.data_segment: Region | None = None
         self._sock: ClientSocket | None = None
 
     def handshake(self, hello: bytes, reply_size: int, timeout: float) -> tuple[bytes, list[int]]:

@@ -91,6 +91,8 @@ class Segment:
 
 
 class _ShmServer(Server):
+    data_segment: Segment | None  # a Region that can also be unlinked
+
     def __init__(
         self, name: str, header: Segment, data: Segment | None, listening: Listening, lock: _platform.ProcessLock
     ) -> None:

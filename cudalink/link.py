@@ -566,6 +566,11 @@ class Receiver:
         return "cpu" if f.backend == wire.BACKEND_HOST else f"cuda:{self._att.view.device}"
 
     @property
+    def backend(self) -> str:
+        """How the attached producer shares its slots: ``"host"``, ``"cuda-pool"`` or ``"cuda-legacy"``."""
+        return wire.BACKEND_NAMES[self._att.fixed.backend] if self._att is not None else "unknown"
+
+    @property
     def capacity(self) -> int:
         return self._att.fixed.capacity if self._att else 0
 

@@ -220,7 +220,7 @@ def gpu_chaos_producer(name: str, ready: Any) -> None:
         while True:
             arr = _chaos.content(tx.generation, tx.seq + 1)
             with tx.reserve(meta=_chaos.checksum(arr)) as f:
-                _cuda.memcpy_htod(f.ptr, arr.ctypes.data, arr.nbytes, tx._slots.stream_int)  # type: ignore[union-attr]
+                _cuda.memcpy_htod(f.ptr, arr.ctypes.data, arr.nbytes, _cuda.stream_handle(tx.stream))
 
 
 def gpu_producer_then_close(name: str, shape: tuple[int, ...], handles: str, ready: Any, taken: Any) -> None:

@@ -6,8 +6,17 @@ import functools
 import itertools
 import multiprocessing as mp
 import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+
+import cudalink
+from cudalink.transport import MemoryTransport
+from cudalink.transport.base import Transport
+
+#: what the ``pair`` fixture returns: ``pair(transport=None, rx=None, **sender_kw) -> (tx, rx)``
+PairFactory = Callable[..., tuple[cudalink.Sender, cudalink.Receiver]]
 
 _counter = itertools.count()
 
@@ -16,6 +25,31 @@ _counter = itertools.count()
 def name() -> str:
     """A link name no other test (or earlier run) uses."""
     return f"t{os.getpid()}-{next(_counter)}"
+
+
+@pytest.fixture
+def pair(name: str) -> Iterator[PairFactory]:
+    """A Sender and an attached Receiver on ``name``; both are closed when the test ends.
+
+    ``pair(shape=(4,), dtype="uint8", slots=2, rx={"latest": False})``: Sender keywords as given (shape
+    (4, 4) uint16 by default), Receiver keywords in ``rx`` (a 2 s timeout by default), and the
+    in-process transport unless ``transport=`` names another.
+    """
+    made: list[Any] = []
+
+    def make(transport: Transport | None = None, rx: dict[str, Any] | None = None, **kw: Any) -> Any:
+        tr = transport if transport is not None else MemoryTransport()
+        kw.setdefault("shape", (4, 4))
+        kw.setdefault("dtype", "uint16")
+        tx = cudalink.Sender(name, transport=tr, **kw)
+        made.append(tx)
+        r = cudalink.Receiver(name, transport=tr, **{"timeout": 2.0, **(rx or {})})
+        made.append(r)
+        return tx, r
+
+    yield make
+    for obj in reversed(made):
+        obj.close()
 
 
 @functools.lru_cache(maxsize=1)

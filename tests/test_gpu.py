@@ -15,7 +15,6 @@ import pytest
 
 import cudalink
 from cudalink.frames.frame import Frame
-from cudalink.transport import wire
 
 from . import _gpu_procs as gp
 
@@ -186,9 +185,7 @@ def test_producer_kill_restart_and_consumer_kill(
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(10)
     with cudalink.Receiver(name, timeout=20.0) as rx:
-        assert rx._att is not None
-        want = wire.BACKEND_CUDA_POOL if handles == "pool" else wire.BACKEND_CUDA_LEGACY
-        assert rx._att.fixed.backend == want
+        assert rx.backend == ("cuda-pool" if handles == "pool" else "cuda-legacy")
         first = rx.recv(timeout=5.0).seq
         time.sleep(0.3)
         assert rx.recv(timeout=5.0).seq > first + 10  # still publishing

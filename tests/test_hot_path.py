@@ -5,6 +5,7 @@ GPU side of the same path is in test_gpu.py."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import cudalink
 from cudalink import _trace
 from cudalink._backends import _row_pitch
 from cudalink.frames.spec import FrameSpec
+from cudalink.tools.monitor import read_snapshot
 from cudalink.transport import MemoryTransport, wire
 
 from .test_cli import run_cli
@@ -132,19 +134,18 @@ def test_hybrid_keeps_spinning_for_a_fast_stream(name: str) -> None:
 
 
 def test_monitor_counters_are_published_before_the_receiver_sleeps(name: str) -> None:
-    tr = MemoryTransport()
     with (
-        cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx,
-        cudalink.Receiver(name, transport=tr, latest=False, timeout=2.0) as rx,
+        cudalink.Sender(name, shape=(4,), dtype="uint8", device="cpu") as tx,
+        cudalink.Receiver(name, latest=False, timeout=2.0) as rx,
     ):
+        assert rx.backend == "host"
         for _ in range(3):
             tx.send(np.zeros(4, np.uint8))
         for _ in range(3):
             rx.recv().release()
         assert rx.poll() is None  # nothing left: the receiver is idle, so monitors are told
-        entry = tx._layout.consumer(rx._att.ring.index)  # type: ignore[union-attr]
-        _state, _pid, _token, received, skipped, *_ = wire.CONSUMER.unpack_from(tx._server.header, entry)
-        assert (received, skipped) == (3, 0)
+        (me,) = [c for c in read_snapshot(name).consumers if c.pid == os.getpid()]  # what `monitor` shows
+        assert (me.received, me.skipped) == (3, 0)
 
 
 def test_record_meta_does_not_leak_into_the_next_frame() -> None:

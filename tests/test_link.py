@@ -12,6 +12,9 @@ import pytest
 import cudalink
 from cudalink import _platform
 from cudalink.transport import MemoryTransport, SharedMemoryTransport
+from cudalink.transport.base import Transport
+
+from .conftest import PairFactory
 
 
 @pytest.fixture(params=["memory", "shm"])
@@ -19,16 +22,8 @@ def transport(request: pytest.FixtureRequest) -> cudalink.transport.Transport:
     return MemoryTransport() if request.param == "memory" else SharedMemoryTransport()
 
 
-def _pair(name: str, tr: object, **kw: object) -> tuple[cudalink.Sender, cudalink.Receiver]:
-    kw.setdefault("shape", (4, 4))
-    kw.setdefault("dtype", "uint16")
-    tx = cudalink.Sender(name, transport=tr, **kw)  # type: ignore[arg-type]
-    rx = cudalink.Receiver(name, transport=tr, timeout=2.0)  # type: ignore[arg-type]
-    return tx, rx
-
-
-def test_send_recv_newest_and_skips(name: str, transport: object) -> None:
-    tx, rx = _pair(name, transport, slots=4)
+def test_send_recv_newest_and_skips(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, slots=4)
     with tx, rx:
         for i in range(1, 4):
             assert tx.send(np.full((4, 4), i, np.uint16)) == i
@@ -53,8 +48,8 @@ def test_in_order_delivery(name: str, transport: object) -> None:
         assert seqs == [1, 2, 3, 4, 5] and rx.skipped == 0
 
 
-def test_held_slot_is_never_overwritten_and_drop_policy_counts(name: str, transport: object) -> None:
-    tx, rx = _pair(name, transport, slots=2)
+def test_held_slot_is_never_overwritten_and_drop_policy_counts(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, slots=2)
     with tx, rx:
         tx.send(np.full((4, 4), 1, np.uint16))
         a = rx.recv(1)
@@ -71,8 +66,8 @@ def test_held_slot_is_never_overwritten_and_drop_policy_counts(name: str, transp
         assert np.from_dlpack(rx.recv(1))[0, 0] == 4
 
 
-def test_block_policy_waits_then_times_out(name: str, transport: object) -> None:
-    tx, rx = _pair(name, transport, slots=1, policy="block", timeout=0.2)
+def test_block_policy_waits_then_times_out(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, slots=1, policy="block", timeout=0.2)
     with tx, rx:
         tx.send(np.zeros((4, 4), np.uint16))
         held = rx.recv(1)
@@ -83,8 +78,8 @@ def test_block_policy_waits_then_times_out(name: str, transport: object) -> None
         assert tx.send(np.ones((4, 4), np.uint16)) is not None
 
 
-def test_views_keep_the_lease(name: str, transport: object) -> None:
-    tx, rx = _pair(name, transport, slots=1)
+def test_views_keep_the_lease(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, slots=1)
     with tx, rx:
         tx.send(np.full((4, 4), 5, np.uint16))
         frame = rx.recv(1)
@@ -98,8 +93,8 @@ def test_views_keep_the_lease(name: str, transport: object) -> None:
         assert tx.send(np.full((4, 4), 6, np.uint16)) is not None
 
 
-def test_reserve_is_zero_copy_and_aborts_cleanly(name: str, transport: object) -> None:
-    tx, rx = _pair(name, transport, shape=(3, 5, 4), dtype="uint8", pixel_format="RGBA8")
+def test_reserve_is_zero_copy_and_aborts_cleanly(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, shape=(3, 5, 4), dtype="uint8", pixel_format="RGBA8")
     with tx, rx:
         with tx.reserve(meta=b"m1") as w:
             arr = np.from_dlpack(w)
@@ -161,8 +156,8 @@ def test_consumer_table_full_is_refused_clearly(name: str, transport: object) ->
         tx.send(np.zeros(2, np.uint8))
 
 
-def test_bad_input_is_refused_and_the_link_stays_usable(name: str, transport: object) -> None:
-    tx, rx = _pair(name, transport)
+def test_bad_input_is_refused_and_the_link_stays_usable(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport)
     with tx, rx:
         for bad in (np.zeros((4, 5), np.uint16), np.zeros((4, 4), np.float32), "hello", object()):
             with pytest.raises(cudalink.FormatError):
@@ -233,8 +228,8 @@ def test_receiver_waits_for_a_producer_then_times_out(name: str) -> None:
     rx.close()
 
 
-def test_close_with_frames_held_keeps_them_valid(name: str, transport: object) -> None:
-    tx, rx = _pair(name, transport)
+def test_close_with_frames_held_keeps_them_valid(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport)
     tx.send(np.full((4, 4), 7, np.uint16))
     frame = rx.recv(1)
     view = np.from_dlpack(frame)
@@ -244,8 +239,8 @@ def test_close_with_frames_held_keeps_them_valid(name: str, transport: object) -
     assert view[2, 2] == 7  # mapping outlives both ends while a view exists
 
 
-def test_reserve_refuses_oversized_meta_before_taking_a_slot(name: str, transport: object) -> None:
-    tx, rx = _pair(name, transport, slots=1)
+def test_reserve_refuses_oversized_meta_before_taking_a_slot(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, slots=1)
     with tx, rx:
         with pytest.raises(cudalink.FormatError, match="meta"), tx.reserve(meta=b"x" * 100) as w:
             np.from_dlpack(w)[...] = 1

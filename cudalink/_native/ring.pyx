@@ -204,9 +204,6 @@ cdef class ProducerCore:
         PyBuffer_Release(&v)
         return on
 
-    def fence(self):
-        cl_fence()
-
 
 cdef class ConsumerCore:
     cdef readonly object buf

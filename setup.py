@@ -44,13 +44,10 @@ def extensions() -> list[Extension]:
 class OptionalBuildExt(build_ext):
     """A compiled module that fails to build is reported and left out: its pure-Python twin takes over."""
 
-    failed: set[str] = set()
-
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:
-            self.failed.add(ext.name)
             _say(f"{ext.name} not built ({exc}): its pure-Python twin is used")
 
     def get_outputs(self) -> list[str]:

@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import _cuda, _platform, _trace
+from . import _platform, _trace
+from .cuda import arrays, devices, driver, memory
 from .errors import FormatError, LinkError
 from .frames.frame import Frame, ReleaseCallback, _Hold
 from .frames.spec import FrameSpec
@@ -111,7 +112,7 @@ class HostSlots:
         if type(src) is np.ndarray and src.shape == spec.shape and src.dtype == spec.dtype:
             arr: Any = src  # the common case, without describing the array
         else:
-            info = _cuda.describe_array(src)
+            info = arrays.describe_array(src)
             if info.device_id >= 0:
                 raise FormatError(
                     "cudalink: this link carries CPU frames but got a CUDA array; send x.cpu()/cupy.asnumpy(x), "
@@ -151,7 +152,7 @@ class _ProducerSync:
 
     def wait(self, stream: int) -> None:
         for ev in self.fences:
-            _cuda.wait(stream, ev)
+            driver.wait(stream, ev)
 
     def cai_stream(self) -> int | None:
         return None
@@ -180,17 +181,17 @@ class CudaSlots:
     data_size = 0
 
     def __init__(self, ordinal: int, nslots: int, capacity: int, handles: str) -> None:
-        self.dev = _cuda.device(ordinal)
+        self.dev = devices.device(ordinal)
         self.device = ordinal
-        self.device_uuid = _cuda.uuid_of(self.dev)
+        self.device_uuid = devices.uuid_of(self.dev)
         self.stream = self.dev.create_stream()
-        self.stream_int = _cuda.stream_handle(self.stream)
+        self.stream_int = driver.stream_handle(self.stream)
         self.nslots = nslots
-        exporter = _cuda.LegacyExporter if handles == "legacy" else _cuda.PoolExporter
+        exporter = memory.LegacyExporter if handles == "legacy" else memory.PoolExporter
         self.mem = exporter(self.dev, nslots, capacity, self.stream)
         self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
-        self.ready = [_cuda.new_ipc_event(self.stream) for _ in range(nslots)]
-        self._ready_raw = [_cuda.raw(ev) for ev in self.ready]
+        self.ready = [driver.new_ipc_event(self.stream) for _ in range(nslots)]
+        self._ready_raw = [driver.raw(ev) for ev in self.ready]
         self._sources: list[Any] = [None] * nslots
         self._join: Any = None
         self._tls = threading.local()
@@ -201,7 +202,7 @@ class CudaSlots:
     def handles(self) -> list[wire.SlotHandle]:
         out = []
         for s, ev in zip(self.mem.slots, self.ready, strict=False):
-            raw, flag = _cuda.event_handle(ev)
+            raw, flag = driver.event_handle(ev)
             out.append(wire.SlotHandle(s.handle, s.size, raw, flag))
         return out
 
@@ -209,7 +210,7 @@ class CudaSlots:
         return self.mem.fds()
 
     def _stream(self, stream: Any) -> int:
-        return self.stream_int if stream is None else _cuda.stream_handle(stream)
+        return self.stream_int if stream is None else driver.stream_handle(stream)
 
     def _current(self) -> None:
         """Make our device current once per thread (send_async and TD callbacks run on other threads)."""
@@ -227,12 +228,12 @@ class CudaSlots:
         """
         self._current()
         if stream is not None:
-            s = order = _cuda.stream_handle(stream)
+            s = order = driver.stream_handle(stream)
         else:
-            own = None if fences else _cuda.current_stream_of(src)
+            own = None if fences else arrays.current_stream_of(src)
             s = self.stream_int if own is None else own
             order = s if own is None else -1  # on the source's own stream there is nothing to order
-        info = _cuda.describe_array(src, stream_ptr=order)
+        info = arrays.describe_array(src, stream_ptr=order)
         if _trace.ON:
             _trace.mark(_trace.SOURCE_READ)
         if info.shape != spec.shape or info.dtype != spec.dtype:
@@ -246,19 +247,19 @@ class CudaSlots:
             raise FormatError(f"cudalink: array is on cuda:{info.device_id}, the link on cuda:{self.device}")
         pitch = _row_pitch(spec, info.strides)
         for ev in fences:
-            _cuda.wait(s, ev)
+            driver.wait(s, ev)
         if _trace.ON:
             _trace.mark(_trace.FENCES_WAITED)
         self._settle(slot)
         dst = self.mem.slots[slot].ptr
         if pitch == 0:
-            _cuda.memcpy_dtod(dst, info.ptr, spec.nbytes, s)
+            driver.memcpy_dtod(dst, info.ptr, spec.nbytes, s)
         else:
             row = spec.byte_strides[0]
-            _cuda.memcpy_2d_dtod(dst, row, info.ptr, pitch, row, spec.shape[0], s)
+            driver.memcpy_2d_dtod(dst, row, info.ptr, pitch, row, spec.shape[0], s)
         if _trace.ON:
             _trace.mark(_trace.COPY_QUEUED)
-        _cuda.record(self._ready_raw[slot], s)
+        driver.record(self._ready_raw[slot], s)
         if _trace.ON:
             _trace.mark(_trace.EVENT_RECORDED)
         self._sources[slot] = info.owner  # keep the source alive until the copy has run
@@ -276,7 +277,7 @@ class CudaSlots:
         return Frame(
             spec,
             s.ptr,
-            s.keep,
+            self.mem,  # keeps the slots mapped until the Sender closes
             device=self.device,
             seq=seq,
             timestamp_ns=ts,
@@ -288,9 +289,9 @@ class CudaSlots:
         s = self._stream(stream)
         if any(x != s for x in streams):
             if self._join is None:
-                self._join = _cuda.new_event()
-            _cuda.join_streams(s, streams, self._join)
-        _cuda.record(self._ready_raw[slot], s)
+                self._join = driver.new_event()
+            driver.join_streams(s, streams, self._join)
+        driver.record(self._ready_raw[slot], s)
 
     def close(self, timeout: float) -> None:
         self.dev.set_current()
@@ -299,9 +300,9 @@ class CudaSlots:
             ev.sync()
         self._sources = [None] * self.nslots
         for ev in self.ready:
-            _cuda.close_ipc_event(ev)
+            driver.close_ipc_event(ev)
         if self._join is not None:
-            _cuda.destroy_event(self._join)
+            driver.destroy_event(self._join)
             self._join = None
         self.mem.close(self.stream)
 
@@ -344,13 +345,13 @@ class _ConsumerSync:
     def __init__(self, view: CudaView, ready: Any) -> None:
         self.view = view
         self.ready = ready
-        self.raw = _cuda.raw(ready)
+        self.raw = driver.raw(ready)
 
     def wait(self, stream: int) -> None:
-        _cuda.wait(stream, self.raw)
+        driver.wait(stream, self.raw)
 
     def cai_stream(self) -> int | None:
-        _cuda.wait(self.view.stream_int, self.raw)
+        driver.wait(self.view.stream_int, self.raw)
         return self.view.stream_int
 
 
@@ -358,11 +359,11 @@ class CudaView:
     """The consumer's imports: the pool (once), each slot buffer and ready event (once, lazily)."""
 
     def __init__(self, fixed: wire.Fixed, client: Client, fds: list[int]) -> None:
-        self.dev = _cuda.device_by_uuid(fixed.device_uuid, fixed.device)
+        self.dev = devices.device_by_uuid(fixed.device_uuid, fixed.device)
         self.device = int(self.dev.device_id)
         self.stream = self.dev.create_stream()
-        self.stream_int = _cuda.stream_handle(self.stream)
-        importer = _cuda.LegacyImporter if fixed.backend == wire.BACKEND_CUDA_LEGACY else _cuda.PoolImporter
+        self.stream_int = driver.stream_handle(self.stream)
+        importer = memory.LegacyImporter if fixed.backend == wire.BACKEND_CUDA_LEGACY else memory.PoolImporter
         self.mem = importer(self.dev, fds)
         n = fixed.nslots
         #: per slot, once imported: (device pointer, owner tuple for the frames' holds, sync object)
@@ -377,10 +378,10 @@ class CudaView:
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         """Create this consumer's per-slot release events and publish their handles for the producer."""
-        self.release_events = [_cuda.new_ipc_event(self.stream) for _ in range(layout.nslots)]
-        self._release_raw = [_cuda.raw(ev) for ev in self.release_events]
+        self.release_events = [driver.new_ipc_event(self.stream) for _ in range(layout.nslots)]
+        self._release_raw = [driver.raw(ev) for ev in self.release_events]
         for slot, ev in enumerate(self.release_events):
-            raw, flag = _cuda.event_handle(ev)
+            raw, flag = driver.event_handle(ev)
             wire.RELEASE.pack_into(header, layout.release_handle(index, slot), raw, flag)
 
     def _import(self, slot: int, handle: wire.SlotHandle) -> tuple[int, tuple[CudaView, Any], _ConsumerSync]:
@@ -389,7 +390,7 @@ class CudaView:
             if got is None:
                 ptr, keep = self.mem.open(handle.memory, handle.size, self.stream)
                 self._bufs[slot] = (ptr, keep)
-                ready = _cuda.import_event(handle.event, handle.event_flags)
+                ready = driver.import_event(handle.event, handle.event_flags)
                 got = (ptr, (self, keep), _ConsumerSync(self, ready))
                 self._slots[slot] = got
             return got
@@ -414,9 +415,9 @@ class CudaView:
         target = streams[0]
         if len(streams) > 1:
             if self._join is None:
-                self._join = _cuda.new_event()
-            _cuda.join_streams(target, streams[1:], self._join)
-        _cuda.record(self._release_raw[slot], target)
+                self._join = driver.new_event()
+            driver.join_streams(target, streams[1:], self._join)
+        driver.record(self._release_raw[slot], target)
         return True
 
     def close(self) -> None:
@@ -440,10 +441,10 @@ class CudaView:
             self._bufs = [None] * len(self._bufs)
             self._slots = [None] * len(self._slots)
             if self._join is not None:
-                _cuda.destroy_event(self._join)
+                driver.destroy_event(self._join)
                 self._join = None
             for ev in self.release_events:
-                _cuda.close_ipc_event(ev)
+                driver.close_ipc_event(ev)
             self.mem.close()
         except Exception:
             pass
@@ -469,7 +470,7 @@ def make_producer_slots(
     if device == "cpu":
         return HostSlots(nslots, capacity)
     handles = resolve_handles(handles, passes_fds)
-    return CudaSlots(_cuda.parse_device(device), nslots, capacity, handles)
+    return CudaSlots(devices.parse_device(device), nslots, capacity, handles)
 
 
 def make_consumer_view(fixed: wire.Fixed, client: Client, fds: list[int]) -> ConsumerView:

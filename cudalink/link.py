@@ -10,8 +10,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
-from . import _backends, _cuda, _platform, _trace
+from . import _backends, _platform, _trace
 from ._ring import consumer_ring, producer_ring
+from .cuda import driver
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
@@ -278,11 +279,11 @@ class Sender:
             if got is None:
                 raw, flag = wire.RELEASE.unpack_from(self._server.header, self._layout.release_handle(c, slot))
                 try:
-                    ev = _cuda.import_event(bytes(raw), flag)
+                    ev = driver.import_event(bytes(raw), flag)
                 except LinkError:
                     continue  # that consumer is gone; nothing of its can still be queued on our memory
-                got = self._release_events[key] = (ev, _cuda.raw(ev))  # the Event owns the handle
-            if not _cuda.event_done(got[1]):
+                got = self._release_events[key] = (ev, driver.raw(ev))  # the Event owns the handle
+            if not driver.event_done(got[1]):
                 out.append(got[1])
         return out
 
@@ -364,7 +365,7 @@ class Sender:
                 ts = time.time_ns()
                 frame = self._slots.writable_frame(slot, spec, self._seq + 1, ts, fences)
                 if fences:  # whoever writes the slot first waits for consumers still reading it (GPU-side)
-                    writer = _cuda.stream_handle(stream) if stream is not None else self._slots.stream_int
+                    writer = driver.stream_handle(stream) if stream is not None else self._slots.stream_int
                     frame._sync.wait(writer)  # type: ignore[union-attr]
             except BaseException:
                 self._ring.abort(slot)

@@ -182,14 +182,14 @@ def gpu_attach_cycle(name: str, n: int, result: Any) -> None:
     """Attach, read a frame, detach, n times; report fd count and GPU memory before/after."""
     import torch
 
-    from cudalink import _cuda
+    from cudalink.cuda import driver
 
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
     def free() -> int:
-        drv = _cuda._drv()
-        return int(_cuda.check(drv.cuMemGetInfo(), "cuMemGetInfo")[0])
+        drv = driver.bindings()
+        return int(driver.check(drv.cuMemGetInfo(), "cuMemGetInfo")[0])
 
     try:
         for i in range(n + 3):
@@ -212,7 +212,7 @@ def gpu_attach_cycle(name: str, n: int, result: Any) -> None:
 
 def gpu_chaos_producer(name: str, ready: Any) -> None:
     """A light GPU producer (no torch: fast restarts): host content copied into reserved slots."""
-    from cudalink import _cuda
+    from cudalink.cuda import driver
     from tests import _chaos
 
     with cudalink.Sender(name, shape=_chaos.SHAPE, dtype="uint8", slots=4, device=0) as tx:
@@ -220,7 +220,7 @@ def gpu_chaos_producer(name: str, ready: Any) -> None:
         while True:
             arr = _chaos.content(tx.generation, tx.seq + 1)
             with tx.reserve(meta=_chaos.checksum(arr)) as f:
-                _cuda.memcpy_htod(f.ptr, arr.ctypes.data, arr.nbytes, _cuda.stream_handle(tx.stream))
+                driver.memcpy_htod(f.ptr, arr.ctypes.data, arr.nbytes, driver.stream_handle(tx.stream))
 
 
 def gpu_producer_then_close(name: str, shape: tuple[int, ...], handles: str, ready: Any, taken: Any) -> None:

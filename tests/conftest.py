@@ -56,10 +56,10 @@ def pair(name: str) -> Iterator[PairFactory]:
 def gpu_reason() -> str | None:
     """None when a CUDA GPU with IPC pools is usable here, else why not."""
     try:
-        from cudalink import _cuda
+        from cudalink.cuda import devices
 
-        dev = _cuda.device(0)
-        missing = [k for k, v in _cuda.ipc_support(dev).items() if not v]
+        dev = devices.device(0)
+        missing = [k for k, v in devices.ipc_support(dev).items() if not v]
         if missing:
             return f"GPU lacks {missing}"
     except Exception as exc:

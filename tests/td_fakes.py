@@ -60,9 +60,9 @@ def _check(ret: Any, what: str) -> Any:
 
 
 def _set_device(device: int) -> None:
-    from cudalink import _cuda
+    from cudalink.cuda import devices
 
-    _cuda.device(device)
+    devices.device(device)
 
 
 class FakeCUDAMemoryShape:
@@ -181,9 +181,9 @@ class FakeTOP:
             arr = np.ascontiguousarray(self.texture)
             shape, dtype, ptr, owner = arr.shape, arr.dtype, int(arr.ctypes.data), arr
         else:
-            from cudalink import _cuda
+            from cudalink.cuda import arrays
 
-            info = _cuda.describe_array(self.texture, stream_ptr=stream)  # `stream` waits for the texture
+            info = arrays.describe_array(self.texture, stream_ptr=stream)  # `stream` waits for the texture
             if info.strides is not None:
                 raise TDError("FakeTOP: device textures must be contiguous")
             shape, dtype, ptr, owner = info.shape, info.dtype, info.ptr, info.owner
@@ -210,10 +210,10 @@ class FakeTOP:
         if self.device == "cpu":
             ctypes.memmove(mem.ptr, src, nbytes)
         else:
-            from cudalink import _cuda
+            from cudalink.cuda import driver
 
             # Filled in order on `stream` (TD's default stream when None): later work there sees it.
-            _cuda.memcpy_dtod(mem.ptr, src, nbytes, 1 if s is None else s)
+            driver.memcpy_dtod(mem.ptr, src, nbytes, 1 if s is None else s)
         del owner
         self.calls.append(s)
         return mem

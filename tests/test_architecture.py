@@ -1,5 +1,5 @@
 """The package's shape, checked: the import graph has no cycle and no upward import, and the CUDA glue
-stands on its own (it imports nothing of cudalink above ``errors`` and ``_native``).
+(``cudalink.cuda``) stands on its own: it imports nothing of cudalink above ``errors`` and ``_native``.
 
 Edges come from every ``import`` that runs, function-level ones included (not those under
 ``if TYPE_CHECKING:``), plus the implicit ones to the packages of what is imported (importing ``a.b`` from outside ``a``
@@ -16,7 +16,9 @@ PKG = Path(__file__).resolve().parent.parent / "cudalink"
 #: lower layers never import higher ones; a module may import its own layer (the cycle check covers that)
 LAYERS: list[set[str]] = [
     {"cudalink.errors", "cudalink._version", "cudalink._trace", "cudalink._native", "cudalink._platform"},
-    {"cudalink._cuda", "cudalink.transport.base"},
+    {"cudalink.cuda", "cudalink.cuda.objects", "cudalink.cuda.driver"},
+    {"cudalink.cuda.devices"},
+    {"cudalink.cuda.arrays", "cudalink.cuda.memory", "cudalink.transport.base"},
     {"cudalink.frames", "cudalink.frames.spec", "cudalink.frames.frame"},
     {
         "cudalink.transport",
@@ -149,7 +151,11 @@ def test_frames_know_nothing_of_transports_and_cuda_glue_nothing_of_frames() -> 
     )
     for m in ("cudalink.frames", "cudalink.frames.spec", "cudalink.frames.frame"):
         assert not {d for d in graph[m] if d.startswith(("cudalink.transport", "cudalink.link"))}, m
-    assert graph["cudalink._cuda"] <= {"cudalink", "cudalink.errors", "cudalink._native"}, graph["cudalink._cuda"]
+    glue = [m for m in graph if m == "cudalink.cuda" or m.startswith("cudalink.cuda.")]
+    assert len(glue) >= 5, glue
+    for m in glue:
+        outside = {d for d in graph[m] if not d.startswith("cudalink.cuda")}
+        assert outside <= {"cudalink", "cudalink.errors", "cudalink._native"}, (m, outside)
 
 
 class _TorchDtype:
@@ -161,7 +167,7 @@ class _TorchDtype:
 
 
 class _Tensor:
-    """What ``_cuda._torch_info`` reads of a torch tensor (its C methods), without torch."""
+    """What ``arrays._torch_info`` reads of a torch tensor (its C methods), without torch."""
 
     def __init__(self, dtype: str) -> None:
         self.dtype = _TorchDtype(dtype)
@@ -181,9 +187,9 @@ def test_torch_dtypes_map_to_numpy_by_name_and_the_rest_take_the_general_path() 
     """The CUDA glue no longer imports cudalink.frames for its dtype table: numpy names the dtype."""
     import numpy as np
 
-    from cudalink import _cuda
+    from cudalink.cuda import arrays
 
-    info = _cuda._torch_info(_Tensor("float32"))
+    info = arrays._torch_info(_Tensor("float32"))
     assert info is not None and info.dtype == np.dtype("float32") and info.shape == (2, 3) and info.ptr == 4096
-    assert _cuda._torch_info(_Tensor("uint16")).dtype == np.dtype("uint16")  # type: ignore[union-attr]
-    assert _cuda._torch_info(_Tensor("bfloat16")) is None  # numpy has no bfloat16: DLPack/CAI path decides
+    assert arrays._torch_info(_Tensor("uint16")).dtype == np.dtype("uint16")  # type: ignore[union-attr]
+    assert arrays._torch_info(_Tensor("bfloat16")) is None  # numpy has no bfloat16: DLPack/CAI path decides

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import cudalink
+from cudalink.cuda import devices
 from cudalink.tools import demo, measure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> None:
 
 def gpu_usable() -> bool:
     try:
-        cudalink._cuda.device(0)
+        devices.device(0)
     except Exception:
         return False
     return True

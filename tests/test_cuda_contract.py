@@ -1,6 +1,6 @@
 """Contract with cuda.core's private IPC descriptor APIs, checked without a GPU (so CI runs it).
 
-``cudalink/_cuda.py`` moves IPC handles through shared memory as plain bytes: it reads a descriptor's
+``cudalink/cuda`` moves IPC handles through shared memory as plain bytes: it reads a descriptor's
 payload through ``__reduce__()`` and rebuilds one with the private ``_init``. pyproject bounds
 cuda-core below 2; if a release inside that bound changes either API, these tests fail by name
 instead of the GPU suite failing somewhere deep in an attach.
@@ -32,7 +32,7 @@ def test_buffer_descriptor_round_trips_through_init_and_reduce() -> None:
 def test_event_descriptor_round_trips_and_our_glue_reads_it() -> None:
     from cuda.core._event import IPCEventDescriptor
 
-    from cudalink import _cuda
+    from cudalink.cuda import driver
 
     raw = bytes(range(64, 128))
     d = IPCEventDescriptor._init(raw, True)
@@ -40,7 +40,7 @@ def test_event_descriptor_round_trips_and_our_glue_reads_it() -> None:
     class _FakeEvent:  # event_handle() needs only an object with the descriptor property
         ipc_descriptor = d
 
-    assert _cuda.event_handle(_FakeEvent()) == (raw, 1)
+    assert driver.event_handle(_FakeEvent()) == (raw, 1)
 
 
 def test_public_entry_points_we_call_exist() -> None:

@@ -11,15 +11,15 @@ import cudalink
 
 def test_a_failed_driver_call_is_a_cuda_error_carrying_its_cuResult() -> None:
     pytest.importorskip("cuda.bindings")
-    from cudalink import _cuda
+    from cudalink.cuda import driver
 
     with pytest.raises(cudalink.CudaError, match=r"^cudalink: cuSomething failed with ") as info:
-        _cuda.check((2, None), "cuSomething")  # CUDA_ERROR_OUT_OF_MEMORY's code
+        driver.check((2, None), "cuSomething")  # CUDA_ERROR_OUT_OF_MEMORY's code
     err = info.value
     assert isinstance(err, cudalink.LinkError) and err.result == 2 and err.name in str(err)
     again = pickle.loads(pickle.dumps(err))
     assert (again.result, again.name, str(again)) == (err.result, err.name, str(err))
-    assert _cuda.check((0, "value"), "cuFine") == "value"
+    assert driver.check((0, "value"), "cuFine") == "value"
 
 
 def test_translations_keep_the_original_error_as_their_cause() -> None:

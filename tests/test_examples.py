@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import cudalink
+from cudalink.cuda import devices
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -48,7 +49,7 @@ def assert_ok(name: str, proc: subprocess.CompletedProcess[str]) -> str:
 
 def need_gpu() -> None:
     try:
-        cudalink._cuda.device(0)
+        devices.device(0)
     except cudalink.CudaUnavailable as exc:
         pytest.skip(f"no CUDA GPU here: {exc}")
 
@@ -91,7 +92,7 @@ def test_missing_framework_is_one_clear_line(name: str, module: str) -> None:
 
 def test_missing_gpu_is_one_clear_line() -> None:
     try:
-        cudalink._cuda.device(0)
+        devices.device(0)
         pytest.skip("a GPU is present")
     except cudalink.CudaUnavailable:
         pass

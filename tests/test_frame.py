@@ -183,21 +183,21 @@ class _CoreLikeStream:
 
 
 def test_one_stream_normalisation_with_dlpacks_rules_on_request() -> None:
-    """``_cuda.stream_handle`` serves both the API (``stream=`` of send/reserve) and ``__dlpack__``."""
-    from cudalink import _cuda
+    """``driver.stream_handle`` serves both the API (``stream=`` of send/reserve) and ``__dlpack__``."""
+    from cudalink.cuda import driver
 
     for dlpack in (False, True):
-        assert _cuda.stream_handle(7, dlpack=dlpack) == 7
-        assert _cuda.stream_handle(_TorchLikeStream(9), dlpack=dlpack) == 9
-        assert _cuda.stream_handle(_CoreLikeStream(11), dlpack=dlpack) == 11
+        assert driver.stream_handle(7, dlpack=dlpack) == 7
+        assert driver.stream_handle(_TorchLikeStream(9), dlpack=dlpack) == 9
+        assert driver.stream_handle(_CoreLikeStream(11), dlpack=dlpack) == 11
     # the API: a framework's 0 is its default stream, the legacy one
-    assert _cuda.stream_handle(0) == 1 and _cuda.stream_handle(_TorchLikeStream(0)) == 1
+    assert driver.stream_handle(0) == 1 and driver.stream_handle(_TorchLikeStream(0)) == 1
     with pytest.raises(cudalink.LinkError, match="no stream"):
-        _cuda.stream_handle(None)
+        driver.stream_handle(None)
     with pytest.raises(cudalink.LinkError, match="is not a stream"):
-        _cuda.stream_handle("s")
+        driver.stream_handle("s")
     # DLPack: None is the legacy default, -1 means no sync, 0 and other negatives are refused
-    assert _cuda.stream_handle(None, dlpack=True) == 1 and _cuda.stream_handle(-1, dlpack=True) == -1
+    assert driver.stream_handle(None, dlpack=True) == 1 and driver.stream_handle(-1, dlpack=True) == -1
     for bad, text in ((0, "forbids stream=0"), (-2, "invalid DLPack stream"), ("s", "must be an int")):
         with pytest.raises(BufferError, match=text):
-            _cuda.stream_handle(bad, dlpack=True)
+            driver.stream_handle(bad, dlpack=True)

@@ -213,36 +213,37 @@ def test_compiled_and_pure_python_processes_share_a_link(
 def test_compiled_driver_calls_copy_order_and_fail_like_the_python_ones() -> None:
     """Where the driver module was built, frames go through it; its copies, events and errors are right."""
     torch = pytest.importorskip("torch")
-    from cudalink import _cuda
+    from cudalink.cuda import devices, driver
 
-    _cuda._drv()
+    driver.bindings()
     if _native.PURE:
-        assert _cuda._fast is None
+        assert not driver.compiled()
         pytest.skip("CUDALINK_PURE_PYTHON is set: the Python driver calls are in use")
-    assert _cuda._fast is not None, _native.missing
-    assert _cuda.record is _cuda._fast.record and _cuda.memcpy_dtod is _cuda._fast.memcpy_dtod
-    dev = _cuda.device(0)
+    fast = _native.driver
+    assert driver.compiled() and fast is not None, _native.missing
+    assert driver.record is fast.record and driver.memcpy_dtod is fast.memcpy_dtod
+    dev = devices.device(0)
     dev.set_current()
     stream = torch.cuda.current_stream()
     s = int(stream.cuda_stream)
     src = torch.arange(48 * 64, dtype=torch.int32, device="cuda").reshape(48, 64)
     flat = torch.zeros_like(src)
-    _cuda.memcpy_dtod(flat.data_ptr(), src.data_ptr(), src.numel() * 4, s)
+    driver.memcpy_dtod(flat.data_ptr(), src.data_ptr(), src.numel() * 4, s)
     crop = src[:, 8:40]  # padded rows: one pitched copy
     packed = torch.zeros((48, 32), dtype=torch.int32, device="cuda")
-    _cuda.memcpy_2d_dtod(packed.data_ptr(), 32 * 4, crop.data_ptr(), 64 * 4, 32 * 4, 48, s)
-    ev = _cuda.new_event()
+    driver.memcpy_2d_dtod(packed.data_ptr(), 32 * 4, crop.data_ptr(), 64 * 4, 32 * 4, 48, s)
+    ev = driver.new_event()
     h = int(ev)
     slow = torch.cuda.Stream()
     with torch.cuda.stream(slow):
         torch.cuda._sleep(50_000_000)  # keep the event pending for a while
-    _cuda.record(h, int(slow.cuda_stream))
-    assert _cuda.event_done(h) is False  # pending work
-    _cuda.wait(s, h)
+    driver.record(h, int(slow.cuda_stream))
+    assert driver.event_done(h) is False  # pending work
+    driver.wait(s, h)
     after = flat + 1  # queued behind the wait on the current stream
     torch.cuda.synchronize()
-    assert _cuda.event_done(h) is True
+    assert driver.event_done(h) is True
     assert torch.equal(flat, src) and torch.equal(packed, crop) and torch.equal(after, src + 1)
     with pytest.raises(cudalink.LinkError, match=r"cudalink: cuMemcpyDtoDAsync failed with CUDA_ERROR_\w+"):
-        _cuda.memcpy_dtod(0, src.data_ptr(), 16, s)
-    _cuda.destroy_event(ev)
+        driver.memcpy_dtod(0, src.data_ptr(), 16, s)
+    driver.destroy_event(ev)

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 import cudalink
-from cudalink import _cuda, _platform
+from cudalink import _platform
+from cudalink.cuda import driver, memory
 
 # -- names and defaults ---------------------------------------------------------------------------------
 
@@ -267,18 +268,18 @@ class FakeDriver:
 
 def test_free_bounded_frees_on_the_callers_context(monkeypatch: pytest.MonkeyPatch) -> None:
     drv = FakeDriver()
-    monkeypatch.setattr(_cuda, "_drv", lambda: drv)
-    assert _cuda.free_bounded([1, 2, 3], timeout=5)
+    monkeypatch.setattr(driver, "bindings", lambda: drv)
+    assert memory.free_bounded([1, 2, 3], timeout=5)
     assert drv.freed == [1, 2, 3] and drv.ctx_in_worker == ["ctx0"]
 
 
 def test_free_bounded_gives_up_on_a_hung_cumemfree(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
     drv = FakeDriver(hang=release)
-    monkeypatch.setattr(_cuda, "_drv", lambda: drv)
+    monkeypatch.setattr(driver, "bindings", lambda: drv)
     t0 = time.monotonic()
     with pytest.warns(RuntimeWarning, match="cuMemFree did not return"):
-        assert not _cuda.free_bounded([7], timeout=0.2)
+        assert not memory.free_bounded([7], timeout=0.2)
     assert time.monotonic() - t0 < 2
     release.set()
 

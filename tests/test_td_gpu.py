@@ -24,6 +24,7 @@ import cudalink
 import cudalink.td as ctd
 import cudalink.td.convert as td_convert
 from cudalink import PixelFormat, RowOrigin
+from cudalink.cuda import devices, driver
 
 try:
     from . import td_fakes as fakes
@@ -38,7 +39,7 @@ _names = itertools.count()
 def require_gpu() -> None:
     """Skip unless cudalink can open CUDA device 0 here."""
     try:
-        cudalink._cuda.device(0)
+        devices.device(0)
     except cudalink.CudaUnavailable as exc:
         pytest.skip(f"no usable CUDA GPU: {exc}")
 
@@ -83,9 +84,9 @@ def same(torch: Any, a: Any, b: Any) -> bool:
 
 
 def new_stream() -> int:
-    stream = cudalink._cuda.device(0).create_stream()
+    stream = devices.device(0).create_stream()
     _streams.append(stream)
-    return cudalink._cuda.stream_handle(stream)
+    return driver.stream_handle(stream)
 
 
 _streams: list[Any] = []

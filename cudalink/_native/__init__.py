@@ -1,5 +1,5 @@
 """The compiled core, where it was built: ``ring`` (the per-frame ring operations) and ``driver``
-(direct CUDA driver calls through cuda.bindings' ``cydriver``).
+(direct CUDA driver calls, entry points from cuda.bindings' ``cuGetProcAddress``).
 
 Each is an optional extension: ``pip install .`` builds them where a C compiler (and, for ``driver``,
 ``cuda.h``) exists, and the pure-Python implementations stand in everywhere else, a TouchDesigner
@@ -32,7 +32,7 @@ def _load(name: str) -> ModuleType | None:
 
 
 ring = _load("ring")
-driver: ModuleType | None = None  # loaded by cudalink._cuda with the CUDA packages, never on a CPU-only import
+driver: ModuleType | None = None  # loaded by cudalink.cuda.driver with the CUDA packages, never on a CPU-only import
 
 
 def load_driver() -> ModuleType | None:

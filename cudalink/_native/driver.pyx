@@ -2,13 +2,13 @@
 """The driver calls a frame makes, as direct C calls.
 
 cuda.bindings' Python layer wraps each handle argument in an object and each result in a tuple: more
-than the call itself costs. ``cudalink._cuda`` routes its per-frame calls here where this module was
-built; handles travel as plain integers (``_cuda.raw``).
+than the call itself costs. ``cudalink.cuda.driver`` routes its per-frame calls here where this module was
+built; handles travel as plain integers (``cudalink.cuda.driver.raw``).
 
 The entry points come from ``cuGetProcAddress`` through cuda.bindings, so this module needs no
 ``cuda.h`` to build and calls the very libcuda cuda.bindings loaded. (Compiling against
 ``cydriver.pxd`` needs a ``cuda.h`` at least as new as the installed cuda-bindings, which toolkits and
-wheels often disagree on.) Errors are ``_cuda.cuda_error``'s ``CudaError``, as for the Python calls. The GIL
+wheels often disagree on.) Errors are ``cudalink.cuda.driver.cuda_error``'s ``CudaError``, as for the Python calls. The GIL
 stays held: these calls only queue work, and dropping it per call would invite a hand-off to another
 thread in the middle of a frame.
 """

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import _cuda  # downward only: _cuda never imports this module (frames describe themselves to it)
+from ..cuda import arrays, driver  # downward only: the CUDA glue never imports frames (they describe themselves)
 from ..errors import FormatError, LinkClosed
 from .spec import FrameSpec, PixelFormat, RowOrigin
 
@@ -184,7 +184,7 @@ class Frame:
         The frame keeps ``obj`` alive. CUDA objects are read through ``__cuda_array_interface__`` or DLPack.
         """
         ts = time.time_ns() if timestamp_ns is None else timestamp_ns
-        info = _cuda.describe_array(obj)
+        info = arrays.describe_array(obj)
         spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)
         device: str | int = "cpu" if info.device_id < 0 else info.device_id
         return cls(
@@ -297,15 +297,15 @@ class Frame:
             raise LinkClosed("cudalink: this frame was released; receive a new one (or keep it until you are done)")
         return hold
 
-    def _cudalink_array_info(self, stream_ptr: int) -> _cuda.ArrayInfo:
-        """What ``_cuda.describe_array`` needs of a frame sent on (a relay): no array-interface side effects,
+    def _cudalink_array_info(self, stream_ptr: int) -> arrays.ArrayInfo:
+        """What ``arrays.describe_array`` needs of a frame sent on (a relay): no array-interface side effects,
         and the frame's own sync orders its producer before ``stream_ptr`` (-1: no ordering)."""
         if not self._is_cuda:
-            return _cuda.host_info(self.numpy())
+            return arrays.host_info(self.numpy())
         if stream_ptr != -1 and self._sync is not None:
             self._sync.wait(stream_ptr)
         spec = self._spec
-        return _cuda.ArrayInfo(self.ptr, spec.shape, spec.dtype, spec.strides, self._device_id, False, self)
+        return arrays.ArrayInfo(self.ptr, spec.shape, spec.dtype, spec.strides, self._device_id, False, self)
 
     # -- DLPack -----------------------------------------------------------------------------------------
 
@@ -344,7 +344,7 @@ class Frame:
             )
         if copy:
             raise BufferError("cudalink: copy=True is not supported for CUDA frames; copy in your framework")
-        s = _cuda.stream_handle(stream, dlpack=True)
+        s = driver.stream_handle(stream, dlpack=True)
         hold = self._live()
         if s != -1:
             if self._sync is not None:
@@ -357,7 +357,7 @@ class Frame:
         view = self._view
         if view is None:
             hold = self._live()
-            view = _cuda.typed_view(hold.ptr, self._spec, self._device_id, hold, readonly=False)
+            view = arrays.typed_view(hold.ptr, self._spec, self._device_id, hold, readonly=False)
             self._view = view
         return view
 
@@ -407,4 +407,4 @@ class Frame:
 
         hold = self._live()
         stream = self._sync.cai_stream() if self._sync is not None else None
-        return _cuda.copy_to_host(hold.ptr, self._spec, self._device_id, stream)
+        return arrays.copy_to_host(hold.ptr, self._spec, self._device_id, stream)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _cuda
+from ..cuda import devices, driver
 from ..errors import FormatError, LinkError
 from ..frames.frame import Frame
 from ..frames.spec import PixelFormat, RowOrigin
@@ -153,7 +153,7 @@ def _convert_cuda(frame: Frame, plan: _Plan, stream: int, backend: str | None) -
             "(uint8/uint16/float32, origin='bottom', BGRA for 8-bit RGBA)"
         ) from exc
     dev = frame._device_id
-    _cuda.device(dev)
+    devices.device(dev)
     if name == "cupy":
         cp = mod
         with cp.cuda.Device(dev), cp.cuda.ExternalStream(stream):
@@ -180,16 +180,16 @@ class _DeviceBuffer:
     """Plain cuMemAlloc memory for snapshots: no cupy/torch needed to keep an image past its link."""
 
     def __init__(self, nbytes: int, device: int) -> None:
-        _cuda.device(device)
-        self.ptr = int(_cuda.check(_cuda._drv().cuMemAlloc(nbytes), "cuMemAlloc"))
+        devices.device(device)
+        self.ptr = int(driver.check(driver.bindings().cuMemAlloc(nbytes), "cuMemAlloc"))
 
     def __del__(self) -> None:
         try:
-            _cuda._drv().cuMemFree(self.ptr)
+            driver.bindings().cuMemFree(self.ptr)
         except Exception:
             pass
 
 
 def _sync(stream: int) -> None:
-    drv = _cuda._drv()
-    _cuda.check(drv.cuStreamSynchronize(drv.CUstream(stream)), "cuStreamSynchronize")
+    drv = driver.bindings()
+    driver.check(drv.cuStreamSynchronize(drv.CUstream(stream)), "cuStreamSynchronize")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _cuda
+from ..cuda import arrays, devices, driver
 from ..errors import LinkError, LinkTimeout, ProducerGone
 from ..frames.frame import Frame
 from ..link import Receiver
@@ -103,7 +103,7 @@ class TopUpload:
         else:
             stream = self.stream if self.stream is not None else 1
             buf = _DeviceBuffer(self.nbytes, self.device)
-            _cuda.memcpy_dtod(buf.ptr, self.ptr, self.nbytes, stream)
+            driver.memcpy_dtod(buf.ptr, self.ptr, self.nbytes, stream)
             _sync(stream)  # the producer frees its slots once we let go: our copy must be done by then
             self.keep = (buf,)
             self.ptr = buf.ptr
@@ -125,8 +125,8 @@ def _stream_in(cache: dict[int, Any], device: int) -> int:
     """Our own non-default stream on ``device``, made once per ``cache`` (module-wide, or a sink's)."""
     stream = cache.get(device)
     if stream is None:
-        stream = cache[device] = _cuda.device(device).create_stream()
-    return _cuda.stream_handle(stream)
+        stream = cache[device] = devices.device(device).create_stream()
+    return driver.stream_handle(stream)
 
 
 def _default_stream(device: int) -> int:
@@ -175,7 +175,7 @@ def _prepare(
     dev = frame._device_id
     s = stream(dev)
     if not steps:
-        info = _cuda.describe_array(frame, stream_ptr=s)  # orders s after the frame's producer
+        info = arrays.describe_array(frame, stream_ptr=s)  # orders s after the frame's producer
         return upload(info.ptr, frame.nbytes, s, (frame, info.owner), True, dev)
     out, ptr, nbytes = _convert_cuda(frame, plan, s, array_backend)
     return upload(ptr, nbytes, s, (out,), False, dev)
@@ -205,7 +205,7 @@ def to_script_top(
     """
 
     def pick(dev: int) -> int:
-        return _default_stream(dev) if stream is None else _cuda.stream_handle(stream)
+        return _default_stream(dev) if stream is None else driver.stream_handle(stream)
 
     upload = _prepare(
         frame,
@@ -250,7 +250,7 @@ class ScriptTopSink:
     def stream_for(self, device: int) -> int:
         """The stream copies for ``device`` are ordered on: the one given, or our own non-default one."""
         if self._user_stream is not None:
-            return _cuda.stream_handle(self._user_stream)
+            return driver.stream_handle(self._user_stream)
         return _stream_in(self._streams, device)
 
     def show(self, frame: Frame, script_op: Any, *, flip: Switch = False, swap_rb: Switch = False) -> TopUpload:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .. import _cuda
+from ..cuda import devices, driver
 from ..errors import FormatError, LinkError
 from ..frames.frame import Frame
 from ..frames.spec import FrameSpec
@@ -26,7 +26,7 @@ class _StreamReady:
 
     def wait(self, stream: int) -> None:
         if stream != self.stream:
-            _cuda.join_streams(stream, [self.stream])
+            driver.join_streams(stream, [self.stream])
 
     def cai_stream(self) -> int | None:
         return self.stream
@@ -58,8 +58,8 @@ def frame_from_cuda_memory(
     ts = time.time_ns() if timestamp_ns is None else timestamp_ns
     if device == "cpu":
         return Frame(spec, int(ptr), mem, device="cpu", seq=seq, timestamp_ns=ts)
-    ordinal = _cuda.parse_device(device)
-    ready = _StreamReady(1 if stream is None else _cuda.stream_handle(stream))
+    ordinal = devices.parse_device(device)
+    ready = _StreamReady(1 if stream is None else driver.stream_handle(stream))
     return Frame(spec, int(ptr), mem, device=ordinal, seq=seq, timestamp_ns=ts, sync=ready)
 
 
@@ -86,7 +86,7 @@ class TDSender:
         transport: Transport | None = None,
     ) -> None:
         self.name = name
-        self.device: int | str = "cpu" if device == "cpu" else _cuda.parse_device(device)
+        self.device: int | str = "cpu" if device == "cpu" else devices.parse_device(device)
         self.slots = slots
         self.capacity = capacity
         self.policy: Literal["drop", "block"] = policy
@@ -107,8 +107,8 @@ class TDSender:
             return None
         if self._stream_int is None:
             assert isinstance(self.device, int)
-            self._stream = _cuda.device(self.device).create_stream()
-            self._stream_int = _cuda.stream_handle(self._stream)
+            self._stream = devices.device(self.device).create_stream()
+            self._stream_int = driver.stream_handle(self._stream)
         return self._stream_int
 
     @property

@@ -32,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _cuda, _native, _platform
+from .. import _native, _platform
 from .._version import __version__
+from ..cuda import devices
 from ..errors import LinkError, LinkTimeout, ProducerGone
 from .measure import Backend, GpuLib, _child_init, _one_line, summarize
 from .peers import ConsumerJob
@@ -887,6 +888,6 @@ def machine_info(backend: Backend) -> dict[str, Any]:
     }
     if backend.is_cuda:
         with contextlib.suppress(Exception):
-            info["gpu"] = str(_cuda.device(backend.device).name)
+            info["gpu"] = str(devices.device(backend.device).name)
     info["core"] = _native.status()
     return info

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _cuda
+from ..cuda import devices, driver
 
 _T = struct.Struct("<q")
 _T2 = struct.Struct("<qq")  # the spin floor's word and its complement: a torn read never passes as a stamp
@@ -114,15 +114,15 @@ def _gpu_ops(shape: tuple[int, ...], device: int, lib: str, ev_handle: tuple[byt
 
     g = GpuLib(lib, device)
     g.context()
-    dev = _cuda.device(device)
-    drv = _cuda._drv()
-    imported = _cuda.import_event(*ev_handle)
-    own = _cuda.new_ipc_event(dev.create_stream())
+    dev = devices.device(device)
+    drv = driver.bindings()
+    imported = driver.import_event(*ev_handle)
+    own = driver.new_ipc_event(dev.create_stream())
     n = int(math.prod(shape))
     backing = g.empty((n,), "uint8")
-    core = _cuda._core()
+    core = driver.core()
     buf = core.Buffer.from_handle(g.ptr(backing), n, owner=backing)
-    view = _cuda._view_cls().from_buffer(buf, shape, dtype=np.dtype("uint8"))
+    view = driver.view_class().from_buffer(buf, shape, dtype=np.dtype("uint8"))
     if lib == "torch":
         import torch
 
@@ -131,7 +131,7 @@ def _gpu_ops(shape: tuple[int, ...], device: int, lib: str, ev_handle: tuple[byt
         import cupy
 
         cs = cupy.cuda.get_current_stream().ptr or 1
-    stream = _cuda.cu_stream(cs)
+    stream = driver.cu_stream(cs)
     mono = time.monotonic_ns
     from_dlpack = g.mod.from_dlpack
 
@@ -166,11 +166,11 @@ def measure(
     keep: list[Any] = []
     try:
         if backend_device >= 0:
-            dev = _cuda.device(backend_device)
+            dev = devices.device(backend_device)
             s = dev.create_stream()
-            ev = _cuda.new_ipc_event(s)
+            ev = driver.new_ipc_event(s)
             keep += [s, ev]
-            ev_handle = _cuda.event_handle(ev)
+            ev_handle = driver.event_handle(ev)
             out.update(_producer_ops(backend_device, lib, shape, frames, interval, ev, s))
         for kind in ("wake", "spin"):
             kind_run = ("gpu" if backend_device >= 0 else "cpu") if kind == "wake" else "spin"
@@ -247,8 +247,8 @@ def _producer_ops(
     n = int(math.prod(shape))
     src, dst = g.empty((n,), "uint8"), g.empty((n,), "uint8")
     g.sync()
-    drv = _cuda._drv()
-    s = _cuda.cu_stream(_cuda.stream_handle(stream))
+    drv = driver.bindings()
+    s = driver.cu_stream(driver.stream_handle(stream))
     sp, dp = g.ptr(src), g.ptr(dst)
     mono = time.monotonic_ns
     copy: list[int] = []

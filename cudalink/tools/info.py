@@ -16,8 +16,9 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from .. import _cuda, _native, _platform
+from .. import _native, _platform
 from .._version import __version__
+from ..cuda import devices, driver
 from .ui import _console
 
 
@@ -46,7 +47,7 @@ def _driver_versions() -> tuple[str | None, str | None]:
     if cuda_v is None:
         try:
             drv: Any = importlib.import_module("cuda.bindings.driver")
-            v = int(_cuda.check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
+            v = int(driver.check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
             cuda_v = f"{v // 1000}.{v % 1000 // 10}"
         except Exception:
             pass
@@ -81,7 +82,7 @@ def gather_info() -> dict[str, Any]:
     out["core"] = _native.status()  # after the driver probe, which decides the driver calls' module
     gpus: list[dict[str, Any]] = []
     try:
-        dev0 = _cuda.device(0)
+        dev0 = devices.device(0)
     except Exception as exc:
         out["gpu_error"] = short_reason(exc)
     else:
@@ -104,7 +105,7 @@ def gather_info() -> dict[str, Any]:
                 except Exception:
                     g[key] = None
             try:
-                g["ipc"] = _cuda.ipc_support(d)
+                g["ipc"] = devices.ipc_support(d)
             except Exception as exc:
                 g["ipc"] = {}
                 g["ipc_error"] = short_reason(exc)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _cuda
+from ..cuda import devices
 from ..errors import CudaUnavailable, LinkError
 
 
@@ -77,9 +77,9 @@ def resolve_backend(device: str) -> Backend:
     if text == "cpu":
         return Backend(-1, "")
     explicit = text != "auto"
-    ordinal = _cuda.parse_device(int(text) if text.isdigit() else text) if explicit else 0
+    ordinal = devices.parse_device(int(text) if text.isdigit() else text) if explicit else 0
     try:
-        _cuda.device(ordinal)
+        devices.device(ordinal)
     except Exception as exc:
         if explicit:
             if isinstance(exc, LinkError):

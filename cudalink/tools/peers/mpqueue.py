@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _cuda
+from ...cuda import devices, driver
 from ..measure import GpuLib
 from . import ConsumerJob
 
@@ -26,7 +26,7 @@ class QueueSource:
 
             GpuLib("torch", job.device).context()
         else:
-            _cuda.device(job.device)
+            devices.device(job.device)
         self.skipped = 0
 
     def take(self) -> tuple[int, Any, int] | None:
@@ -87,7 +87,7 @@ class QueueProducer:
         else:
             from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
 
-            dev = _cuda.device(ordinal)
+            dev = devices.device(ordinal)
             self.stream = dev.create_stream()
             gran = 2 << 20
             per = (self.nbytes + gran - 1) // gran * gran
@@ -113,8 +113,8 @@ class QueueProducer:
         if self.peer == "torch-mp":
             item.copy_(src)
         else:  # no IPC event travels with a pickled Buffer: the producer must wait for its copy
-            stream = _cuda.stream_handle(self.stream)
-            _cuda.memcpy_dtod(int(item.handle), self.lib.ptr(src), self.nbytes, stream)
+            stream = driver.stream_handle(self.stream)
+            driver.memcpy_dtod(int(item.handle), self.lib.ptr(src), self.nbytes, stream)
             self.stream.sync()
         pub = time.time_ns()
         for q in self.queues:

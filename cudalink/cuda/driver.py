@@ -1,0 +1,331 @@
+"""The CUDA driver and cuda.core entry points, events and streams: the one place that loads the CUDA
+packages and decides whether the per-frame calls go through the compiled ``cudalink._native.driver``.
+
+Nothing here runs at ``import cudalink``: CUDA is touched the first time a CUDA link, frame or
+diagnosis needs it, so a machine with no driver imports cudalink fine and gets a clear
+:class:`~cudalink.CudaUnavailable` only when it asks for the GPU.
+
+Callers use module attributes (``driver.record(...)``), never ``from driver import record``: loading the
+compiled core rebinds the per-frame functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, SupportsInt, cast
+
+import numpy as np
+
+from .. import _native
+from ..errors import CudaError, CudaUnavailable, LinkError
+
+if TYPE_CHECKING:
+    from .objects import Event, Stream, StridedView, ViewFactory
+
+#: a driver event handle as the per-frame calls take it: an int with the compiled core, else a ``CUevent``
+RawEvent = object
+
+NO_GPU_HINT = "use device='cpu' for the host backend (same API, numpy frames)"
+
+_driver_mod: ModuleType | None = None
+#: ``cudalink._native.driver`` where it was built and a driver is present: the per-frame driver calls go
+#: straight to C, and raw event handles are plain ints. Decided with the first use of cuda.bindings.
+_fast: ModuleType | None = None
+_core_mod: ModuleType | None = None
+_smv: ViewFactory | None = None
+
+
+NO_CUDA_PACKAGES = (
+    "cudalink: the CUDA packages are not installed here (cuda-core, cuda-bindings: pip installs them only "
+    "where NVIDIA ships wheels, not on macOS); on a machine with an NVIDIA GPU run "
+    "`pip install cuda-core cuda-bindings`, or " + NO_GPU_HINT
+)
+
+
+def bindings() -> ModuleType:
+    """``cuda.bindings.driver``, loaded on first use (a clear error where it is not installed)."""
+    global _driver_mod
+    if _driver_mod is None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:
+            raise CudaUnavailable(NO_CUDA_PACKAGES) from exc
+        _use_fast(_native.load_driver())
+        _driver_mod = driver
+    return _driver_mod
+
+
+def core() -> ModuleType:
+    """``cuda.core``, loaded on first use."""
+    global _core_mod
+    if _core_mod is None:
+        try:
+            import cuda.core
+        except ImportError as exc:
+            raise CudaUnavailable(NO_CUDA_PACKAGES) from exc
+        bindings()  # decides the handle representation before any event exists
+        _core_mod = cuda.core
+    return _core_mod
+
+
+_UNSET = object()
+_any: object = _UNSET
+
+
+def any_interface() -> Callable[..., StridedView] | None:
+    """``StridedMemoryView.from_any_interface`` where this cuda.core has it (its torch fast path), else None."""
+    global _any
+    if _any is _UNSET:
+        _any = getattr(view_class(), "from_any_interface", None)
+    return _any if callable(_any) else None
+
+
+def view_class() -> ViewFactory:
+    """cuda.core's ``StridedMemoryView``: the object that speaks DLPack for CUDA frames."""
+    global _smv
+    if _smv is None:
+        core()  # a clear CudaUnavailable where the CUDA packages are missing
+        from cuda.core.utils import StridedMemoryView
+
+        _smv = StridedMemoryView
+    assert _smv is not None
+    return _smv
+
+
+def check(ret: tuple[Any, ...], what: str) -> Any:
+    """Unwrap a cuda.bindings ``(CUresult, *values)`` tuple; a failure is a :class:`CudaError` naming the call."""
+    err = ret[0]
+    if err:
+        raise cuda_error(int(err), what)
+    return ret[1] if len(ret) == 2 else ret[1:]
+
+
+def cuda_error(code: int, what: str) -> CudaError:
+    """The one translation of a failed driver call (the compiled driver calls use it too)."""
+    try:
+        drv = bindings()
+        name = drv.cuGetErrorName(drv.CUresult(code))[1].decode()
+    except Exception:
+        name = f"CUresult {code}"
+    return CudaError(f"cudalink: {what} failed with {name}", code, name)
+
+
+_streams: dict[int, object] = {}
+
+
+def cu_stream(stream: int) -> object:
+    """A cached ``CUstream`` wrapper for a raw handle (building one costs more than the call it feeds)."""
+    cs = _streams.get(stream)
+    if cs is None:
+        if len(_streams) > 1024:
+            _streams.clear()
+        cs = _streams[stream] = bindings().CUstream(stream)
+    return cs
+
+
+def memcpy_dtod(dst: int, src: int, nbytes: int, stream: int) -> None:
+    err = bindings().cuMemcpyDtoDAsync(dst, src, nbytes, cu_stream(stream))[0]
+    if err:
+        check((err,), "cuMemcpyDtoDAsync")
+
+
+def memcpy_2d_dtod(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
+    """One pitched device-to-device copy (a source with padded rows), still a single driver call."""
+    drv = bindings()
+    p = drv.CUDA_MEMCPY2D()
+    p.srcMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    p.srcDevice = src
+    p.srcPitch = src_pitch
+    p.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    p.dstDevice = dst
+    p.dstPitch = dst_pitch
+    p.WidthInBytes = width
+    p.Height = height
+    check(drv.cuMemcpy2DAsync(p, cu_stream(stream)), "cuMemcpy2DAsync")
+
+
+def memcpy_htod(dst: int, src: int, nbytes: int, stream: int) -> None:
+    drv = bindings()
+    check(drv.cuMemcpyHtoDAsync(dst, src, nbytes, drv.CUstream(stream)), "cuMemcpyHtoDAsync")
+
+
+def stream_handle(stream: object, *, dlpack: bool = False) -> int:
+    """Raw CUstream value of a cuda.core Stream, a torch/cupy stream, or an int: the one normalisation.
+
+    ``dlpack=True`` applies DLPack's rules for the ``stream=`` argument of ``__dlpack__``: None is the
+    legacy default stream (1), -1 (no synchronisation) passes through, 0 is refused, and errors are
+    ``BufferError`` (what DLPack consumers expect). Otherwise a 0 from a framework means its default
+    stream, which is the legacy one (1).
+    """
+    if type(stream) is int and stream > 0:  # what torch and cupy pass to __dlpack__: checked first
+        return stream
+    if stream is None:
+        if dlpack:
+            return 1
+        raise LinkError("cudalink: no stream")
+    handle: SupportsInt | None = getattr(stream, "handle", None)
+    if handle is not None and not isinstance(stream, int):  # a cuda.core Stream
+        value, framework = int(handle), False
+    elif hasattr(stream, "cuda_stream"):  # torch / cupy stream objects
+        value, framework = int(getattr(stream, "cuda_stream")), True  # noqa: B009 - any stream class
+    elif hasattr(stream, "__cuda_stream__"):
+        value, framework = int(getattr(stream, "__cuda_stream__")()[1]), True  # noqa: B009
+    elif isinstance(stream, (int, np.integer)):
+        value, framework = int(stream), True
+    elif dlpack:
+        raise BufferError(f"cudalink: stream must be an int stream handle, got {stream!r}")
+    else:
+        raise LinkError(f"cudalink: {stream!r} is not a stream (pass a cuda.core/torch/cupy stream or an int handle)")
+    if dlpack:
+        if value == 0:
+            raise BufferError("cudalink: DLPack forbids stream=0; pass 1 for the legacy default stream")
+        if value < -1:
+            raise BufferError(f"cudalink: invalid DLPack stream {value}")
+        return value
+    return (value or 1) if framework else value
+
+
+# -- handles this process exported ------------------------------------------------------------------------
+#
+# CUDA refuses to open an IPC handle in the process that exported it, yet a Receiver may share a process
+# with its Sender (notebooks, tests, a TD project with both). Everything we export is registered by its
+# handle bytes, and "importing" one of our own handles returns the original object.
+
+_local_events: dict[bytes, Event] = {}
+_local_slots: dict[bytes, int] = {}
+
+
+def register_local_slot(handle: bytes, ptr: int) -> None:
+    _local_slots[bytes(handle)] = ptr
+
+
+def unregister_local_slot(handle: bytes) -> None:
+    _local_slots.pop(bytes(handle), None)
+
+
+def local_slot(handle: bytes) -> int | None:
+    """The pointer of a slot this process exported under ``handle``, else None."""
+    return _local_slots.get(bytes(handle))
+
+
+# -- events ------------------------------------------------------------------------------------------------
+
+
+def new_ipc_event(stream: Stream) -> Event:
+    ev = stream.record(options=core().EventOptions(ipc_enabled=True))
+    _local_events[event_handle(ev)[0]] = ev
+    return ev
+
+
+def close_ipc_event(ev: Event) -> None:
+    _local_events.pop(event_handle(ev)[0], None)
+
+
+def descriptor_args(desc: object) -> tuple[Any, ...]:
+    """The constructor arguments of a cuda.core IPC descriptor: its raw handle bytes and flags.
+
+    Private path: cuda.core 1.x has no public accessor for a descriptor's bytes (it pickles them), so
+    ``__reduce__`` is read here and only here; ``tests/test_cuda_contract.py`` fails if that changes.
+    """
+    reduced = desc.__reduce__()
+    assert isinstance(reduced, tuple)
+    args: tuple[Any, ...] = reduced[1]
+    return args
+
+
+def event_handle(ev: Event) -> tuple[bytes, int]:
+    """The 64-byte CUipcEventHandle plus its flag, for the header."""
+    args = descriptor_args(ev.ipc_descriptor)
+    return bytes(args[0]), int(bool(args[1]))
+
+
+def import_event(raw: bytes, flag: int) -> Event:
+    """Open a producer's IPC event (or return our own, where this process exported it)."""
+    from cuda.core import Event as CoreEvent
+    from cuda.core._event import IPCEventDescriptor
+
+    mine = _local_events.get(bytes(raw))
+    if mine is not None:
+        return mine
+    try:
+        ev: Event = CoreEvent.from_ipc_descriptor(IPCEventDescriptor._init(raw, bool(flag)))
+    except Exception as exc:
+        raise LinkError(f"cudalink: could not open the producer's IPC event: {exc}") from exc
+    return ev
+
+
+def raw(ev: Event) -> RawEvent:
+    """The driver handle of a cuda.core Event, to keep: cuda.core builds a new wrapper per ``.handle``.
+
+    An int where the compiled driver calls are in use, else cuda.bindings' ``CUevent``. Hot paths pass
+    only these to :func:`record`, :func:`wait` and :func:`event_done`.
+    """
+    return int(ev.handle) if _fast is not None else ev.handle
+
+
+def event_done(h: RawEvent) -> bool:
+    """cuEventQuery of a :func:`raw` handle; an event whose owner died (an error) has nothing left to order."""
+    return bool(bindings().cuEventQuery(h)[0] != bindings().CUresult.CUDA_ERROR_NOT_READY)
+
+
+def record(h: RawEvent, stream: int) -> None:
+    """cuEventRecord of a :func:`raw` handle, directly: cuda.core refuses to re-record IPC events, and we
+    reuse one per slot."""
+    err = bindings().cuEventRecord(h, cu_stream(stream))[0]
+    if err:
+        check((err,), "cuEventRecord")
+
+
+def wait(stream: int, h: RawEvent) -> None:
+    """cuStreamWaitEvent on a :func:`raw` handle: ``stream`` waits on the GPU, the CPU never does."""
+    err = bindings().cuStreamWaitEvent(cu_stream(stream), h, 0)[0]
+    if err:
+        check((err,), "cuStreamWaitEvent")
+
+
+def _use_fast(mod: ModuleType | None) -> None:
+    """Route the per-frame driver calls to the compiled module (same names, same errors)."""
+    global _fast, record, wait, event_done, memcpy_dtod, memcpy_2d_dtod
+    if mod is None:
+        return
+    _fast = mod
+    record, wait, event_done = mod.record, mod.wait, mod.done
+    memcpy_dtod, memcpy_2d_dtod = mod.memcpy_dtod, mod.memcpy_2d_dtod
+
+
+def compiled() -> bool:
+    """Whether the per-frame driver calls are the compiled ones (decided when cuda.bindings loads)."""
+    return _fast is not None
+
+
+def new_event() -> RawEvent:
+    """A plain (non-IPC, untimed) CUevent, for ordering streams inside this process."""
+    drv = bindings()
+    return check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+
+def destroy_event(ev: RawEvent) -> None:
+    bindings().cuEventDestroy(ev)
+
+
+def join_streams(target: int, others: list[int], ev: RawEvent | None = None) -> None:
+    """Make ``target`` wait for everything queued on ``others`` (GPU-side), through one reusable event.
+
+    A wait captures the event's most recent record at the time of the call, so re-recording the same
+    event for the next stream is safe: hot paths pass an event they keep, and nothing is created or
+    destroyed per frame. Without one, a temporary event is made in the current context.
+    """
+    own = ev is None
+    if own:
+        ev = new_event()
+    h = int(cast(SupportsInt, ev)) if _fast is not None else ev
+    try:
+        for s in others:
+            if s == target:
+                continue
+            record(h, s)
+            wait(target, h)
+    finally:
+        if own:
+            destroy_event(ev)

@@ -8,9 +8,10 @@ on the GPU). Host and CUDA links therefore share every line of protocol code.
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _platform, _trace
 from .cuda import arrays, devices, driver, memory
@@ -19,6 +20,10 @@ from .frames.frame import Frame, ReleaseCallback, _Hold
 from .frames.spec import FrameSpec
 from .transport import wire
 from .transport.base import Client, Region
+
+if TYPE_CHECKING:
+    from .cuda.driver import RawEvent
+    from .cuda.objects import Event, Stream
 
 SLOT_ALIGN = 4096
 
@@ -37,15 +42,18 @@ class ProducerSlots(Protocol):
     device: int  #: CUDA ordinal, -1 for host
     device_uuid: bytes
     data_size: int  #: bytes of the transport's host data region this backend needs (0 on the GPU)
-    stream: Any  #: the link's own CUDA stream (cuda.core ``Stream``), None for host slots
     stream_int: int
+
+    @property
+    def stream(self) -> Stream | None:
+        """The link's own CUDA stream, None for host slots."""
 
     def bind(self, region: Region | None) -> None: ...
     def handles(self) -> list[wire.SlotHandle]: ...
     def fds(self) -> list[int]: ...
-    def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None: ...
-    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame: ...
-    def commit(self, slot: int, streams: list[int], stream: Any) -> None: ...
+    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None: ...
+    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[RawEvent]) -> Frame: ...
+    def commit(self, slot: int, streams: list[int], stream: object) -> None: ...
     def close(self, timeout: float) -> None: ...
 
 
@@ -79,7 +87,7 @@ class HostSlots:
         self.stride = align(capacity)
         self.data_size = self.stride * nslots
         self._region: Region | None = None
-        self._views: dict[tuple[int, int], tuple[FrameSpec, np.ndarray[Any, Any]]] = {}
+        self._views: dict[tuple[int, int], tuple[FrameSpec, npt.NDArray[np.generic]]] = {}
 
     def bind(self, region: Region | None) -> None:
         self._region = region
@@ -95,22 +103,22 @@ class HostSlots:
     def fds(self) -> list[int]:
         return []
 
-    def _array(self, slot: int, spec: FrameSpec) -> np.ndarray[Any, Any]:
+    def _array(self, slot: int, spec: FrameSpec) -> npt.NDArray[np.generic]:
         """A numpy view of ``slot`` for ``spec``, built once per (slot, spec)."""
         key = (slot, id(spec))  # by identity (hashing a spec costs more than the lookup saves)
         got = self._views.get(key)
         if got is None or got[0] is not spec:
             if len(self._views) > 4 * self.nslots:
                 self._views.clear()
-            view: np.ndarray[Any, Any] = np.ndarray(
+            view: npt.NDArray[np.generic] = np.ndarray(
                 spec.shape, spec.dtype, buffer=self._bound().buf, offset=slot * self.stride, strides=spec.strides
             )
             got = self._views[key] = (spec, view)
         return got[1]
 
-    def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
+    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None:
         if type(src) is np.ndarray and src.shape == spec.shape and src.dtype == spec.dtype:
-            arr: Any = src  # the common case, without describing the array
+            arr: npt.NDArray[np.generic] = src  # the common case, without describing the array
         else:
             info = arrays.describe_array(src)
             if info.device_id >= 0:
@@ -119,14 +127,14 @@ class HostSlots:
                     "or create the Sender with device=0"
                 )
             spec.check_array(info.shape, info.dtype)
-            arr = info.owner
+            arr = cast("npt.NDArray[np.generic]", info.owner)  # host_info's owner is the ndarray
         if _trace.ON:
             _trace.mark(_trace.SOURCE_READ)
         np.copyto(self._array(slot, spec), arr, casting="no")
         if _trace.ON:
             _trace.mark(_trace.COPY_QUEUED)
 
-    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame:
+    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[RawEvent]) -> Frame:
         region = self._bound()
         return Frame(
             spec,
@@ -137,7 +145,7 @@ class HostSlots:
             writable=True,
         )
 
-    def commit(self, slot: int, streams: list[int], stream: Any) -> None:
+    def commit(self, slot: int, streams: list[int], stream: object) -> None:
         pass
 
     def close(self, timeout: float) -> None:
@@ -147,7 +155,7 @@ class HostSlots:
 class _ProducerSync:
     """A reserved slot's frame: whoever writes it must first wait on the consumers' release fences."""
 
-    def __init__(self, fences: list[Any]) -> None:
+    def __init__(self, fences: list[RawEvent]) -> None:
         self.fences = fences
 
     def wait(self, stream: int) -> None:
@@ -192,8 +200,8 @@ class CudaSlots:
         self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
         self.ready = [driver.new_ipc_event(self.stream) for _ in range(nslots)]
         self._ready_raw = [driver.raw(ev) for ev in self.ready]
-        self._sources: list[Any] = [None] * nslots
-        self._join: Any = None
+        self._sources: list[object] = [None] * nslots  # what each slot's pending copy reads from
+        self._join: RawEvent | None = None
         self._tls = threading.local()
 
     def bind(self, region: Region | None) -> None:
@@ -209,7 +217,7 @@ class CudaSlots:
     def fds(self) -> list[int]:
         return self.mem.fds()
 
-    def _stream(self, stream: Any) -> int:
+    def _stream(self, stream: object) -> int:
         return self.stream_int if stream is None else driver.stream_handle(stream)
 
     def _current(self) -> None:
@@ -218,7 +226,7 @@ class CudaSlots:
             self.dev.set_current()
             self._tls.ok = True
 
-    def copy_in(self, slot: int, spec: FrameSpec, src: Any, stream: Any, fences: list[Any]) -> None:
+    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None:
         """One copy into ``slot`` and the slot's ready event, queued without blocking the CPU.
 
         With no ``stream`` the copy goes on the source's own stream where the framework names it cheaply
@@ -271,7 +279,7 @@ class CudaSlots:
                 self.ready[slot].sync()
             self._sources[slot] = None
 
-    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[Any]) -> Frame:
+    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[RawEvent]) -> Frame:
         self._settle(slot)
         s = self.mem.slots[slot]
         return Frame(
@@ -285,7 +293,7 @@ class CudaSlots:
             sync=_ProducerSync(fences),
         )
 
-    def commit(self, slot: int, streams: list[int], stream: Any) -> None:
+    def commit(self, slot: int, streams: list[int], stream: object) -> None:
         s = self._stream(stream)
         if any(x != s for x in streams):
             if self._join is None:
@@ -319,6 +327,8 @@ class HostView:
         if region is None:
             raise LinkError("cudalink: the transport mapped no data region for a host link")
         self.region: Region = region
+        #: per slot, the last spec seen there and a writable numpy view of the slot for it
+        self._views: list[tuple[FrameSpec, npt.NDArray[np.generic]] | None] = [None] * fixed.nslots
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         pass
@@ -328,7 +338,11 @@ class HostView:
     ) -> Frame:
         seq, ts, spec, meta = rec
         hold = _Hold(self.region, self.region.address + handle.size, on_release)
-        return Frame._received(spec, hold, -1, seq, ts, meta, None, gen)
+        got = self._views[slot]
+        if got is None or got[0] is not spec:  # specs are cached by the ring, so identity is the common case
+            arr = np.ndarray(spec.shape, spec.dtype, self.region.buf, handle.size, spec.strides)
+            got = self._views[slot] = (spec, arr)
+        return Frame._received(spec, hold, -1, seq, ts, meta, None, gen, got[1])
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         return False
@@ -342,7 +356,7 @@ class _ConsumerSync:
 
     __slots__ = ("raw", "ready", "view")
 
-    def __init__(self, view: CudaView, ready: Any) -> None:
+    def __init__(self, view: CudaView, ready: Event) -> None:
         self.view = view
         self.ready = ready
         self.raw = driver.raw(ready)
@@ -367,11 +381,11 @@ class CudaView:
         self.mem = importer(self.dev, fds)
         n = fixed.nslots
         #: per slot, once imported: (device pointer, owner tuple for the frames' holds, sync object)
-        self._slots: list[tuple[int, tuple[CudaView, Any], _ConsumerSync] | None] = [None] * n
-        self._bufs: list[tuple[int, Any] | None] = [None] * n
-        self.release_events: list[Any] = []
-        self._release_raw: list[Any] = []
-        self._join: Any = None  # one plain event, re-recorded per joined stream
+        self._slots: list[tuple[int, tuple[CudaView, object], _ConsumerSync] | None] = [None] * n
+        self._bufs: list[tuple[int, object] | None] = [None] * n
+        self.release_events: list[Event] = []
+        self._release_raw: list[RawEvent] = []
+        self._join: RawEvent | None = None  # one plain event, re-recorded per joined stream
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._closed = False
@@ -384,7 +398,7 @@ class CudaView:
             raw, flag = driver.event_handle(ev)
             wire.RELEASE.pack_into(header, layout.release_handle(index, slot), raw, flag)
 
-    def _import(self, slot: int, handle: wire.SlotHandle) -> tuple[int, tuple[CudaView, Any], _ConsumerSync]:
+    def _import(self, slot: int, handle: wire.SlotHandle) -> tuple[int, tuple[CudaView, object], _ConsumerSync]:
         with self._lock:
             got = self._slots[slot]
             if got is None:

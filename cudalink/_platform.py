@@ -19,9 +19,13 @@ import struct
 import sys
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .errors import LinkError
+
+if TYPE_CHECKING:
+    import ctypes
 
 IS_LINUX = sys.platform.startswith("linux")
 IS_WINDOWS = sys.platform == "win32"
@@ -260,12 +264,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _kernel32() -> Any:
+def _kernel32() -> ctypes.CDLL:
     """kernel32 with the prototypes spelled out: a HANDLE is pointer-sized, ctypes' default int is not."""
     import ctypes
     from ctypes import wintypes
 
-    k = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
+    k: ctypes.CDLL = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
     k.OpenProcess.argtypes = (wintypes.DWORD, wintypes.BOOL, wintypes.DWORD)
     k.OpenProcess.restype = wintypes.HANDLE
     k.GetExitCodeProcess.argtypes = (wintypes.HANDLE, ctypes.POINTER(wintypes.DWORD))
@@ -275,7 +279,7 @@ def _kernel32() -> Any:
     return k
 
 
-def _pid_alive_windows(pid: int, kernel32: Any, last_error: Any) -> bool:
+def _pid_alive_windows(pid: int, kernel32: ctypes.CDLL, last_error: Callable[[], int]) -> bool:
     import ctypes
 
     handle = kernel32.OpenProcess(_PROCESS_QUERY_LIMITED_INFORMATION, False, pid)

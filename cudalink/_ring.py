@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from . import _native
 from .errors import ProtocolError
@@ -49,7 +49,7 @@ def full_fence() -> None:
 class _ProducerCold:
     """What runs once per consumer or per flag change: one implementation for both rings."""
 
-    buf: Any
+    buf: wire.Buf
     layout: Layout
 
     def set_flag(self, flag: int, on: bool) -> None:
@@ -83,7 +83,7 @@ class _ProducerCold:
 class PyProducerRing(_ProducerCold):
     """The producer's per-frame operations in Python (the reference; see ``_native/ring.pyx``)."""
 
-    def __init__(self, buf: Any, layout: Layout) -> None:
+    def __init__(self, buf: wire.Buf, layout: Layout) -> None:
         self.buf = buf
         self.layout = layout
         n, c = layout.nslots, layout.nconsumers
@@ -171,7 +171,7 @@ class PyProducerRing(_ProducerCold):
 class PyConsumerRing:
     """The consumer's operations in Python (the reference; see ``_native/ring.pyx``)."""
 
-    def __init__(self, buf: Any, layout: Layout, index: int, capacity: int) -> None:
+    def __init__(self, buf: wire.Buf, layout: Layout, index: int, capacity: int) -> None:
         self.buf = buf
         self.layout = layout
         self.index = index
@@ -239,7 +239,7 @@ class PyConsumerRing:
         _put64(self.buf, self._last_recv_off, time.time_ns())
 
 
-def read_record(buf: Any, layout: Layout, slot: int, capacity: int) -> wire.SlotRecord | None:
+def read_record(buf: wire.ReadBuf, layout: Layout, slot: int, capacity: int) -> wire.SlotRecord | None:
     """A seqlock read for observers that take no lease (the monitor, on a read-only mapping).
 
     The record counts only if the slot's stamp is even and unchanged around it, and names the same frame.
@@ -261,7 +261,7 @@ def read_record(buf: Any, layout: Layout, slot: int, capacity: int) -> wire.Slot
 class ProducerRing(Protocol):
     """What ``Sender`` uses of its ring, whichever implementation it got."""
 
-    buf: Any
+    buf: wire.Buf
     layout: Layout
 
     def claim(self, seq: int) -> int | None: ...
@@ -295,7 +295,7 @@ if _native_ring is not None:
         """The compiled per-frame operations, with the cold ones above."""
 
 
-def producer_ring(buf: Any, layout: Layout) -> ProducerRing:
+def producer_ring(buf: wire.Buf, layout: Layout) -> ProducerRing:
     """The compiled ring where it was built and ``buf`` suits it (aligned, writable), else the Python one."""
     if _native_ring is not None:
         try:
@@ -305,7 +305,7 @@ def producer_ring(buf: Any, layout: Layout) -> ProducerRing:
     return PyProducerRing(buf, layout)
 
 
-def consumer_ring(buf: Any, layout: Layout, index: int, capacity: int) -> ConsumerRing:
+def consumer_ring(buf: wire.Buf, layout: Layout, index: int, capacity: int) -> ConsumerRing:
     if _native_ring is not None:
         try:
             return _native_ring.ConsumerCore(buf, layout, index, capacity)  # type: ignore[no-any-return]

@@ -8,7 +8,10 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from numpy.typing import DTypeLike
 
 from . import _backends, _platform, _trace
 from ._ring import consumer_ring, producer_ring
@@ -19,6 +22,10 @@ from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import wire
 from .transport.base import UNVERIFIED_UID, Client, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
+
+if TYPE_CHECKING:
+    from .cuda.driver import RawEvent
+    from .cuda.objects import Event, Stream
 
 __all__ = ["Receiver", "Sender"]
 
@@ -111,7 +118,7 @@ class Sender:
         name: str,
         *,
         shape: tuple[int, ...] | list[int],
-        dtype: Any = "uint8",
+        dtype: DTypeLike = "uint8",
         slots: int = 4,
         device: int | str = "cpu",
         pixel_format: PixelFormat | str | None = None,
@@ -145,7 +152,7 @@ class Sender:
         self._closed = False
         self._lock = threading.RLock()
         self._released = threading.Event()
-        self._release_events: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+        self._release_events: dict[tuple[int, int, int], tuple[Event, RawEvent]] = {}
         self._transport = transport or default_transport()
         self._slots = _backends.make_producer_slots(device, slots, cap, handles, self._transport.passes_fds)
         self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
@@ -195,7 +202,7 @@ class Sender:
         return self._spec.shape
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> np.dtype[np.generic]:
         return self._spec.dtype
 
     @property
@@ -212,7 +219,7 @@ class Sender:
         return self._closed
 
     @property
-    def stream(self) -> Any:
+    def stream(self) -> Stream | None:
         """The link's own CUDA stream (cuda.core ``Stream``), or None on CPU links."""
         return self._slots.stream
 
@@ -259,7 +266,7 @@ class Sender:
         finally:
             self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, False)
 
-    def _fences(self, slot: int) -> list[Any]:
+    def _fences(self, slot: int) -> list[RawEvent]:
         """Raw handles of the release events consumers left on ``slot`` that the GPU has not passed yet.
 
         Each event is imported once and kept.
@@ -294,9 +301,9 @@ class Sender:
 
     def send(
         self,
-        array: Any,
+        array: object,
         *,
-        stream: Any = None,
+        stream: object = None,
         timestamp_ns: int | None = None,
         meta: bytes = b"",
         timeout: float | None = None,
@@ -345,7 +352,7 @@ class Sender:
         return self._seq
 
     @contextlib.contextmanager
-    def reserve(self, *, stream: Any = None, meta: bytes = b"", timeout: float | None = None) -> Iterator[Frame]:
+    def reserve(self, *, stream: object = None, meta: bytes = b"", timeout: float | None = None) -> Iterator[Frame]:
         """Zero-copy: yields the next slot as a writable Frame; it is published when the block exits cleanly.
 
         On CUDA links write on ``stream`` (or export the frame through DLPack on your stream: that stream
@@ -388,7 +395,7 @@ class Sender:
     def reconfigure(
         self,
         shape: tuple[int, ...] | list[int] | None = None,
-        dtype: Any = None,
+        dtype: DTypeLike | None = None,
         *,
         pixel_format: PixelFormat | str | None = None,
         origin: RowOrigin | str | None = None,
@@ -412,11 +419,21 @@ class Sender:
             self._spec = spec
             return spec
 
-    async def send_async(self, array: Any, **kwargs: Any) -> int | None:
+    async def send_async(
+        self,
+        array: object,
+        *,
+        stream: object = None,
+        timestamp_ns: int | None = None,
+        meta: bytes = b"",
+        timeout: float | None = None,
+    ) -> int | None:
         """``send`` that waits for a free slot (policy ``"block"``) in a thread, not on the event loop."""
         import asyncio
 
-        return await asyncio.to_thread(self.send, array, **kwargs)
+        return await asyncio.to_thread(
+            self.send, array, stream=stream, timestamp_ns=timestamp_ns, meta=meta, timeout=timeout
+        )
 
     # -- teardown ------------------------------------------------------------------------------------------
 

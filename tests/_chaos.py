@@ -1,48 +1,21 @@
-"""Child processes for the reliability suite."""
+"""Child processes for the reliability suite (the frames they send and their checks are in ``_content``)."""
 
 from __future__ import annotations
 
 import os
 import random
 import time
-import zlib
 from typing import Any
 
 import numpy as np
 
 import cudalink
 
-SHAPE = (256, 256, 4)  # 256 KiB: copies take long enough that kills land inside them
-
-
-def content(gen: int, seq: int) -> np.ndarray:
-    """Generation and seq in the first 16 bytes, pseudo-random bytes after: stale or foreign frames fail."""
-    rng = np.random.default_rng(seq ^ (gen & 0xFFFFFFFF))
-    arr = rng.integers(0, 256, size=SHAPE, dtype=np.uint8)
-    arr.reshape(-1)[:16] = np.frombuffer(gen.to_bytes(8, "little") + seq.to_bytes(8, "little"), np.uint8)
-    return arr
-
-
-def checksum(arr: np.ndarray) -> bytes:
-    return zlib.crc32(arr.tobytes()).to_bytes(4, "little")
-
-
-def verify(frame: cudalink.Frame, generation: int) -> str | None:
-    """None if the frame is intact and of ``generation``, else what is wrong."""
-    arr = np.from_dlpack(frame)
-    head = arr.reshape(-1)[:16].tobytes()
-    gen, seq = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
-    if checksum(arr) != frame.meta:
-        return f"checksum mismatch at seq {frame.seq}"
-    if gen != generation or gen != frame.generation:
-        return f"foreign/stale frame: content gen {gen:x}, link gen {generation:x}"
-    if seq != frame.seq:
-        return f"seq {seq} in content, {frame.seq} in the record"
-    return None
+from ._content import CHAOS_SHAPE, checksum, content
 
 
 def chaos_producer(name: str, ready: Any) -> None:
-    with cudalink.Sender(name, shape=SHAPE, dtype="uint8", slots=4) as tx:
+    with cudalink.Sender(name, shape=CHAOS_SHAPE, dtype="uint8", slots=4) as tx:
         ready.set()
         seq = 0
         while True:

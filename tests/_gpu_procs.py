@@ -1,4 +1,7 @@
-"""GPU child processes (spawned): a torch producer and torch/cupy/jax consumers that verify on the device."""
+"""GPU child processes (spawned): a torch producer and torch/cupy/jax consumers that verify on the device.
+
+The frames are ``_content``'s, the same the CPU tests send: torch and cupy make them on the device.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +13,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import cudalink
 
+from ._content import CHAOS_SHAPE, checksum, content, pattern
+
 INT_VIEW = {"float32": "int32", "float16": "int16", "uint8": "uint8", "uint16": "int16"}
-
-
-def torch_pattern(torch: Any, seq: int, shape: tuple[int, ...], dtype: str) -> Any:
-    n = 1
-    for d in shape:
-        n *= d
-    base = torch.arange(n, device="cuda", dtype=torch.int64)
-    return ((base * 2654435761 + seq * 40503) % 251).to(getattr(torch, dtype)).view(shape)
-
-
-def cupy_pattern(cp: Any, seq: int, shape: tuple[int, ...], dtype: str) -> Any:
-    """:func:`torch_pattern`, made by cupy on its current stream."""
-    n = 1
-    for d in shape:
-        n *= d
-    base = cp.arange(n, dtype=cp.int64)
-    return ((base * 2654435761 + seq * 40503) % 251).astype(dtype).reshape(shape)
 
 
 def wait_consumers(tx: cudalink.Sender, want: int, timeout: float = 120.0) -> None:
@@ -61,7 +49,7 @@ def gpu_producer(
         wait_consumers(tx, consumers)
         with torch.cuda.stream(s):
             for seq in range(1, n + 1):
-                pat = torch_pattern(torch, seq, shape, dtype)
+                pat = pattern(seq, shape, dtype, torch)
                 if mode == "send":
                     tx.send(pat)
                 else:
@@ -82,7 +70,7 @@ def gpu_producer_forever(name: str, shape: tuple[int, ...], ready: Any, handles:
         seq = 0
         while True:
             seq += 1
-            tx.send(torch_pattern(torch, seq, shape, "uint8"))
+            tx.send(pattern(seq, shape, "uint8", torch))
             time.sleep(0.0005)
 
 
@@ -108,7 +96,7 @@ def gpu_consumer(
                         t = torch.from_dlpack(frame)
                         if slow:
                             torch.cuda._sleep(400_000)  # ~0.2 ms of GPU time before we read the slot
-                        exp = torch_pattern(torch, frame.seq, tuple(t.shape), frame.dtype.name)
+                        exp = pattern(frame.seq, tuple(t.shape), frame.dtype.name, torch)
                         iv = getattr(torch, INT_VIEW[frame.dtype.name])
                         bad += (t.view(iv) != exp.view(iv)).any().to(torch.int64)
                         del t, exp
@@ -131,7 +119,7 @@ def gpu_consumer(
                         a = cp.from_dlpack(frame)
                         # the expected pattern is made on `s` too: a torch tensor from torch's stream, read
                         # here on `s`, could be freed and reused by torch before our comparison ran
-                        exp = cupy_pattern(cp, frame.seq, a.shape, frame.dtype.name)
+                        exp = pattern(frame.seq, a.shape, frame.dtype.name, cp)
                         iv = INT_VIEW[frame.dtype.name]
                         bad += cp.any(a.view(iv) != exp.view(iv)).astype(cp.int64)
                         del a
@@ -142,9 +130,6 @@ def gpu_consumer(
             else:
                 import jax
                 import jax.numpy as jnp
-                import numpy as np
-
-                import tests._procs as hp
 
                 mism = 0
                 while True:
@@ -153,13 +138,12 @@ def gpu_consumer(
                     except cudalink.ProducerGone:
                         break
                     x = jax.dlpack.from_dlpack(frame)
-                    exp = hp.pattern(frame.seq, tuple(x.shape), frame.dtype.name)
+                    exp = pattern(frame.seq, tuple(x.shape), frame.dtype.name)  # numpy, moved over by jax
                     if not bool(jnp.array_equal(x, jnp.asarray(exp))):
                         mism += 1
                     del x
                     frame.release()
                     got += 1
-                    _ = np
             result.put((framework, got, mism, ""))
     except Exception:
         import traceback
@@ -213,13 +197,12 @@ def gpu_attach_cycle(name: str, n: int, result: Any) -> None:
 def gpu_chaos_producer(name: str, ready: Any) -> None:
     """A light GPU producer (no torch: fast restarts): host content copied into reserved slots."""
     from cudalink.cuda import driver
-    from tests import _chaos
 
-    with cudalink.Sender(name, shape=_chaos.SHAPE, dtype="uint8", slots=4, device=0) as tx:
+    with cudalink.Sender(name, shape=CHAOS_SHAPE, dtype="uint8", slots=4, device=0) as tx:
         ready.set()
         while True:
-            arr = _chaos.content(tx.generation, tx.seq + 1)
-            with tx.reserve(meta=_chaos.checksum(arr)) as f:
+            arr = content(tx.generation, tx.seq + 1)
+            with tx.reserve(meta=checksum(arr)) as f:
                 driver.memcpy_htod(f.ptr, arr.ctypes.data, arr.nbytes, driver.stream_handle(tx.stream))
 
 
@@ -231,7 +214,7 @@ def gpu_producer_then_close(name: str, shape: tuple[int, ...], handles: str, rea
     tx = cudalink.Sender(name, shape=shape, dtype="uint8", slots=2, device=0, handles=handles)
     ready.set()
     wait_consumers(tx, 1)
-    tx.send(torch_pattern(torch, 1, shape, "uint8"))
+    tx.send(pattern(1, shape, "uint8", torch))
     torch.cuda.synchronize()
     taken.wait(60)
     tx.close()

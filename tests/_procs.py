@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from typing import Any
 
 import numpy as np
 
 import cudalink
 
-
-def pattern(seq: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """A frame whose every byte depends on its seq, so a torn or stale frame cannot pass."""
-    n = int(np.prod(shape))
-    base = (np.arange(n, dtype=np.uint64) * 2654435761 + seq * 40503) % 251
-    return base.astype(dtype).reshape(shape)
-
-
-def stamp(arr: np.ndarray, seq: int) -> bytes:
-    return zlib.crc32(arr.tobytes()).to_bytes(4, "little") + seq.to_bytes(8, "little")
+from ._content import pattern, stamp
 
 
 def host_producer(

@@ -1,4 +1,4 @@
-"""Shared fixtures: unique link names, the GPU gate, and spawn-only process helpers."""
+"""Shared fixtures: unique link names, a sender/receiver pair, spawned processes, and the GPU gate."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import functools
 import itertools
 import multiprocessing as mp
 import os
+import signal
+import time
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
 
 import pytest
 
@@ -17,6 +21,9 @@ from cudalink.transport.base import Transport
 
 #: what the ``pair`` fixture returns: ``pair(transport=None, rx=None, **sender_kw) -> (tx, rx)``
 PairFactory = Callable[..., tuple[cudalink.Sender, cudalink.Receiver]]
+
+#: ``pair("default", ...)``: both ends on the library's default transport (shared memory), as an application gets
+DEFAULT: Literal["default"] = "default"
 
 _counter = itertools.count()
 
@@ -33,23 +40,99 @@ def pair(name: str) -> Iterator[PairFactory]:
 
     ``pair(shape=(4,), dtype="uint8", slots=2, rx={"latest": False})``: Sender keywords as given (shape
     (4, 4) uint16 by default), Receiver keywords in ``rx`` (a 2 s timeout by default), and the
-    in-process transport unless ``transport=`` names another.
+    in-process transport unless ``transport=`` names another (:data:`DEFAULT`: the library's own default,
+    shared memory). The Receiver is made right after the Sender; closing either early is fine.
     """
     made: list[Any] = []
 
-    def make(transport: Transport | None = None, rx: dict[str, Any] | None = None, **kw: Any) -> Any:
-        tr = transport if transport is not None else MemoryTransport()
+    def make(
+        transport: Transport | Literal["default"] | None = None, rx: dict[str, Any] | None = None, **kw: Any
+    ) -> Any:
+        tr: dict[str, Any] = {}
+        if transport != DEFAULT:
+            tr["transport"] = transport if transport is not None else MemoryTransport()
         kw.setdefault("shape", (4, 4))
         kw.setdefault("dtype", "uint16")
-        tx = cudalink.Sender(name, transport=tr, **kw)
+        tx = cudalink.Sender(name, **tr, **kw)
         made.append(tx)
-        r = cudalink.Receiver(name, transport=tr, **{"timeout": 2.0, **(rx or {})})
+        r = cudalink.Receiver(name, **tr, **{"timeout": 2.0, **(rx or {})})
         made.append(r)
         return tx, r
 
     yield make
     for obj in reversed(made):
         obj.close()
+
+
+class Spawned:
+    """Processes started for one test: spawned (never forked), tracked, and none outlives the test.
+
+    ``spawned(fn, *args, **kwargs)`` starts ``fn`` in a daemon process and returns it;
+    ``spawned.ready(fn, *args, **kwargs)`` also passes ``ready=`` (an Event) and returns once the child set
+    it, failing at once if the child died first. ``forever=True`` marks a process that never ends by
+    itself: teardown kills it at once, where it gives the others ``grace_s`` in all to finish first.
+    Teardown kills (SIGKILL) whatever is still alive and warns about the ones that were not ``forever``.
+    """
+
+    def __init__(self, ctx: mp.context.SpawnContext, grace_s: float = 15.0) -> None:
+        self.ctx = ctx
+        self.grace_s = grace_s
+        self._procs: list[tuple[BaseProcess, bool]] = []
+
+    def __call__(self, target: Callable[..., Any], *args: Any, forever: bool = False, **kwargs: Any) -> BaseProcess:
+        p = self.ctx.Process(target=target, args=args, kwargs=kwargs, name=target.__name__, daemon=True)
+        p.start()
+        self._procs.append((p, forever))
+        return p
+
+    def ready(
+        self, target: Callable[..., Any], *args: Any, forever: bool = False, timeout: float = 60.0, **kwargs: Any
+    ) -> BaseProcess:
+        """Start ``target(*args, ready=Event, **kwargs)`` and wait until it sets ``ready``."""
+        ready = self.ctx.Event()
+        p = self(target, *args, forever=forever, ready=ready, **kwargs)
+        end = time.monotonic() + timeout
+        while not ready.wait(0.1):
+            if not p.is_alive() and not ready.is_set():
+                pytest.fail(f"{target.__name__} exited with code {p.exitcode} before it was ready")
+            if time.monotonic() > end:
+                pytest.fail(f"{target.__name__} was not ready within {timeout} s")
+        return p
+
+    def event(self) -> Any:
+        return self.ctx.Event()
+
+    def queue(self) -> Any:
+        return self.ctx.Queue()
+
+    def kill(self, p: BaseProcess, timeout: float = 10.0) -> None:
+        """SIGKILL ``p`` (no cleanup runs in it) and reap it."""
+        if p.pid is not None and p.exitcode is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(timeout)
+
+    def close(self) -> None:
+        end = time.monotonic() + self.grace_s
+        for p, forever in self._procs:
+            if not forever:
+                p.join(max(0.0, end - time.monotonic()))
+        for p, forever in self._procs:
+            if p.is_alive():
+                if not forever:
+                    warnings.warn(f"{p.name} still ran when its test ended: killed", stacklevel=1)
+                p.kill()
+                p.join(10)
+        self._procs.clear()
+
+
+@pytest.fixture
+def spawned(ctx: mp.context.SpawnContext) -> Iterator[Spawned]:
+    """Start processes for this test (spawn only); teardown joins them briefly and kills what is left."""
+    procs = Spawned(ctx)
+    try:
+        yield procs
+    finally:
+        procs.close()
 
 
 @functools.lru_cache(maxsize=1)

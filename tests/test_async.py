@@ -7,26 +7,21 @@ import gc
 import os
 import signal
 import time
-from typing import Any
 
 import numpy as np
 import pytest
 
 import cudalink
 from cudalink.tools.monitor import read_snapshot
-from cudalink.transport import MemoryTransport
 
 from . import _async_procs as ap
+from .conftest import PairFactory, Spawned
 
 
-def test_async_for_gets_every_frame_in_order_across_processes(ctx: Any, name: str, control: str) -> None:
-    ready, start, result = ctx.Event(), ctx.Event(), ctx.Queue()
-    prod = ctx.Process(target=ap.paced_producer, args=(name, 200, 0.002, ready, start))
-    prod.start()
-    assert ready.wait(30)
-    cons = [ctx.Process(target=ap.async_consumer, args=(name, result, 3)) for _ in range(2)]
-    for c in cons:
-        c.start()
+def test_async_for_gets_every_frame_in_order_across_processes(spawned: Spawned, name: str, control: str) -> None:
+    start, result = spawned.event(), spawned.queue()
+    spawned.ready(ap.paced_producer, name, 200, 0.002, start=start)
+    cons = [spawned(ap.async_consumer, name, result, 3) for _ in range(2)]
     end = time.monotonic() + 30
     while time.monotonic() < end:  # all 6 async consumers joined, as a monitor sees it (read-only)
         if len(read_snapshot(name).consumers) >= 6:
@@ -34,21 +29,17 @@ def test_async_for_gets_every_frame_in_order_across_processes(ctx: Any, name: st
         time.sleep(0.02)
     start.set()
     outs = [result.get(timeout=60) for _ in cons]
-    prod.join(30)
     for _pid, lists in outs:
         assert len(lists) == 3
         for got in lists:
             assert got == list(range(1, 201)), got[:10]
 
 
-def test_cancelled_wait_loses_nothing_and_leaks_no_lease(name: str) -> None:
-    tr = MemoryTransport()
+def test_cancelled_wait_loses_nothing_and_leaks_no_lease(pair: PairFactory) -> None:
+    tx, rx = pair(shape=(2,), dtype="int32", slots=2, rx={"latest": False})
 
     async def main() -> None:
-        with (
-            cudalink.Sender(name, shape=(2,), dtype="int32", slots=2, transport=tr) as tx,
-            cudalink.Receiver(name, transport=tr, latest=False) as rx,
-        ):
+        with tx, rx:
             for _ in range(20):
                 task = asyncio.create_task(rx.recv_async(timeout=5))
                 await asyncio.sleep(0.001)
@@ -70,15 +61,12 @@ def test_cancelled_wait_loses_nothing_and_leaks_no_lease(name: str) -> None:
     asyncio.run(main())
 
 
-def test_cancel_races_with_a_publish(name: str) -> None:
+def test_cancel_races_with_a_publish(pair: PairFactory) -> None:
     """Cancel at the moment a frame lands: the frame is delivered by the next call, never lost."""
-    tr = MemoryTransport()
+    tx, rx = pair(shape=(1,), dtype="int64", slots=4, rx={"latest": False})
 
     async def main() -> None:
-        with (
-            cudalink.Sender(name, shape=(1,), dtype="int64", slots=4, transport=tr) as tx,
-            cudalink.Receiver(name, transport=tr, latest=False) as rx,
-        ):
+        with tx, rx:
             seen = []
             for i in range(1, 51):
                 task = asyncio.create_task(rx.recv_async(timeout=5))
@@ -98,11 +86,8 @@ def test_cancel_races_with_a_publish(name: str) -> None:
     asyncio.run(main())
 
 
-def test_producer_gone_surfaces_inside_the_loop(ctx: Any, name: str, control: str) -> None:
-    ready, stop = ctx.Event(), ctx.Event()
-    prod = ctx.Process(target=ap.idle_producer, args=(name, ready, stop))
-    prod.start()
-    assert ready.wait(30)
+def test_producer_gone_surfaces_inside_the_loop(spawned: Spawned, name: str, control: str) -> None:
+    prod = spawned.ready(ap.idle_producer, name, stop=spawned.event(), forever=True)  # killed below
 
     async def main() -> float:
         with cudalink.Receiver(name, timeout=5) as rx:
@@ -119,12 +104,10 @@ def test_producer_gone_surfaces_inside_the_loop(ctx: Any, name: str, control: st
     assert took < 1.0
 
 
-def test_async_for_ends_when_the_producer_closes(name: str) -> None:
-    tr = MemoryTransport()
+def test_async_for_ends_when_the_producer_closes(pair: PairFactory) -> None:
+    tx, rx = pair(shape=(1,), dtype="int8", rx={"latest": False, "timeout": 5.0})  # `async for` waits up to rx.timeout
 
     async def main() -> list[int]:
-        tx = cudalink.Sender(name, shape=(1,), dtype="int8", transport=tr)
-        rx = cudalink.Receiver(name, transport=tr, latest=False)
         got = []
 
         async def produce() -> None:
@@ -138,40 +121,31 @@ def test_async_for_ends_when_the_producer_closes(name: str) -> None:
             got.append(int(np.from_dlpack(frame)[0]))
             frame.release()
         await prod
-        rx.close()
         return got
 
     assert asyncio.run(main()) == [0, 1, 2, 3, 4]
 
 
 def test_idle_async_consumer_uses_almost_no_cpu(
-    ctx: Any, name: str, control: str, monkeypatch: pytest.MonkeyPatch
+    spawned: Spawned, name: str, control: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # numpy's OpenBLAS starts a worker thread at import that spins (yielding) for a while before it
     # sleeps: 0.02-0.06 s of this process's CPU in the window, none of it ours (0.0006 s without it)
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ready, stop, result = ctx.Event(), ctx.Event(), ctx.Queue()
-    prod = ctx.Process(target=ap.idle_producer, args=(name, ready, stop))
-    prod.start()
-    assert ready.wait(30)
-    cons = ctx.Process(target=ap.idle_cpu, args=(name, result, 2.0))
-    cons.start()
+    stop, result = spawned.event(), spawned.queue()
+    spawned.ready(ap.idle_producer, name, stop=stop)
+    spawned(ap.idle_cpu, name, result, 2.0)
     cpu = result.get(timeout=30)
     stop.set()
-    cons.join(10)
-    prod.join(10)
     assert cpu < 0.05, f"an idle async consumer burned {cpu:.3f} s of CPU in 2 s"
 
 
-def test_blocking_recv_is_a_kernel_wait_too(name: str) -> None:
+def test_blocking_recv_is_a_kernel_wait_too(pair: PairFactory) -> None:
     import resource
 
-    tr = MemoryTransport()
-    with (
-        cudalink.Sender(name, shape=(1,), transport=tr),
-        cudalink.Receiver(name, transport=tr, wait="hybrid") as rx,
-    ):
+    tx, rx = pair(shape=(1,), dtype="uint8", rx={"wait": "hybrid"})
+    with tx, rx:
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         with pytest.raises(cudalink.LinkTimeout):
             rx.recv(timeout=1.0)
@@ -181,12 +155,9 @@ def test_blocking_recv_is_a_kernel_wait_too(name: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["spin", "block", "hybrid"])
-def test_every_wait_mode_delivers(name: str, mode: str) -> None:
-    tr = MemoryTransport()
-    with (
-        cudalink.Sender(name, shape=(1,), transport=tr) as tx,
-        cudalink.Receiver(name, transport=tr, wait=mode) as rx,
-    ):  # type: ignore[arg-type]
+def test_every_wait_mode_delivers(name: str, pair: PairFactory, mode: str) -> None:
+    tx, rx = pair(shape=(1,), dtype="uint8", rx={"wait": mode})
+    with tx, rx:
         import threading
 
         threading.Timer(0.05, lambda: tx.send(np.array([9], np.uint8))).start()
@@ -195,29 +166,23 @@ def test_every_wait_mode_delivers(name: str, mode: str) -> None:
         cudalink.Receiver(name, wait="poll", connect=False)  # type: ignore[arg-type]
 
 
-def test_uvloop_if_available(name: str) -> None:
+def test_uvloop_if_available(pair: PairFactory) -> None:
     uvloop = pytest.importorskip("uvloop")
-    tr = MemoryTransport()
+    tx, rx = pair(shape=(1,), dtype="int16")
 
     async def main() -> int:
-        with (
-            cudalink.Sender(name, shape=(1,), dtype="int16", transport=tr) as tx,
-            cudalink.Receiver(name, transport=tr) as rx,
-        ):
+        with tx, rx:
             asyncio.get_running_loop().call_later(0.02, tx.send, np.array([7], np.int16))
             return int(np.from_dlpack(await rx.recv_async(timeout=2))[0])
 
     assert uvloop.run(main()) == 7
 
 
-def test_send_async_waits_without_blocking_the_loop(name: str) -> None:
-    tr = MemoryTransport()
+def test_send_async_waits_without_blocking_the_loop(pair: PairFactory) -> None:
+    tx, rx = pair(shape=(1,), dtype="uint8", slots=1, policy="block", timeout=2)
 
     async def main() -> None:
-        with (
-            cudalink.Sender(name, shape=(1,), slots=1, policy="block", timeout=2, transport=tr) as tx,
-            cudalink.Receiver(name, transport=tr) as rx,
-        ):
+        with tx, rx:
             await tx.send_async(np.array([1], np.uint8))
             held = await rx.recv_async(timeout=1)
             ticks = 0
@@ -237,14 +202,13 @@ def test_send_async_waits_without_blocking_the_loop(name: str) -> None:
     asyncio.run(main())
 
 
-def test_fileno_users_are_woken_for_every_frame(name: str) -> None:
+def test_fileno_users_are_woken_for_every_frame(pair: PairFactory) -> None:
     """An external event loop selecting on fileno() must be woken, though it never blocks inside recv."""
     import select
     import threading
 
-    tr = MemoryTransport()
-    with cudalink.Sender(name, shape=(1,), dtype="int32", transport=tr) as tx, \
-            cudalink.Receiver(name, transport=tr) as rx:  # fmt: skip
+    tx, rx = pair(shape=(1,), dtype="int32")
+    with tx, rx:
         fd = rx.fileno()
         got = []
         for i in range(1, 6):

@@ -26,6 +26,7 @@ from cudalink.transport.shm import SharedMemoryTransport, header_segment
 
 from . import _async_procs as ap
 from . import _procs
+from .conftest import DEFAULT, PairFactory, Spawned
 
 
 @pytest.fixture
@@ -101,36 +102,28 @@ def test_garbage_before_admission_does_not_hurt_the_producer(name: str) -> None:
 
 
 def test_consumers_find_either_channel_without_configuration(
-    ctx: Any, name: str, monkeypatch: pytest.MonkeyPatch
+    spawned: Spawned, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A TCP producer (as on Windows) and a consumer whose own default would be the Unix socket."""
     monkeypatch.setenv("CUDALINK_CONTROL", "tcp")
-    ready, go, result = ctx.Event(), ctx.Event(), ctx.Queue()
-    prod = ctx.Process(target=_procs.host_producer, args=(name, 200, (16,), "int32", 4, ready, go, 0.0005))
-    prod.start()
+    go, result = spawned.event(), spawned.queue()
+    spawned.ready(_procs.host_producer, name, 200, (16,), "int32", 4, go=go, every=0.0005)
     monkeypatch.setenv("CUDALINK_CONTROL", "unix")
-    try:
-        assert ready.wait(30)
-        found = find(name)
-        assert found is not None and found.kind == "tcp"
-        cons = ctx.Process(target=_procs.host_consumer, args=(name, 200, result, 0.0, False))
-        cons.start()
-        time.sleep(0.5)
-        go.set()
-        _pid, got, mismatches, tail, _skipped, ordered = result.get(timeout=60)
-        cons.join(30)
-        assert got > 0 and mismatches == 0 and ordered, (got, mismatches, tail)
-    finally:
-        prod.join(30)
-        if prod.is_alive():
-            prod.kill()
+    found = find(name)
+    assert found is not None and found.kind == "tcp"
+    spawned(_procs.host_consumer, name, 200, result, 0.0, False)
+    time.sleep(0.5)
+    go.set()
+    _pid, got, mismatches, tail, _skipped, ordered = result.get(timeout=60)
+    assert got > 0 and mismatches == 0 and ordered, (got, mismatches, tail)
 
 
 @pytest.mark.usefixtures("tcp")
-def test_a_restart_gets_fresh_segment_names_while_an_old_consumer_still_maps_the_old_ones(name: str) -> None:
+def test_a_restart_gets_fresh_segment_names_while_an_old_consumer_still_maps_the_old_ones(
+    name: str, pair: PairFactory
+) -> None:
     """Windows keeps a mapped segment alive after the producer goes, so a restart must not reuse its name."""
-    tx = cudalink.Sender(name, shape=(4,))
-    rx = cudalink.Receiver(name, timeout=2)
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8")
     tx.send(np.zeros(4, np.uint8))
     held = rx.recv(1)
     old = header_segment(name)
@@ -151,20 +144,16 @@ def test_a_restart_gets_fresh_segment_names_while_an_old_consumer_still_maps_the
 
 
 @pytest.mark.usefixtures("tcp")
-def test_a_dead_producers_rendezvous_is_not_served_and_is_replaced(ctx: Any, name: str) -> None:
-    import signal
-
-    ready = ctx.Event()
-    prod = ctx.Process(target=_procs.host_producer_forever, args=(name, (4,), "int32", ready))
-    prod.start()
-    assert ready.wait(30)
-    os.kill(prod.pid, signal.SIGKILL)
-    prod.join(10)
+def test_a_dead_producers_rendezvous_is_not_served_and_is_replaced(
+    spawned: Spawned, name: str, pair: PairFactory
+) -> None:
+    spawned.kill(spawned.ready(_procs.host_producer_forever, name, (4,), "int32", forever=True))
     assert os.path.exists(LoopbackChannel.record_path(name))  # leftovers...
     assert find(name) is None  # ...that no consumer attaches to
     with pytest.raises(cudalink.LinkTimeout):
         cudalink.Receiver(name, timeout=0.3)
-    with cudalink.Sender(name, shape=(4,), dtype="int32") as tx, cudalink.Receiver(name, timeout=2) as rx:
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="int32")
+    with tx, rx:
         assert rx.generation == tx.generation
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(_platform.segment_name(name))]
 
@@ -221,33 +210,27 @@ def _run(coro: Any) -> Any:
 
 
 @pytest.mark.usefixtures("tcp")
-def test_async_without_add_reader_gets_every_frame_across_processes(ctx: Any, name: str) -> None:
-    ready, start = ctx.Event(), ctx.Event()
-    prod = ctx.Process(target=ap.paced_producer, args=(name, 100, 0.002, ready, start))
-    prod.start()
-    try:
-        assert ready.wait(30)
+def test_async_without_add_reader_gets_every_frame_across_processes(spawned: Spawned, name: str) -> None:
+    start = spawned.event()
+    spawned.ready(ap.paced_producer, name, 100, 0.002, start=start)
 
-        async def consume() -> list[int]:
-            seqs: list[int] = []
-            rx = cudalink.Receiver(name, timeout=5, latest=False)
-            start.set()
-            async for frame in rx:
-                seqs.append(frame.seq)
-                frame.release()
-            rx.close()
-            return seqs
+    async def consume() -> list[int]:
+        seqs: list[int] = []
+        rx = cudalink.Receiver(name, timeout=5, latest=False)
+        start.set()
+        async for frame in rx:
+            seqs.append(frame.seq)
+            frame.release()
+        rx.close()
+        return seqs
 
-        seqs = _run(consume())
-        assert seqs == list(range(1, 101))
-    finally:
-        prod.join(30)
+    seqs = _run(consume())
+    assert seqs == list(range(1, 101))
 
 
 @pytest.mark.usefixtures("tcp")
-def test_async_without_add_reader_cancels_cleanly_and_sees_producer_death(name: str) -> None:
-    tx = cudalink.Sender(name, shape=(4,))
-    rx = cudalink.Receiver(name, timeout=5)
+def test_async_without_add_reader_cancels_cleanly_and_sees_producer_death(pair: PairFactory) -> None:
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"timeout": 5})  # recv_async() waits up to 5 s
 
     async def go() -> None:
         task = asyncio.ensure_future(rx.recv_async())
@@ -265,21 +248,14 @@ def test_async_without_add_reader_cancels_cleanly_and_sees_producer_death(name: 
         with pytest.raises(cudalink.ProducerGone):
             await asyncio.wait_for(waiter, 2)
 
-    try:
-        _run(go())
-    finally:
-        rx.close()
-        tx.close()
+    _run(go())
 
 
 @pytest.mark.usefixtures("tcp")
-def test_async_without_add_reader_sees_a_killed_producer_at_once(ctx: Any, name: str) -> None:
+def test_async_without_add_reader_sees_a_killed_producer_at_once(spawned: Spawned, name: str) -> None:
     import signal
 
-    ready, stop = ctx.Event(), ctx.Event()
-    prod = ctx.Process(target=ap.idle_producer, args=(name, ready, stop))
-    prod.start()
-    assert ready.wait(30)
+    prod = spawned.ready(ap.idle_producer, name, stop=spawned.event(), forever=True)  # killed below
     rx = cudalink.Receiver(name, timeout=30)
 
     async def go() -> float:
@@ -297,7 +273,6 @@ def test_async_without_add_reader_sees_a_killed_producer_at_once(ctx: Any, name:
         assert _run(go()) < 2.0  # EOF, not the 30 s receive timeout
     finally:
         rx.close()
-        prod.join(10)
 
 
 @pytest.mark.usefixtures("tcp")

@@ -20,6 +20,8 @@ import cudalink
 from cudalink.cuda import devices
 from cudalink.tools import demo, measure
 
+from .conftest import DEFAULT, PairFactory
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -148,10 +150,10 @@ def test_monitor_once_is_read_only(control: str) -> None:
     assert "consumers (0 joined)" in proc.stdout
 
 
-def test_monitor_shows_consumers_and_leases() -> None:
-    name = f"clitest-lease-{os.getpid()}"
-    layout = None
-    with cudalink.Sender(name, shape=(8, 8), dtype="float32") as tx, cudalink.Receiver(name) as rx:
+def test_monitor_shows_consumers_and_leases(pair: PairFactory) -> None:
+    tx, rx = pair(DEFAULT, shape=(8, 8), dtype="float32", rx={"timeout": 5.0})  # recv() waits up to 5 s
+    name = tx.name
+    with tx, rx:
         tx.send(np.zeros((8, 8), np.float32))
         frame = rx.recv()  # held: its slot stays leased
         for _ in range(3):

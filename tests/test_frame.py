@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 import cudalink
 from cudalink.frames import SUPPORTED_DTYPES, Frame, FrameSpec, PixelFormat, RowOrigin
 
+from .conftest import PairFactory
+
 shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple)
 
 
@@ -114,12 +116,9 @@ def test_dlpack_arguments_follow_the_rules() -> None:
     assert "dltensor" in repr(legacy)
 
 
-def test_received_host_frames_are_read_only_and_reserved_ones_writable() -> None:
-    tr = cudalink.transport.MemoryTransport()
-    with (
-        cudalink.Sender("ro", shape=(3,), dtype="int32", transport=tr) as tx,
-        cudalink.Receiver("ro", transport=tr) as rx,
-    ):
+def test_received_host_frames_are_read_only_and_reserved_ones_writable(pair: PairFactory) -> None:
+    tx, rx = pair(shape=(3,), dtype="int32")
+    with tx, rx:
         with tx.reserve() as w:
             np.from_dlpack(w)[...] = [1, 2, 3]
         frame = rx.recv(1)

@@ -16,7 +16,9 @@ import pytest
 import cudalink
 from cudalink.frames.frame import Frame
 
+from . import _content
 from . import _gpu_procs as gp
+from .conftest import DEFAULT, PairFactory, Spawned
 
 pytestmark = pytest.mark.gpu
 
@@ -103,26 +105,18 @@ def test_no_gpu_message_names_cpu_backend() -> None:
 
 # ============================================================================== across processes
 
-
-def _run(ctx: Any, target: Any, *args: Any) -> Any:
-    p = ctx.Process(target=target, args=args)
-    p.start()
-    return p
-
-
 # pool and legacy handles over the Unix socket, and what Windows runs: "auto" handles over loopback TCP (legacy)
 HANDLES_AND_CONTROL = [("pool", "unix"), ("legacy", "unix"), ("auto", "tcp")]
 
 
 @pytest.mark.parametrize(("handles", "control"), HANDLES_AND_CONTROL)
 def test_ipc_every_consumer_framework_and_a_slow_consumer(
-    ctx: Any, name: str, handles: str, control: str, monkeypatch: pytest.MonkeyPatch
+    spawned: Spawned, name: str, handles: str, control: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """20,000 distinct frames; torch, cupy, jax and a slow torch consumer verify what they get on the device."""
     monkeypatch.setenv("CUDALINK_CONTROL", control)
-    ready, result = ctx.Event(), ctx.Queue()
-    prod = _run(
-        ctx,
+    result = spawned.queue()
+    prod = spawned.ready(
         gp.gpu_producer,
         name,
         20_000,
@@ -130,23 +124,19 @@ def test_ipc_every_consumer_framework_and_a_slow_consumer(
         "uint8",
         4,
         "send",
-        ready,
-        handles,
-        0.0008,
-        "block",
-        4,
+        handles=handles,
+        every=0.0008,
+        policy="block",
+        consumers=4,
     )
-    assert ready.wait(60)
     consumers = [
-        _run(ctx, gp.gpu_consumer, name, "torch", result, False, False),
-        _run(ctx, gp.gpu_consumer, name, "cupy", result, False, False),
-        _run(ctx, gp.gpu_consumer, name, "jax", result, False, True),
-        _run(ctx, gp.gpu_consumer, name, "torch", result, True, False),
+        spawned(gp.gpu_consumer, name, "torch", result, False, False),
+        spawned(gp.gpu_consumer, name, "cupy", result, False, False),
+        spawned(gp.gpu_consumer, name, "jax", result, False, True),
+        spawned(gp.gpu_consumer, name, "torch", result, True, False),
     ]
     outs = [result.get(timeout=240) for _ in consumers]
     prod.join(60)
-    for p in consumers:
-        p.join(30)
     for fw, got, mism, err in outs:
         assert mism == 0, (fw, got, mism, err)
         assert got > 0, (fw, err)
@@ -159,31 +149,22 @@ def test_ipc_every_consumer_framework_and_a_slow_consumer(
 @pytest.mark.parametrize("mode", ["send", "reserve"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "uint8", "uint16"])
 @pytest.mark.parametrize("shape", [(1080, 1920, 4), (2160, 3840, 4)])
-def test_ipc_modes_dtypes_and_sizes(ctx: Any, name: str, mode: str, dtype: str, shape: tuple[int, ...]) -> None:
-    ready, result = ctx.Event(), ctx.Queue()
-    prod = _run(ctx, gp.gpu_producer, name, 40, shape, dtype, 3, mode, ready, "auto", 0.002, "block", 1)
-    assert ready.wait(60)
-    cons = _run(ctx, gp.gpu_consumer, name, "torch", result, False, False)
+def test_ipc_modes_dtypes_and_sizes(spawned: Spawned, name: str, mode: str, dtype: str, shape: tuple[int, ...]) -> None:
+    result = spawned.queue()
+    spawned.ready(gp.gpu_producer, name, 40, shape, dtype, 3, mode, handles="auto", every=0.002, policy="block")
+    spawned(gp.gpu_consumer, name, "torch", result, False, False)
     _fw, got, mism, err = result.get(timeout=120)
-    prod.join(60)
-    cons.join(30)
     assert mism == 0 and got > 0, (got, mism, err)
 
 
 @pytest.mark.parametrize(("handles", "control"), HANDLES_AND_CONTROL)
 def test_producer_kill_restart_and_consumer_kill(
-    ctx: Any, name: str, handles: str, control: str, monkeypatch: pytest.MonkeyPatch
+    spawned: Spawned, name: str, handles: str, control: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CUDALINK_CONTROL", control)
-    ready = ctx.Event()
-    prod = _run(ctx, gp.gpu_producer_forever, name, (32, 32, 4), ready, handles)
-    assert ready.wait(60)
+    prod = spawned.ready(gp.gpu_producer_forever, name, (32, 32, 4), handles=handles, forever=True)
     # a consumer that dies holding a lease (and a torch tensor) must not stall the producer
-    held = ctx.Event()
-    victim = _run(ctx, gp.gpu_hold_forever, name, held)
-    assert held.wait(60)
-    os.kill(victim.pid, signal.SIGKILL)
-    victim.join(10)
+    spawned.kill(spawned.ready(gp.gpu_hold_forever, name, forever=True))
     with cudalink.Receiver(name, timeout=20.0) as rx:
         assert rx.backend == ("cuda-pool" if handles == "pool" else "cuda-legacy")
         first = rx.recv(timeout=5.0).seq
@@ -196,23 +177,19 @@ def test_producer_kill_restart_and_consumer_kill(
                 rx.recv(timeout=5.0).release()
         assert time.monotonic() - t0 < 1.0
     prod.join(10)
-    ready.clear()
-    prod2 = _run(ctx, gp.gpu_producer_forever, name, (32, 32, 4), ready, handles)
-    try:
-        assert ready.wait(60)
-        with cudalink.Receiver(name, timeout=20.0) as rx2:
-            f = rx2.recv(timeout=5.0)
-            assert f.seq >= 1 and f.generation == rx2.generation
-            torch = _torch()
-            exp = gp.torch_pattern(torch, f.seq, (32, 32, 4), "uint8")
-            assert torch.equal(torch.from_dlpack(f), exp)
-    finally:
-        os.kill(prod2.pid, signal.SIGKILL)
-        prod2.join(10)
+    spawned.ready(gp.gpu_producer_forever, name, (32, 32, 4), handles=handles, forever=True)
+    with cudalink.Receiver(name, timeout=20.0) as rx2:
+        f = rx2.recv(timeout=5.0)
+        assert f.seq >= 1 and f.generation == rx2.generation
+        torch = _torch()
+        exp = _content.pattern(f.seq, (32, 32, 4), "uint8", torch)
+        assert torch.equal(torch.from_dlpack(f), exp)
 
 
 @pytest.mark.parametrize("handles", ["pool", "legacy"])
-def test_a_closing_producer_never_frees_a_slot_the_consumer_still_reads(ctx: Any, name: str, handles: str) -> None:
+def test_a_closing_producer_never_frees_a_slot_the_consumer_still_reads(
+    spawned: Spawned, name: str, handles: str
+) -> None:
     """The consumer releases a frame CPU-side with ~100 ms of GPU reads still queued; the producer closes at once.
 
     The consumer's reads must still see the frame: it unmaps (and lets the producer free) only after its
@@ -220,48 +197,40 @@ def test_a_closing_producer_never_frees_a_slot_the_consumer_still_reads(ctx: Any
     """
     torch = _torch()
     shape = (256, 256, 4)
-    ready, taken = ctx.Event(), ctx.Event()
-    prod = _run(ctx, gp.gpu_producer_then_close, name, shape, handles, ready, taken)
-    try:
-        assert ready.wait(60)
-        with cudalink.Receiver(name, timeout=30.0) as rx:
-            s = torch.cuda.Stream()
-            with torch.cuda.stream(s):
-                frame = rx.recv(timeout=30.0)
-                t = torch.from_dlpack(frame)
-                torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time before the slot is read
-                copy = t.clone()
-                del t
-                frame.release()
-                taken.set()
-                with pytest.raises(cudalink.ProducerGone):
-                    rx.recv(timeout=30.0)
-            s.synchronize()
-        assert torch.equal(copy, gp.torch_pattern(torch, 1, shape, "uint8"))
-    finally:
-        prod.join(60)
+    taken = spawned.event()
+    prod = spawned.ready(gp.gpu_producer_then_close, name, shape, handles, taken=taken)
+    with cudalink.Receiver(name, timeout=30.0) as rx:
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            frame = rx.recv(timeout=30.0)
+            t = torch.from_dlpack(frame)
+            torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time before the slot is read
+            copy = t.clone()
+            del t
+            frame.release()
+            taken.set()
+            with pytest.raises(cudalink.ProducerGone):
+                rx.recv(timeout=30.0)
+        s.synchronize()
+    assert torch.equal(copy, _content.pattern(1, shape, "uint8", torch))
+    prod.join(60)
     assert prod.exitcode == 0
 
 
-def test_gpu_memory_and_fds_flat_over_attach_cycles(ctx: Any, name: str) -> None:
-    ready, result = ctx.Event(), ctx.Queue()
-    prod = _run(ctx, gp.gpu_producer_forever, name, (256, 256, 4), ready, "auto")
-    try:
-        assert ready.wait(60)
-        cyc = _run(ctx, gp.gpu_attach_cycle, name, 40, result)
-        f0, f1, m0, m1, err = result.get(timeout=240)
-        cyc.join(30)
-        assert not err, err
-        assert f1 == f0, f"fd count grew {f0} -> {f1}"
-        assert abs(m1 - m0) <= 4 << 20, f"free GPU memory moved {m0} -> {m1}"
-    finally:
-        os.kill(prod.pid, signal.SIGKILL)
-        prod.join(10)
+def test_gpu_memory_and_fds_flat_over_attach_cycles(spawned: Spawned, name: str) -> None:
+    result = spawned.queue()
+    spawned.ready(gp.gpu_producer_forever, name, (256, 256, 4), handles="auto", forever=True)
+    spawned(gp.gpu_attach_cycle, name, 40, result)
+    f0, f1, m0, m1, err = result.get(timeout=240)
+    assert not err, err
+    assert f1 == f0, f"fd count grew {f0} -> {f1}"
+    assert abs(m1 - m0) <= 4 << 20, f"free GPU memory moved {m0} -> {m1}"
 
 
-def test_in_process_cuda_link_roundtrip(name: str) -> None:
+def test_in_process_cuda_link_roundtrip(pair: PairFactory) -> None:
     torch = _torch()
-    with cudalink.Sender(name, shape=(8, 8), dtype="float32", device=0) as tx, cudalink.Receiver(name) as rx:
+    tx, rx = pair(DEFAULT, shape=(8, 8), dtype="float32", device=0, rx={"timeout": 5.0})
+    with tx, rx:
         x = torch.randn(8, 8, device="cuda")
         tx.send(x)
         with rx.recv(timeout=5) as f:
@@ -275,27 +244,22 @@ def test_in_process_cuda_link_roundtrip(name: str) -> None:
         assert torch.equal(torch.from_dlpack(rx.recv(timeout=5)), x * 2)
 
 
-def _gpu_chaos(ctx: Any, name: str, cycles: int) -> dict[str, float]:
-    from . import _chaos
-
+def _gpu_chaos(spawned: Spawned, name: str, cycles: int) -> dict[str, float]:
     rx = cudalink.Receiver(name, connect=False, timeout=60)
     gone: list[float] = []
     gens: set[int] = set()
     frames = 0
     try:
         for i in range(cycles):
-            ready = ctx.Event()
-            prod = _run(ctx, gp.gpu_chaos_producer, name, ready)
-            assert ready.wait(60)
+            prod = spawned.ready(gp.gpu_chaos_producer, name, forever=True)
             f = rx.recv(timeout=60)
             assert rx.generation not in gens
             gens.add(rx.generation)
             stop_at = time.monotonic() + (i % 7) * 0.005  # kill at varied points of the producer's loop
             while True:
-                arr = f.to_numpy()  # waits on the frame's ready event, then copies
-                head = arr.reshape(-1)[:16].tobytes()
-                assert _chaos.checksum(arr) == f.meta, f"torn frame {f.seq}"
-                assert int.from_bytes(head[:8], "little") == rx.generation == f.generation, "foreign frame"
+                # the CPU suite's check, on a host copy (to_numpy waits on the frame's ready event)
+                problem = _content.verify(f, rx.generation)
+                assert problem is None, problem
                 f.release()
                 frames += 1
                 if time.monotonic() >= stop_at:
@@ -313,28 +277,29 @@ def _gpu_chaos(ctx: Any, name: str, cycles: int) -> dict[str, float]:
     return {"cycles": cycles, "frames": frames, "max_gone_s": max(gone)}
 
 
-def test_gpu_kill_restart_chaos(ctx: Any, name: str) -> None:
-    stats = _gpu_chaos(ctx, name, 5)
+def test_gpu_kill_restart_chaos(spawned: Spawned, name: str) -> None:
+    stats = _gpu_chaos(spawned, name, 5)
     assert stats["max_gone_s"] < 0.1, stats
 
 
 @pytest.mark.slow
-def test_gpu_kill_restart_chaos_200(ctx: Any, name: str) -> None:
-    stats = _gpu_chaos(ctx, name, 200)
+def test_gpu_kill_restart_chaos_200(spawned: Spawned, name: str) -> None:
+    stats = _gpu_chaos(spawned, name, 200)
     print("gpu chaos:", stats)
     assert stats["max_gone_s"] < 0.1, stats
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # about 260 s on an H200: past the default 300 s limit on a slower GPU
-def test_gpu_torn_read_soak_one_million(ctx: Any, name: str) -> None:
+def test_gpu_torn_read_soak_one_million(spawned: Spawned, name: str) -> None:
     """1,000,000 frames; a fast and a slow torch consumer verify each frame they get on the device."""
-    ready, result = ctx.Event(), ctx.Queue()
-    prod = _run(ctx, gp.gpu_producer, name, 1_000_000, (16, 16, 4), "uint8", 4, "send", ready, "auto", 0.0, "drop", 2)
-    assert ready.wait(60)
+    result = spawned.queue()
+    prod = spawned.ready(
+        gp.gpu_producer, name, 1_000_000, (16, 16, 4), "uint8", 4, "send", handles="auto", policy="drop", consumers=2
+    )
     cons = [
-        _run(ctx, gp.gpu_consumer, name, "torch", result, False, True, 3600.0),
-        _run(ctx, gp.gpu_consumer, name, "torch", result, True, True, 3600.0),
+        spawned(gp.gpu_consumer, name, "torch", result, False, True, 3600.0),
+        spawned(gp.gpu_consumer, name, "torch", result, True, True, 3600.0),
     ]
     outs = [result.get(timeout=3600) for _ in cons]
     prod.join(120)
@@ -343,11 +308,12 @@ def test_gpu_torn_read_soak_one_million(ctx: Any, name: str) -> None:
     assert all(o[1] > 0 for o in outs), outs
 
 
-def test_send_without_stream_is_ordered_after_torchs_current_stream(name: str) -> None:
+def test_send_without_stream_is_ordered_after_torchs_current_stream(pair: PairFactory) -> None:
     """The source is written on a busy side stream; ``send()`` gets no stream and must not block the CPU,
     yet the consumer must see the finished write (the copy runs after it on the GPU)."""
     torch = _torch()
-    with cudalink.Sender(name, shape=(256, 256), dtype="float32", device=0) as tx, cudalink.Receiver(name) as rx:
+    tx, rx = pair(DEFAULT, shape=(256, 256), dtype="float32", device=0, rx={"timeout": 5.0})
+    with tx, rx:
         x = torch.zeros(256, 256, device="cuda")
         side = torch.cuda.Stream()
         for k in (1.0, 2.0, 3.0):
@@ -365,9 +331,10 @@ def test_send_without_stream_is_ordered_after_torchs_current_stream(name: str) -
                 assert float(got.min()) == k and float(got.max()) == k
 
 
-def test_padded_rows_go_in_one_pitched_copy_and_other_strides_are_refused(name: str) -> None:
+def test_padded_rows_go_in_one_pitched_copy_and_other_strides_are_refused(pair: PairFactory) -> None:
     torch = _torch()
-    with cudalink.Sender(name, shape=(64, 48, 4), dtype="uint8", device=0) as tx, cudalink.Receiver(name) as rx:
+    tx, rx = pair(DEFAULT, shape=(64, 48, 4), dtype="uint8", device=0, rx={"timeout": 5.0})
+    with tx, rx:
         wide = torch.arange(64 * 80 * 4, device="cuda").remainder(251).to(torch.uint8).reshape(64, 80, 4)
         crop = wide[:, 16:64]  # rows of 48 pixels inside rows of 80: a pitch of 320 bytes
         assert not crop.is_contiguous()

@@ -20,6 +20,7 @@ from cudalink.frames.spec import FrameSpec
 from cudalink.tools.monitor import read_snapshot
 from cudalink.transport import MemoryTransport, wire
 
+from .conftest import DEFAULT, PairFactory
 from .test_cli import run_cli
 
 
@@ -30,12 +31,9 @@ def traced() -> object:
     _trace.enable(False)
 
 
-def test_trace_marks_every_stage_in_order(name: str, traced: object) -> None:
-    tr = MemoryTransport()
-    with (
-        cudalink.Sender(name, shape=(4, 4), dtype="uint8", transport=tr) as tx,
-        cudalink.Receiver(name, transport=tr, timeout=2.0) as rx,
-    ):
+def test_trace_marks_every_stage_in_order(pair: PairFactory, traced: object) -> None:
+    tx, rx = pair(shape=(4, 4), dtype="uint8")
+    with tx, rx:
         _trace.take()
         tx.send(np.ones((4, 4), np.uint8))
         produced = _trace.take()
@@ -92,13 +90,10 @@ def test_bench_breakdown_cpu_reports_floors_and_every_stage(tmp_path: Path) -> N
     assert bd["reserve_commit"]["p50"] > 0 and bd["reserve_commit_attached"]["p50"] > 0
 
 
-def test_hybrid_stops_spinning_when_frames_come_far_apart(name: str) -> None:
+def test_hybrid_stops_spinning_when_frames_come_far_apart(pair: PairFactory) -> None:
     """A 5 ms spin budget, frames every 40 ms: after a few frames the receiver must sleep, not spin."""
-    tr = MemoryTransport()
-    with (
-        cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx,
-        cudalink.Receiver(name, transport=tr, wait="hybrid", spin_us=5000, timeout=5.0) as rx,
-    ):
+    tx, rx = pair(shape=(4,), dtype="uint8", rx={"wait": "hybrid", "spin_us": 5000, "timeout": 5.0})
+    with tx, rx:
         stop = threading.Event()
 
         def produce() -> None:
@@ -121,23 +116,18 @@ def test_hybrid_stops_spinning_when_frames_come_far_apart(name: str) -> None:
     assert cpu < 0.010, f"receiver burned {cpu * 1e3:.1f} ms of CPU over 5 slow frames (a spin would be 25 ms)"
 
 
-def test_hybrid_keeps_spinning_for_a_fast_stream(name: str) -> None:
-    tr = MemoryTransport()
-    with (
-        cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx,
-        cudalink.Receiver(name, transport=tr, wait="hybrid", spin_us=50_000, timeout=5.0) as rx,
-    ):
+def test_hybrid_keeps_spinning_for_a_fast_stream(pair: PairFactory) -> None:
+    tx, rx = pair(shape=(4,), dtype="uint8", rx={"wait": "hybrid", "spin_us": 50_000, "timeout": 5.0})
+    with tx, rx:
         for _ in range(8):
             tx.send(np.zeros(4, np.uint8))
             rx.recv().release()  # the frame is already there: the receiver waited ~0
         assert rx._wait_avg < 4 * rx.spin_s
 
 
-def test_monitor_counters_are_published_before_the_receiver_sleeps(name: str) -> None:
-    with (
-        cudalink.Sender(name, shape=(4,), dtype="uint8", device="cpu") as tx,
-        cudalink.Receiver(name, latest=False, timeout=2.0) as rx,
-    ):
+def test_monitor_counters_are_published_before_the_receiver_sleeps(name: str, pair: PairFactory) -> None:
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", device="cpu", rx={"latest": False})
+    with tx, rx:
         assert rx.backend == "host"
         for _ in range(3):
             tx.send(np.zeros(4, np.uint8))
@@ -160,12 +150,9 @@ def test_record_meta_does_not_leak_into_the_next_frame() -> None:
     assert wire.spec_bytes(other) == wire.spec_bytes(spec)
 
 
-def test_timestamp_is_taken_at_publication(name: str) -> None:
-    tr = MemoryTransport()
-    with (
-        cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr) as tx,
-        cudalink.Receiver(name, transport=tr, timeout=2.0) as rx,
-    ):
+def test_timestamp_is_taken_at_publication(pair: PairFactory) -> None:
+    tx, rx = pair(shape=(4,), dtype="uint8")
+    with tx, rx:
         t0 = time.time_ns()
         tx.send(np.zeros(4, np.uint8))
         t1 = time.time_ns()

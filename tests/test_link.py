@@ -35,9 +35,8 @@ def test_send_recv_newest_and_skips(pair: PairFactory, transport: Transport) -> 
         assert isinstance(cudalink.LinkTimeout("x"), TimeoutError)
 
 
-def test_in_order_delivery(name: str, transport: object) -> None:
-    tx = cudalink.Sender(name, shape=(2,), dtype="int32", slots=8, transport=transport)  # type: ignore[arg-type]
-    rx = cudalink.Receiver(name, transport=transport, latest=False)  # type: ignore[arg-type]
+def test_in_order_delivery(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, shape=(2,), dtype="int32", slots=8, rx={"latest": False})
     with tx, rx:
         for i in range(1, 6):
             tx.send(np.array([i, -i], np.int32))
@@ -111,15 +110,8 @@ def test_reserve_is_zero_copy_and_aborts_cleanly(pair: PairFactory, transport: T
         assert np.all(np.from_dlpack(rx.recv(1)) == 2)
 
 
-def test_reconfigure_mid_stream(name: str, transport: object) -> None:
-    tx = cudalink.Sender(
-        name,
-        shape=(4, 6, 4),
-        dtype="uint8",
-        capacity=8 * 8 * 4 * 4,  # type: ignore[arg-type]
-        transport=transport,
-    )  # type: ignore[arg-type]
-    rx = cudalink.Receiver(name, transport=transport, latest=False)  # type: ignore[arg-type]
+def test_reconfigure_mid_stream(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, shape=(4, 6, 4), dtype="uint8", capacity=8 * 8 * 4 * 4, rx={"latest": False})
     with tx, rx:
         tx.send(np.ones((4, 6, 4), np.uint8))
         tx.reconfigure(shape=(8, 8, 4), dtype="float32")
@@ -147,13 +139,12 @@ def test_many_consumers_each_get_every_frame(name: str, transport: object) -> No
             rx.close()
 
 
-def test_consumer_table_full_is_refused_clearly(name: str, transport: object) -> None:
-    with cudalink.Sender(name, shape=(2,), max_consumers=1, transport=transport) as tx:  # type: ignore[arg-type]
-        rx = cudalink.Receiver(name, transport=transport)  # type: ignore[arg-type]
-        with pytest.raises(cudalink.ProtocolError, match="max_consumers"):
-            cudalink.Receiver(name, transport=transport, timeout=0.5)  # type: ignore[arg-type]
-        rx.close()
-        tx.send(np.zeros(2, np.uint8))
+def test_consumer_table_full_is_refused_clearly(name: str, pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, shape=(2,), dtype="uint8", max_consumers=1)
+    with pytest.raises(cudalink.ProtocolError, match="max_consumers"):
+        cudalink.Receiver(name, transport=transport, timeout=0.5)
+    rx.close()
+    tx.send(np.zeros(2, np.uint8))  # the link is still usable
 
 
 def test_bad_input_is_refused_and_the_link_stays_usable(pair: PairFactory, transport: Transport) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import time
-from typing import Any
 
 import numpy as np
 import pytest
@@ -14,24 +12,18 @@ import pytest
 import cudalink
 from cudalink.tools.monitor import read_snapshot
 
-from . import _procs
+from . import _content, _procs
+from .conftest import DEFAULT, PairFactory, Spawned
 
 pytestmark = pytest.mark.usefixtures("control")  # every test runs over the Unix and the TCP channel
 
 
-def _start(ctx: Any, target: Any, *args: Any) -> Any:
-    p = ctx.Process(target=target, args=args, daemon=True)
-    p.start()
-    return p
-
-
-def test_10000_checksummed_frames_to_3_consumers_and_a_slow_one(ctx: Any, name: str) -> None:
-    ready, go, result = ctx.Event(), ctx.Event(), ctx.Queue()
+def test_10000_checksummed_frames_to_3_consumers_and_a_slow_one(spawned: Spawned, name: str) -> None:
+    go, result = spawned.event(), spawned.queue()
     shape = (24, 32, 4)
-    prod = _start(ctx, _procs.host_producer, name, 10_000, shape, "uint8", 6, ready, go, 0.0001)
-    assert ready.wait(30)
-    consumers = [_start(ctx, _procs.host_consumer, name, 10_000, result, 0.0, False) for _ in range(3)]
-    consumers.append(_start(ctx, _procs.host_consumer, name, 10_000, result, 0.002, True))  # holds frames
+    prod = spawned.ready(_procs.host_producer, name, 10_000, shape, "uint8", 6, go=go, every=0.0001)
+    consumers = [spawned(_procs.host_consumer, name, 10_000, result, 0.0, False) for _ in range(3)]
+    consumers.append(spawned(_procs.host_consumer, name, 10_000, result, 0.002, True))  # holds frames
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # all 4 consumers joined, as a monitor sees it (read-only)
         if len(read_snapshot(name).consumers) >= 4:
@@ -51,10 +43,8 @@ def test_10000_checksummed_frames_to_3_consumers_and_a_slow_one(ctx: Any, name: 
     assert total >= 15_000
 
 
-def test_producer_sigkill_raises_producer_gone_and_a_new_generation_is_picked_up(ctx: Any, name: str) -> None:
-    ready = ctx.Event()
-    prod = _start(ctx, _procs.host_producer_forever, name, (16, 16), "float32", ready)
-    assert ready.wait(30)
+def test_producer_sigkill_raises_producer_gone_and_a_new_generation_is_picked_up(spawned: Spawned, name: str) -> None:
+    prod = spawned.ready(_procs.host_producer_forever, name, (16, 16), "float32", forever=True)
     rx = cudalink.Receiver(name, timeout=10)
     first = rx.recv(2)
     old_gen = rx.generation
@@ -69,81 +59,65 @@ def test_producer_sigkill_raises_producer_gone_and_a_new_generation_is_picked_up
     # leftovers of the dead producer must never be served: nothing attaches until a new producer starts
     with pytest.raises(cudalink.LinkTimeout):
         cudalink.Receiver(name, timeout=0.3)
-    ready.clear()
-    prod2 = _start(ctx, _procs.host_producer_forever, name, (16, 16), "float32", ready)
     try:
-        assert ready.wait(30)
+        spawned.ready(_procs.host_producer_forever, name, (16, 16), "float32", forever=True)
         with cudalink.Receiver(name, timeout=10) as fresh:
             f = fresh.recv(2)
             assert fresh.generation != old_gen and f.generation == fresh.generation
-            assert _procs.stamp(np.from_dlpack(f), f.seq) == f.meta
+            assert _content.stamp(np.from_dlpack(f), f.seq) == f.meta
         f2 = rx.recv(timeout=5)  # the old Receiver re-attaches to the new generation by itself
         assert rx.generation != old_gen and rx.reattached == 1
-        assert _procs.stamp(np.from_dlpack(f2), f2.seq) == f2.meta
+        assert _content.stamp(np.from_dlpack(f2), f2.seq) == f2.meta
         assert held.shape == (16, 16)  # the dead generation's frame stayed readable
     finally:
         rx.close()
-        os.kill(prod2.pid, signal.SIGKILL)
-        prod2.join(10)
 
 
-def test_consumer_sigkill_with_a_lease_is_reclaimed(ctx: Any, name: str) -> None:
-    with cudalink.Sender(name, shape=(8,), dtype="uint8", slots=2) as tx:
-        tx.send(np.zeros(8, np.uint8))
-        held = ctx.Event()
-        victim = _start(ctx, _procs.hold_lease_forever, name, held)
-        assert held.wait(30)
-        # it holds one of the two slots; with another consumer holding the other, the ring is full
-        rx = cudalink.Receiver(name)
-        tx.send(np.ones(8, np.uint8))
-        keep = rx.recv(1)
-        assert tx.send(np.ones(8, np.uint8)) is None  # both slots held
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(10)
-        deadline = time.monotonic() + 1.0
-        while tx.send(np.full(8, 3, np.uint8)) is None:
-            assert time.monotonic() < deadline, "the dead consumer's lease was not reclaimed"
-            time.sleep(0.005)
-        assert np.from_dlpack(rx.recv(1))[0] == 3
-        assert tx.stats()["consumers"] == 1
-        keep.release()
-        rx.close()
+def test_consumer_sigkill_with_a_lease_is_reclaimed(spawned: Spawned, pair: PairFactory) -> None:
+    tx, rx = pair(DEFAULT, shape=(8,), dtype="uint8", slots=2)
+    tx.send(np.zeros(8, np.uint8))
+    # the victim holds one of the two slots; with `rx` holding the other, the ring is full
+    victim = spawned.ready(_procs.hold_lease_forever, tx.name, forever=True)
+    tx.send(np.ones(8, np.uint8))
+    keep = rx.recv(1)
+    assert keep.seq == 2  # `rx` joined before any frame: this frame is its first, the victim took seq 1
+    assert tx.send(np.ones(8, np.uint8)) is None  # both slots held
+    spawned.kill(victim)
+    deadline = time.monotonic() + 1.0
+    while tx.send(np.full(8, 3, np.uint8)) is None:
+        assert time.monotonic() < deadline, "the dead consumer's lease was not reclaimed"
+        time.sleep(0.005)
+    assert np.from_dlpack(rx.recv(1))[0] == 3
+    assert tx.stats()["consumers"] == 1
+    keep.release()
 
 
-def test_resolution_change_across_processes(ctx: Any, name: str) -> None:
-    _ready, result = ctx.Event(), ctx.Queue()
+def test_resolution_change_across_processes(spawned: Spawned, name: str) -> None:
+    result = spawned.queue()
     with cudalink.Sender(name, shape=(4, 4, 4), dtype="uint8", capacity=16 * 16 * 4 * 4, slots=8) as tx:
-        cons = _start(ctx, _procs.host_consumer, name, 0, result, 0.0, False)
+        spawned(_procs.host_consumer, name, 0, result, 0.0, False)
         end = time.monotonic() + 30
         while tx.stats()["consumers"] < 1 and time.monotonic() < end:
             time.sleep(0.01)
         for seq in range(1, 4):
-            a = _procs.pattern(seq, (4, 4, 4), "uint8")
-            tx.send(a, meta=_procs.stamp(a, seq))
+            a = _content.pattern(seq, (4, 4, 4), "uint8")
+            tx.send(a, meta=_content.stamp(a, seq))
         tx.reconfigure(shape=(16, 16, 4), dtype="float32")
         for seq in range(4, 7):
-            a = _procs.pattern(seq, (16, 16, 4), "float32")
-            tx.send(a, meta=_procs.stamp(a, seq))
+            a = _content.pattern(seq, (16, 16, 4), "float32")
+            tx.send(a, meta=_content.stamp(a, seq))
         time.sleep(0.5)
     _pid, got, mism, seqs, _skipped, ordered = result.get(timeout=30)
-    cons.join(10)
     assert (got, mism, ordered) == (6, 0, True), seqs
 
 
-def test_stale_segment_is_replaced_not_served(ctx: Any, name: str) -> None:
-    ready = ctx.Event()
-    prod = _start(ctx, _procs.host_producer_forever, name, (4,), "int32", ready)
-    assert ready.wait(30)
-    os.kill(prod.pid, signal.SIGKILL)
-    prod.join(10)
+def test_stale_segment_is_replaced_not_served(spawned: Spawned, name: str, pair: PairFactory) -> None:
+    spawned.kill(spawned.ready(_procs.host_producer_forever, name, (4,), "int32", forever=True))
     from cudalink import _platform
 
     prefix = _platform.segment_name(name)
     assert any(f.startswith(prefix) for f in os.listdir("/dev/shm"))  # leftovers are there...
-    with cudalink.Sender(name, shape=(4,), dtype="int32") as tx:  # ...and are reused, not refused
-        rx = cudalink.Receiver(name, timeout=2)
-        assert rx.generation == tx.generation
-        tx.send(np.arange(4, dtype=np.int32))
-        assert rx.recv(1).seq == 1
-        rx.close()
-    gc.collect()
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="int32")  # ...and are reused, not refused
+    assert rx.generation == tx.generation
+    tx.send(np.arange(4, dtype=np.int32))
+    assert rx.recv(1).seq == 1

@@ -9,7 +9,6 @@ SharedMemory link across processes. The whole suite also runs once more with
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from cudalink.frames.spec import FrameSpec
 from cudalink.transport import wire
 
 from . import _procs
+from .conftest import Spawned
 
 ROOT = Path(__file__).resolve().parent.parent
 native = pytest.mark.skipif(_native.ring is None, reason=f"compiled ring not in use: {_native.missing.get('ring')}")
@@ -184,25 +184,20 @@ def test_an_unaligned_header_gets_the_python_ring() -> None:
 @native
 @pytest.mark.parametrize("pure_side", ["producer", "consumer"])
 def test_compiled_and_pure_python_processes_share_a_link(
-    name: str, ctx: mp.context.SpawnContext, monkeypatch: pytest.MonkeyPatch, pure_side: str
+    name: str, spawned: Spawned, monkeypatch: pytest.MonkeyPatch, pure_side: str
 ) -> None:
     """The env switch is read at import in each child: one side runs the Python ring, the other C."""
     n, shape = 3000, (16, 16)
-    ready, result = ctx.Event(), ctx.Queue()
+    result = spawned.queue()
     if pure_side == "producer":
         monkeypatch.setenv("CUDALINK_PURE_PYTHON", "1")
-    prod = ctx.Process(target=_procs.host_producer, args=(name, n, shape, "uint8", 4, ready, None, 0.0002))
-    prod.start()
-    assert ready.wait(30)
+    spawned.ready(_procs.host_producer, name, n, shape, "uint8", 4, every=0.0002)
     if pure_side == "consumer":
         monkeypatch.setenv("CUDALINK_PURE_PYTHON", "1")
     else:
         monkeypatch.delenv("CUDALINK_PURE_PYTHON")
-    cons = ctx.Process(target=_procs.host_consumer, args=(name, n, result, 0.0, False))
-    cons.start()
+    spawned(_procs.host_consumer, name, n, result, 0.0, False)
     _pid, got, mismatches, tail, _, ordered = result.get(timeout=120)
-    prod.join(30)
-    cons.join(30)
     assert got > 100 and mismatches == 0 and ordered, (got, mismatches, tail)
 
 

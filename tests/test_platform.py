@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import socket
 import stat
 import sys
@@ -23,6 +22,8 @@ import pytest
 import cudalink
 from cudalink import _platform
 from cudalink.cuda import driver, memory
+
+from .conftest import Spawned
 
 # -- names and defaults ---------------------------------------------------------------------------------
 
@@ -130,15 +131,11 @@ def _hold_lock(path: str, ready: Any) -> None:
     time.sleep(60)
 
 
-def test_process_lock_is_dropped_when_its_holder_is_killed(ctx: Any, tmp_path: Any) -> None:
+def test_process_lock_is_dropped_when_its_holder_is_killed(spawned: Spawned, tmp_path: Any) -> None:
     path = str(tmp_path / "y.lock")
-    ready = ctx.Event()
-    p = ctx.Process(target=_hold_lock, args=(path, ready), daemon=True)
-    p.start()
-    assert ready.wait(30)
+    holder = spawned.ready(_hold_lock, path, forever=True)
     assert not _platform.ProcessLock(path).acquire()
-    os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
+    spawned.kill(holder)
     mine = _platform.ProcessLock(path)
     assert mine.acquire()
     mine.release()

@@ -23,10 +23,11 @@ from cudalink.transport import wire
 from cudalink.transport.base import Peer
 from cudalink.transport.shm import _open_segment, _unlink_segment
 
-from . import _chaos, _procs
+from . import _chaos, _content, _procs
+from .conftest import DEFAULT, PairFactory, Spawned
 
 
-def _chaos_cycles(ctx: Any, name: str, cycles: int) -> dict[str, float]:
+def _chaos_cycles(spawned: Spawned, name: str, cycles: int) -> dict[str, float]:
     rx = cudalink.Receiver(name, connect=False, timeout=30)
     gone_after: list[float] = []
     frames = 0
@@ -34,20 +35,17 @@ def _chaos_cycles(ctx: Any, name: str, cycles: int) -> dict[str, float]:
     rng = random.Random(1234)
     try:
         for _ in range(cycles):
-            ready = ctx.Event()
-            prod = ctx.Process(target=_chaos.chaos_producer, args=(name, ready), daemon=True)
-            prod.start()
-            assert ready.wait(60)
+            prod = spawned.ready(_chaos.chaos_producer, name, forever=True)
             first = rx.recv(timeout=30)  # re-attaches to the new generation by itself
             assert rx.generation not in generations, "a dead generation was served again"
             generations.add(rx.generation)
-            problem = _chaos.verify(first, rx.generation)
+            problem = _content.verify(first, rx.generation)
             assert problem is None, problem
             first.release()
             stop_at = time.monotonic() + rng.uniform(0.0, 0.05)
             while time.monotonic() < stop_at:  # kill at a random point of the producer's loop
                 f = rx.recv(timeout=5)
-                problem = _chaos.verify(f, rx.generation)
+                problem = _content.verify(f, rx.generation)
                 assert problem is None, problem
                 f.release()
                 frames += 1
@@ -56,7 +54,7 @@ def _chaos_cycles(ctx: Any, name: str, cycles: int) -> dict[str, float]:
             with pytest.raises(cudalink.ProducerGone):
                 while True:
                     f = rx.recv(timeout=5)  # frames already published stay valid until it notices
-                    problem = _chaos.verify(f, rx.generation)
+                    problem = _content.verify(f, rx.generation)
                     assert problem is None, problem
                     f.release()
             gone_after.append(time.monotonic() - t0)
@@ -66,28 +64,27 @@ def _chaos_cycles(ctx: Any, name: str, cycles: int) -> dict[str, float]:
     return {"max_gone_s": max(gone_after), "frames": frames, "cycles": cycles}
 
 
-def test_producer_kill_restart_chaos(ctx: Any, name: str, control: str) -> None:
-    stats = _chaos_cycles(ctx, name, 15)
+def test_producer_kill_restart_chaos(spawned: Spawned, name: str, control: str) -> None:
+    stats = _chaos_cycles(spawned, name, 15)
     assert stats["max_gone_s"] < 0.1, stats  # EOF on the control socket, not a timeout
 
 
 @pytest.mark.slow
-def test_producer_kill_restart_chaos_200(ctx: Any, name: str) -> None:
-    stats = _chaos_cycles(ctx, name, 200)
+def test_producer_kill_restart_chaos_200(spawned: Spawned, name: str) -> None:
+    stats = _chaos_cycles(spawned, name, 200)
     print("chaos:", stats)
     assert stats["max_gone_s"] < 0.1, stats
 
 
 def _lease_cells(tx: cudalink.Sender) -> list[int]:
-    lay, buf = tx._layout, tx._server.header
+    buf = tx._server.header  # no public view of the header exists; its layout is read from the header itself
+    lay = wire.read_fixed(buf).layout
     return [wire.read_u64(buf, lay.lease(s, c)) for s in range(lay.nslots) for c in range(lay.nconsumers)]
 
 
-def _churn(ctx: Any, name: str, seconds: float) -> None:
+def _churn(spawned: Spawned, name: str, seconds: float) -> None:
     with cudalink.Sender(name, shape=(64, 64), dtype="uint16", slots=4, max_consumers=16) as tx:
-        procs = [ctx.Process(target=_chaos.churn_consumer, args=(name, seconds, i)) for i in range(8)]
-        for p in procs:
-            p.start()
+        procs = [spawned(_chaos.churn_consumer, name, seconds, i) for i in range(8)]
         accounted = []
         worst = 0.0
         end = time.monotonic() + seconds + 5
@@ -113,30 +110,29 @@ def _churn(ctx: Any, name: str, seconds: float) -> None:
         assert not any(_lease_cells(tx)), "leases of departed consumers were not reclaimed"
 
 
-def test_eight_consumers_join_leave_and_die_at_random(ctx: Any, name: str, control: str) -> None:
-    _churn(ctx, name, 4.0)
+def test_eight_consumers_join_leave_and_die_at_random(spawned: Spawned, name: str, control: str) -> None:
+    _churn(spawned, name, 4.0)
 
 
 @pytest.mark.slow
-def test_consumer_churn_long(ctx: Any, name: str) -> None:
-    _churn(ctx, name, 120.0)
+def test_consumer_churn_long(spawned: Spawned, name: str) -> None:
+    _churn(spawned, name, 120.0)
 
 
-def test_a_consumer_that_never_releases_gets_the_full_ring_policy(name: str) -> None:
-    with cudalink.Sender(name, shape=(8,), slots=3, policy="drop") as tx:
-        hog = cudalink.Receiver(name, latest=False)
-        held = []
-        for i in range(3):
-            tx.send(np.full(8, i, np.uint8))
-            held.append(hog.recv(1))
-        for _ in range(5):
-            assert tx.send(np.ones(8, np.uint8)) is None  # dropped, counted, never overwritten
-        assert tx.stats()["dropped"] == 5
-        assert [int(np.from_dlpack(f)[0]) for f in held] == [0, 1, 2]
-        hog.close()  # leaving with frames held: the leases stay until the frames go
-        del held
-        gc.collect()
-        assert tx.send(np.ones(8, np.uint8)) is not None
+def test_a_consumer_that_never_releases_gets_the_full_ring_policy(pair: PairFactory) -> None:
+    tx, hog = pair(DEFAULT, shape=(8,), dtype="uint8", slots=3, policy="drop", rx={"latest": False})
+    held = []
+    for i in range(3):
+        tx.send(np.full(8, i, np.uint8))
+        held.append(hog.recv(1))
+    for _ in range(5):
+        assert tx.send(np.ones(8, np.uint8)) is None  # dropped, counted, never overwritten
+    assert tx.stats()["dropped"] == 5
+    assert [int(np.from_dlpack(f)[0]) for f in held] == [0, 1, 2]
+    hog.close()  # leaving with frames held: the leases stay until the frames go
+    del held
+    gc.collect()
+    assert tx.send(np.ones(8, np.uint8)) is not None
 
 
 def _flat_resources(ctx: Any, name: str, cycles: int) -> tuple[int, int, int, int]:
@@ -179,16 +175,12 @@ def test_fds_segments_and_rss_flat_long(ctx: Any, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_torn_read_soak_one_million_frames(ctx: Any, name: str) -> None:
-    ready, go, result = ctx.Event(), ctx.Event(), ctx.Queue()
+def test_torn_read_soak_one_million_frames(spawned: Spawned, name: str) -> None:
+    go, result = spawned.event(), spawned.queue()
     n = 1_000_000
-    prod = ctx.Process(target=_procs.host_producer, args=(name, n, (8, 8, 4), "uint8", 4, ready, go, 0.0))
-    prod.start()
-    assert ready.wait(30)
-    slow = ctx.Process(target=_procs.host_consumer, args=(name, n, result, 0.0005, True, 3600.0))
-    fast = ctx.Process(target=_procs.host_consumer, args=(name, n, result, 0.0, False, 3600.0))
-    slow.start()
-    fast.start()
+    prod = spawned.ready(_procs.host_producer, name, n, (8, 8, 4), "uint8", 4, go=go, every=0.0)
+    spawned(_procs.host_consumer, name, n, result, 0.0005, True, 3600.0)  # slow
+    spawned(_procs.host_consumer, name, n, result, 0.0, False, 3600.0)  # fast
     time.sleep(3)
     go.set()
     outs = [result.get(timeout=3600) for _ in range(2)]
@@ -201,21 +193,18 @@ def test_torn_read_soak_one_million_frames(ctx: Any, name: str) -> None:
 # -- security ----------------------------------------------------------------------------------------------
 
 
-def test_other_uid_is_refused_at_the_handshake(ctx: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_uid_is_refused_at_the_handshake(spawned: Spawned, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if os.geteuid() != 0:
         pytest.skip("dropping privileges in a child needs root")
-    ready, stop = ctx.Event(), ctx.Event()
-    prod = ctx.Process(target=_chaos.other_user_producer, args=(name, ready, stop))
-    prod.start()
+    stop = spawned.event()
+    spawned.ready(_chaos.other_user_producer, name, stop=stop)
     try:
-        assert ready.wait(30)
         # root reaches another user's files; only the producer's SO_PEERCRED check can refuse it
         monkeypatch.setattr(_platform, "uid", lambda: 65534)
         with pytest.raises(cudalink.ProtocolError, match="private to the user"):
             cudalink.Receiver(name, timeout=2)
     finally:
         stop.set()
-        prod.join(10)
 
 
 def test_handshake_rejects_a_foreign_uid_and_bad_hellos(name: str) -> None:

@@ -341,7 +341,7 @@ def test_td_to_python_over_legacy_handles(torch: Any, dtype: str, comps: int, mo
         child.expect("sent")
 
         def check(rx: cudalink.Receiver, frame: cudalink.Frame) -> None:
-            assert rx._att is not None and rx._att.fixed.backend == 2  # BACKEND_CUDA_LEGACY, from the header
+            assert rx.backend == "cuda-legacy"  # from the header: BACKEND_CUDA_LEGACY
 
         receive_td_frames(torch, child, name, shape, dtype, (0, 1), check)
     finally:

@@ -266,7 +266,8 @@ def raw(ev: Event) -> RawEvent:
 
 def event_done(h: RawEvent) -> bool:
     """cuEventQuery of a :func:`raw` handle; an event whose owner died (an error) has nothing left to order."""
-    return bool(bindings().cuEventQuery(h)[0] != bindings().CUresult.CUDA_ERROR_NOT_READY)
+    drv = bindings()
+    return bool(drv.cuEventQuery(h)[0] != drv.CUresult.CUDA_ERROR_NOT_READY)
 
 
 def record(h: RawEvent, stream: int) -> None:

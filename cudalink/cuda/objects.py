@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol, SupportsInt
 
 if TYPE_CHECKING:
     import numpy as np
+    from typing_extensions import CapsuleType
 
 
 class Event(Protocol):
@@ -87,6 +88,8 @@ class StridedView(Protocol):
 
     @property
     def readonly(self) -> bool: ...
+
+    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None) -> CapsuleType: ...
 
 
 class ViewFactory(Protocol):

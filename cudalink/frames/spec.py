@@ -6,9 +6,9 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ..errors import FormatError
 
@@ -69,7 +69,7 @@ _DEPTH_SUFFIX = {
 }
 
 
-def as_dtype(dtype: Any) -> np.dtype[Any]:
+def as_dtype(dtype: DTypeLike) -> np.dtype[np.generic]:
     """Normalise anything numpy understands (``"float32"``, ``np.float32``, a dtype) and check it is supported."""
     try:
         dt = np.dtype(dtype)
@@ -79,11 +79,11 @@ def as_dtype(dtype: Any) -> np.dtype[Any]:
         raise FormatError(
             f"cudalink: dtype {dt.str} is not supported; use a native-endian one of {', '.join(SUPPORTED_DTYPES)}"
         )
-    out: np.dtype[Any] = dt.newbyteorder("=")
+    out: np.dtype[np.generic] = dt.newbyteorder("=")
     return out
 
 
-def _check_int(value: Any, what: str) -> int:
+def _check_int(value: object, what: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise FormatError(f"cudalink: {what} must be an integer, got {value!r}")
     return int(value)
@@ -98,7 +98,7 @@ class FrameSpec:
     """
 
     shape: tuple[int, ...]
-    dtype: np.dtype[Any]
+    dtype: np.dtype[np.generic]
     strides: tuple[int, ...] | None = None
     pixel_format: PixelFormat | None = None
     origin: RowOrigin = RowOrigin.TOP
@@ -106,7 +106,7 @@ class FrameSpec:
     def __init__(
         self,
         shape: Sequence[int] | int,
-        dtype: Any = "uint8",
+        dtype: DTypeLike = "uint8",
         strides: Sequence[int] | None = None,
         pixel_format: PixelFormat | str | None = None,
         origin: RowOrigin | str = RowOrigin.TOP,
@@ -191,7 +191,7 @@ class FrameSpec:
     def with_shape(self, shape: Sequence[int]) -> FrameSpec:
         return FrameSpec(shape, self.dtype, None, self.pixel_format, self.origin)
 
-    def check_array(self, shape: Sequence[int], dtype: Any, what: str = "array") -> None:
+    def check_array(self, shape: Sequence[int], dtype: DTypeLike, what: str = "array") -> None:
         """Raise a :class:`FormatError` that says exactly what differs, for ``send``."""
         got = tuple(int(d) for d in shape)
         dt = np.dtype(dtype)

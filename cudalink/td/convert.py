@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from types import ModuleType
 
 import numpy as np
+import numpy.typing as npt
 
 from ..cuda import devices, driver
 from ..errors import FormatError, LinkError
 from ..frames.frame import Frame
 from ..frames.spec import PixelFormat, RowOrigin
-from .formats import _TO_FLOAT32, Switch
+from .arraylib import ArrayLib, GpuArray, importable, rearranged
+from .formats import _TO_FLOAT32, CUDAMemoryShapeLike, Switch
 
 
 def _switch(value: Switch | None, name: str) -> bool | None:
@@ -32,10 +34,10 @@ def _switch(value: Switch | None, name: str) -> bool | None:
     raise FormatError(f"cudalink: {name} must be True, False or 'auto', got {value!r}")
 
 
-def _td_default_shape() -> Any:
-    td: Any = None
+def _td_default_shape() -> CUDAMemoryShapeLike:
+    td: ModuleType | None = None
     try:
-        import td  # TouchDesigner's own module; only exists inside TD
+        td = importlib.import_module("td")  # TouchDesigner's own module; only exists inside TD
     except ImportError:
         pass
     factory = getattr(td, "CUDAMemoryShape", None)
@@ -44,7 +46,8 @@ def _td_default_shape() -> Any:
             "cudalink: td.CUDAMemoryShape is not available (not running inside TouchDesigner); "
             "pass shape_factory= (e.g. a fake) to use the Script TOP helpers elsewhere"
         )
-    return factory()
+    shape: CUDAMemoryShapeLike = factory()
+    return shape
 
 
 class _Plan:
@@ -64,7 +67,7 @@ class _Plan:
             )
         name = frame.dtype.name
         if name in _TO_FLOAT32:
-            self.dtype: np.dtype[Any] = np.dtype(np.float32)
+            self.dtype: np.dtype[np.generic] = np.dtype(np.float32)
         elif name in ("uint8", "uint16", "float32"):
             self.dtype = frame.dtype
         else:
@@ -100,47 +103,33 @@ class _Plan:
     def swap_index(self) -> list[int]:
         return [2, 1, 0, 3] if self.comps == 4 else [2, 1, 0]
 
-
-def _apply_plan(xp: Any, arr: Any, plan: _Plan) -> Any:
-    """The plan's steps with a numpy-like module: numpy on the host, cupy on the GPU (torch differs)."""
-    if arr.ndim == 2:
-        arr = arr[:, :, None]
-    if plan.flip:
-        arr = arr[::-1]
-    if plan.swap:
-        arr = arr[..., plan.swap_index]
-    if arr.dtype != plan.dtype:
-        arr = arr.astype(plan.dtype)
-    return xp.ascontiguousarray(arr)
+    @property
+    def channels(self) -> list[int] | None:
+        """The channel order to pick, or None to keep it."""
+        return self.swap_index if self.swap else None
 
 
-def _convert_host(arr: np.ndarray[Any, Any], plan: _Plan) -> np.ndarray[Any, Any]:
-    out: np.ndarray[Any, Any] = _apply_plan(np, arr, plan)
-    return out
+def _convert_host(arr: npt.NDArray[np.generic], plan: _Plan) -> npt.NDArray[np.generic]:
+    return rearranged(np, arr, flip=plan.flip, channels=plan.channels, dtype=plan.dtype)
 
 
 _BACKENDS = ("cupy", "torch")
-_backend_cache: dict[str, Any] = {}
+_backend_cache: dict[str, ModuleType | None] = {}
 
 
-def _array_module(preferred: str | None) -> tuple[str, Any]:
+def _array_module(preferred: str | None) -> tuple[str, ModuleType]:
     """cupy or torch, whichever imports (TD users usually have one); None of them is a clear error."""
     names = (preferred,) if preferred else _BACKENDS
     for name in names:
         if name not in _BACKENDS:
             raise LinkError(f"cudalink: array_backend must be 'cupy' or 'torch', got {name!r}")
-        if name not in _backend_cache:
-            try:
-                _backend_cache[name] = importlib.import_module(name)
-            except Exception:  # not installed, or built for another CUDA: treat as absent
-                _backend_cache[name] = None
-        mod = _backend_cache[name]
+        mod = importable(name, _backend_cache)
         if mod is not None:
             return name, mod
     raise LinkError("cudalink: no GPU array library; " + ("/".join(names)) + " could not be imported")
 
 
-def _convert_cuda(frame: Frame, plan: _Plan, stream: int, backend: str | None) -> tuple[Any, int, int]:
+def _convert_cuda(frame: Frame, plan: _Plan, stream: int, backend: str | None) -> tuple[GpuArray, int, int]:
     """Run the plan's steps on ``stream`` with cupy or torch; returns (array to keep, ptr, nbytes)."""
     try:
         name, mod = _array_module(backend)
@@ -154,26 +143,9 @@ def _convert_cuda(frame: Frame, plan: _Plan, stream: int, backend: str | None) -
         ) from exc
     dev = frame._device_id
     devices.device(dev)
-    if name == "cupy":
-        cp = mod
-        with cp.cuda.Device(dev), cp.cuda.ExternalStream(stream):
-            out = _apply_plan(cp, cp.from_dlpack(frame), plan)
-        return out, int(out.data.ptr), int(out.nbytes)
-    torch = mod
-    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=f"cuda:{dev}")):
-        t = torch.from_dlpack(frame)
-        if t.dim() == 2:
-            t = t.unsqueeze(-1)
-        if t.dtype == torch.uint16:  # few torch kernels take uint16; flips and gathers only move bits
-            t = t.view(torch.int16)
-        if plan.flip:
-            t = t.flip(0)
-        if plan.swap:
-            t = t[..., plan.swap_index]
-        if plan.dtype == np.float32 and t.dtype != torch.float32:
-            t = t.to(torch.float32)
-        out = t.contiguous()
-    return out, int(out.data_ptr()), int(out.numel() * out.element_size())
+    lib = ArrayLib(name, dev, mod)
+    out = lib.rearrange(frame, stream, flip=plan.flip, channels=plan.channels, dtype=plan.dtype)
+    return out, lib.ptr(out), lib.nbytes(out)
 
 
 class _DeviceBuffer:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import FormatError
 from ..frames.spec import FrameSpec, PixelFormat, RowOrigin
@@ -18,7 +19,6 @@ _TO_FLOAT32 = ("float16", "float64")
 
 Switch = bool | str  # True/False, or "auto"/"on"/"off" (TD menus give strings)
 Method = Literal["auto", "cuda", "numpy"]
-ShapeFactory = Callable[[], Any]
 
 
 class CUDAMemoryShapeLike(Protocol):
@@ -27,7 +27,7 @@ class CUDAMemoryShapeLike(Protocol):
     width: int
     height: int
     numComps: int
-    dataType: Any
+    dataType: type[np.generic]  # a numpy scalar type (numpy.float32), never a numpy.dtype
 
 
 class CUDAMemoryLike(Protocol):
@@ -40,13 +40,39 @@ class CUDAMemoryLike(Protocol):
     def size(self) -> int: ...
 
     @property
-    def shape(self) -> Any: ...
+    def shape(self) -> CUDAMemoryShapeLike: ...
+
+
+class TOPLike(Protocol):
+    """A TD ``TOP``, as far as the export reads it."""
+
+    def cudaMemory(self, stream: int | None = None) -> CUDAMemoryLike: ...
+
+
+class ScriptTOPLike(Protocol):
+    """TD's Script TOP (``scriptOp`` in its callbacks), as far as the bridge writes it.
+
+    Status goes through ``addError``/``addWarning``/``addScriptError`` and the texture format through
+    ``par``, both looked up by name, so an operator without them still takes frames.
+    """
+
+    def copyCUDAMemory(
+        self, address: int, size: int, shape: CUDAMemoryShapeLike, stream: int | None = None
+    ) -> None: ...
+
+    def copyNumpyArray(self, arr: npt.NDArray[np.generic]) -> None: ...
+
+    def clearScriptErrors(self, recurse: bool = False, error: str = "*") -> None: ...
+
+
+#: Makes an empty ``CUDAMemoryShape`` (``td.CUDAMemoryShape``, or a fake outside TouchDesigner).
+ShapeFactory = Callable[[], CUDAMemoryShapeLike]
 
 
 # =============================================================================================== formats
 
 
-def td_dtype(data_type: object, *, what: str = "CUDAMemoryShape.dataType") -> np.dtype[Any]:
+def td_dtype(data_type: object, *, what: str = "CUDAMemoryShape.dataType") -> np.dtype[np.generic]:
     """The numpy dtype of a TD ``dataType``; refuses what TD refuses, with the fix in the message."""
     if isinstance(data_type, np.dtype):
         raise FormatError(
@@ -73,21 +99,21 @@ def td_dtype(data_type: object, *, what: str = "CUDAMemoryShape.dataType") -> np
     return np.dtype(data_type)
 
 
-def pixel_format_for(dtype: Any, comps: int) -> PixelFormat:
+def pixel_format_for(dtype: npt.DTypeLike, comps: int) -> PixelFormat:
     """TD's channel order: BGRA for 8-bit 4-channel textures, RGBA (or fewer channels) otherwise."""
     if comps == 4:
         return PixelFormat.BGRA if np.dtype(dtype) == np.uint8 else PixelFormat.RGBA
     return {1: PixelFormat.GRAY, 2: PixelFormat.RG, 3: PixelFormat.RGB}[comps]
 
 
-def td_format_name(dtype: Any, comps: int) -> str | None:
+def td_format_name(dtype: npt.DTypeLike, comps: int) -> str | None:
     """The Script TOP ``format`` menu entry (``rgba8fixed``, ``r32float``...); None where TD has none."""
     depth = {"uint8": "8fixed", "uint16": "16fixed", "float32": "32float"}.get(np.dtype(dtype).name)
     channels = {1: "r", 2: "rg", 4: "rgba"}.get(comps)
     return None if depth is None or channels is None else channels + depth
 
 
-def _int_field(obj: Any, name: str, owner: str) -> int:
+def _int_field(obj: object, name: str, owner: str) -> int:
     value = getattr(obj, name, None)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise FormatError(f"cudalink: {owner}.{name} must be an int, got {value!r}")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ..cuda import arrays, devices, driver
 from ..errors import LinkError, LinkTimeout, ProducerGone
@@ -15,7 +16,10 @@ from ..link import Receiver
 from ..transport import wire
 from ..transport.base import Transport
 from .convert import _convert_cuda, _convert_host, _DeviceBuffer, _Plan, _sync, _td_default_shape
-from .formats import Method, ShapeFactory, Switch, td_format_name
+from .formats import CUDAMemoryShapeLike, Method, ScriptTOPLike, ShapeFactory, Switch, td_format_name
+
+if TYPE_CHECKING:
+    from ..cuda.objects import Stream
 
 
 class TopUpload:
@@ -51,7 +55,7 @@ class TopUpload:
         nbytes: int,
         plan: _Plan,
         stream: int | None,
-        keep: Any,
+        keep: tuple[object, ...],
         zero_copy: bool,
         steps: list[str],
         shape_factory: ShapeFactory | None,
@@ -63,7 +67,7 @@ class TopUpload:
         self.nbytes = nbytes
         self.width, self.height, self.comps, self.dtype = plan.width, plan.height, plan.comps, plan.dtype
         self.stream = stream
-        self.keep = keep
+        self.keep: tuple[object, ...] | None = keep
         self.zero_copy = zero_copy
         self.steps = steps
         self.shape_factory = shape_factory
@@ -71,7 +75,7 @@ class TopUpload:
         self.seq = seq
         self.submits = 0
 
-    def td_shape(self) -> Any:
+    def td_shape(self) -> CUDAMemoryShapeLike:
         """A ``CUDAMemoryShape`` for this upload; ``dataType`` is the numpy scalar type TD insists on."""
         shape = (self.shape_factory or _td_default_shape)()
         shape.width = self.width
@@ -80,12 +84,12 @@ class TopUpload:
         shape.dataType = self.dtype.type
         return shape
 
-    def submit(self, script_op: Any) -> None:
+    def submit(self, script_op: ScriptTOPLike) -> None:
         """Copy into ``script_op`` (again): TD first waits for work queued on our stream."""
         if self.keep is None:
             raise LinkError("cudalink: this upload was released; show a new frame")
         if self.method == "numpy":
-            script_op.copyNumpyArray(self.keep[-1])
+            script_op.copyNumpyArray(cast("npt.NDArray[np.generic]", self.keep[-1]))  # the host array is last
         elif self.stream is None:
             script_op.copyCUDAMemory(self.ptr, self.nbytes, self.td_shape())
         else:
@@ -118,10 +122,10 @@ class TopUpload:
         return f"<cudalink.td.TopUpload {size} {self.method} {how}>"
 
 
-_default_streams: dict[int, Any] = {}
+_default_streams: dict[int, Stream] = {}
 
 
-def _stream_in(cache: dict[int, Any], device: int) -> int:
+def _stream_in(cache: dict[int, Stream], device: int) -> int:
     """Our own non-default stream on ``device``, made once per ``cache`` (module-wide, or a sink's)."""
     stream = cache.get(device)
     if stream is None:
@@ -135,7 +139,7 @@ def _default_stream(device: int) -> int:
 
 def _prepare(
     frame: Frame,
-    script_op: Any,
+    script_op: ScriptTOPLike,
     *,
     stream: Callable[[int], int],
     flip: Switch,
@@ -151,7 +155,9 @@ def _prepare(
     plan = _Plan(frame, flip, swap_rb, method)
     steps = plan.steps(frame)
 
-    def upload(ptr: int, nbytes: int, stream: int | None, keep: Any, zero: bool, device: int) -> TopUpload:
+    def upload(
+        ptr: int, nbytes: int, stream: int | None, keep: tuple[object, ...], zero: bool, device: int
+    ) -> TopUpload:
         return TopUpload(
             method=method,
             ptr=ptr,
@@ -183,9 +189,9 @@ def _prepare(
 
 def to_script_top(
     frame: Frame,
-    script_op: Any,
+    script_op: ScriptTOPLike,
     *,
-    stream: Any = None,
+    stream: object = None,
     flip: Switch = False,
     swap_rb: Switch = False,
     shape_factory: ShapeFactory | None = None,
@@ -231,7 +237,7 @@ class ScriptTopSink:
     def __init__(
         self,
         *,
-        stream: Any = None,
+        stream: object = None,
         shape_factory: ShapeFactory | None = None,
         array_backend: str | None = None,
         method: Method = "auto",
@@ -240,7 +246,7 @@ class ScriptTopSink:
         self.array_backend = array_backend
         self.method: Method = method
         self._user_stream = stream
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[int, Stream] = {}
         self._last: TopUpload | None = None
 
     @property
@@ -253,7 +259,9 @@ class ScriptTopSink:
             return driver.stream_handle(self._user_stream)
         return _stream_in(self._streams, device)
 
-    def show(self, frame: Frame, script_op: Any, *, flip: Switch = False, swap_rb: Switch = False) -> TopUpload:
+    def show(
+        self, frame: Frame, script_op: ScriptTOPLike, *, flip: Switch = False, swap_rb: Switch = False
+    ) -> TopUpload:
         """Upload ``frame``; the previous upload is let go only once this one has been handed to TD."""
         upload = _prepare(
             frame,
@@ -271,7 +279,7 @@ class ScriptTopSink:
             previous.release()
         return upload
 
-    def resubmit(self, script_op: Any) -> bool:
+    def resubmit(self, script_op: ScriptTOPLike) -> bool:
         """Copy the last upload again; False when there is none."""
         if self._last is None:
             return False
@@ -303,7 +311,7 @@ def _producer_closing(rx: Receiver) -> bool:
         return False
 
 
-def _report(script_op: Any, level: str, message: str) -> bool:
+def _report(script_op: ScriptTOPLike, level: str, message: str) -> bool:
     """Show ``message`` on the operator: addError/addWarning are TD's in-cook status, else a script error.
 
     Returns True when it became a script error (those stay until cleared).
@@ -320,13 +328,13 @@ def _report(script_op: Any, level: str, message: str) -> bool:
     return False
 
 
-def sync_top_format(script_op: Any, width: int, height: int, comps: int, dtype: Any) -> list[str]:
+def sync_top_format(script_op: ScriptTOPLike, width: int, height: int, comps: int, dtype: npt.DTypeLike) -> list[str]:
     """Best effort: set a Script TOP's resolution and pixel format to match the texture it gets.
 
     TD allocates the Script TOP's texture from those parameters. Only existing parameters that differ
     are touched; the return value lists what could not be set.
     """
-    wanted: list[tuple[str, Any]] = [
+    wanted: list[tuple[str, str | int]] = [
         ("outputresolution", "custom"),
         ("resolutionw", width),
         ("resolutionh", height),
@@ -370,7 +378,7 @@ class ScriptTopReceiver:
         match_format: bool = False,
         resubmit: bool = True,
         retry_s: float = 0.5,
-        stream: Any = None,
+        stream: object = None,
         shape_factory: ShapeFactory | None = None,
         array_backend: str | None = None,
         method: Method = "auto",
@@ -419,11 +427,11 @@ class ScriptTopReceiver:
             if rx is not None:
                 rx.close()
 
-    def _again(self, script_op: Any) -> None:
+    def _again(self, script_op: ScriptTOPLike) -> None:
         if self.resubmit:
             self.sink.resubmit(script_op)
 
-    def cook(self, script_op: Any, *, active: bool = True) -> str:
+    def cook(self, script_op: ScriptTOPLike, *, active: bool = True) -> str:
         """Run one cook of ``script_op``; returns the status also shown on it."""
         if self._script_error:  # our fallback messages from the last call; TD clears cook errors itself
             self._script_error = False
@@ -444,7 +452,7 @@ class ScriptTopReceiver:
         self.status = status
         return status
 
-    def _cook(self, script_op: Any, active: bool) -> tuple[str, str | None]:
+    def _cook(self, script_op: ScriptTOPLike, active: bool) -> tuple[str, str | None]:
         if not active:
             self._drop_receiver()
             self._again(script_op)
@@ -495,7 +503,7 @@ class ScriptTopReceiver:
             return warning, "warning"
         return f"frame {upload.seq}: {upload!r}", None
 
-    def _match_format(self, script_op: Any, frame: Frame) -> str | None:
+    def _match_format(self, script_op: ScriptTOPLike, frame: Frame) -> str | None:
         plan = _Plan(frame, self.flip, self.swap_rb, "cuda")
         key = (plan.width, plan.height, plan.comps, plan.dtype.name)
         if key == self._format:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -13,7 +13,10 @@ from ..frames.frame import Frame
 from ..frames.spec import FrameSpec
 from ..link import Sender
 from ..transport.base import Transport
-from .formats import CUDAMemoryLike, spec_from_cuda_memory
+from .formats import CUDAMemoryLike, TOPLike, spec_from_cuda_memory
+
+if TYPE_CHECKING:
+    from ..cuda.objects import Stream
 
 
 class _StreamReady:
@@ -35,7 +38,7 @@ class _StreamReady:
 def frame_from_cuda_memory(
     mem: CUDAMemoryLike,
     *,
-    stream: Any = None,
+    stream: object = None,
     seq: int = 0,
     device: int | str = 0,
     timestamp_ns: int | None = None,
@@ -96,7 +99,7 @@ class TDSender:
         self.sent = 0
         self.dropped = 0
         self._sender: Sender | None = None
-        self._stream: Any = None
+        self._stream: Stream | None = None
         self._stream_int: int | None = None
         self._closed = False
 
@@ -116,7 +119,7 @@ class TDSender:
         """The underlying link, once the first frame has created it."""
         return self._sender
 
-    def send_top(self, top: Any, *, meta: bytes = b"") -> int | None:
+    def send_top(self, top: TOPLike, *, meta: bytes = b"") -> int | None:
         """``top.cudaMemory()`` on our stream, then :meth:`send`; returns the seq, or None if dropped."""
         stream = self.stream
         mem = top.cudaMemory() if stream is None else top.cudaMemory(stream=stream)

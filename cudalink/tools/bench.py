@@ -20,15 +20,16 @@ import importlib.metadata
 import importlib.util
 import math
 import multiprocessing as mp
+import multiprocessing.queues as mpq
 import os
 import platform
 import queue as queue_mod
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import numpy as np
 
@@ -42,16 +43,56 @@ from .peers.link import LinkProducer, LinkSource
 from .peers.mpqueue import QueueProducer, QueueSource
 from .peers.shm import ShmProducer, ShmSource
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnProcess
+    from multiprocessing.process import BaseProcess
 
-def _open_source(job: ConsumerJob, chan: Any) -> Any:
-    if job.peer == "cudalink":
-        return LinkSource(job)
-    if job.peer == "shm":
-        return ShmSource(job, chan)
-    return QueueSource(job, chan)
+    from ..link import WaitMode
+    from .breakdown import Breakdown
+    from .peers import Channel, Producer, QueueItem, Source
+
+_F = TypeVar("_F")
+
+#: p50/p99/mean/n in microseconds, as ``measure.summarize`` makes it
+Summary = dict[str, float]
 
 
-def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
+class ConsumerResult(TypedDict):
+    """One consumer's samples, frame by frame (the costs only in poll mode)."""
+
+    seq: list[int]
+    t: list[int]  # monotonic ns when the frame arrived
+    wall: list[int]  # time.time_ns when it arrived
+    pub: list[int]  # the producer's publish stamp (time.time_ns)
+    cost: list[int]  # take + export
+    rcost: list[int]  # frame.release()
+    dcost: list[int]  # deleting the export
+    skipped: int
+
+
+if TYPE_CHECKING:
+    #: what a consumer tells the parent: it is ready (its pid), its samples, or why it failed
+    ConsumerMsg = (
+        tuple[Literal["ready"], int, int]
+        | tuple[Literal["result"], int, ConsumerResult]
+        | tuple[Literal["error"], int, str]
+    )
+
+
+def _pipe(chan: Channel) -> Connection:
+    if chan is None or isinstance(chan, mpq.Queue):
+        raise LinkError(f"cudalink: the shm peer's consumer needs a pipe, got {type(chan).__name__}")
+    return chan
+
+
+def _queue(chan: Channel) -> mpq.Queue[QueueItem]:
+    if not isinstance(chan, mpq.Queue):
+        raise LinkError(f"cudalink: an mp.Queue peer's consumer needs a queue, got {type(chan).__name__}")
+    return chan
+
+
+def bench_consumer(job: ConsumerJob, chan: Channel, out: mpq.Queue[ConsumerMsg]) -> None:
     """One consumer of one bench run: per frame, its seq, publish and arrival times, and (poll) take cost.
 
     Arrival is recorded twice: ``time.time_ns`` to compare with the producer's publish stamp (the
@@ -59,7 +100,16 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
     ``time.monotonic_ns`` to compare with the moment the producer's send call returned.
     """
     _child_init()
-    src: Any = None
+    if job.peer == "cudalink":
+        _consume(job, out, lambda: LinkSource(job))
+    elif job.peer == "shm":
+        _consume(job, out, lambda: ShmSource(job, _pipe(chan)))
+    else:
+        _consume(job, out, lambda: QueueSource(job, _queue(chan)))
+
+
+def _consume(job: ConsumerJob, out: mpq.Queue[ConsumerMsg], open_source: Callable[[], Source[_F]]) -> None:
+    src: Source[_F] | None = None
     seqs: list[int] = []
     times: list[int] = []
     walls: list[int] = []
@@ -68,9 +118,11 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
     dcosts: list[int] = []  # poll mode: deleting the exported array/tensor
     rcosts: list[int] = []  # poll mode: frame.release()
     try:
-        src = _open_source(job, chan)
+        src = open_source()
         out.put(("ready", job.index, os.getpid()))
         if job.mode == "async":
+            if not isinstance(src, LinkSource):
+                raise LinkError(f"cudalink: async mode receives through cudalink, not {job.peer}")
             asyncio.run(_consume_async(src, seqs, times, walls, pubs))
         elif job.mode == "poll":
             while True:
@@ -109,7 +161,7 @@ def bench_consumer(job: ConsumerJob, chan: Any, out: Any) -> None:
                 pubs.append(pub)
                 src.done(obj)
                 del obj
-        result = {
+        result: ConsumerResult = {
             "seq": seqs,
             "t": times,
             "wall": walls,
@@ -172,11 +224,142 @@ PEER_LABELS_GPU = {
 PEER_ORDER = ("torch-mp", "shm", "core-pickle")
 
 
+class _RunArgs(TypedDict):
+    shape: tuple[int, ...]
+    n: int
+    interval: float
+
+
+class RunArgs(_RunArgs, total=False):
+    """One measured run's settings (:meth:`Bench._run`'s keywords)."""
+
+    seconds: float
+    k: int
+    mode: str
+    wait: WaitMode
+    latest: bool
+
+
+# -- the report (the bench's JSON) -------------------------------------------------------------------------
+
+
+class _RowFields(TypedDict):
+    id: str
+    metric: str
+    detail: str
+    unit: str
+    peer_name: str
+    peer_label: str
+    status: str  # "ok" | "skipped" | "error"
+    reason: str
+    cudalink: Summary | None
+    peer: Summary | None
+    ratio_p50: float | None
+    ratio_p99: float | None
+    note: str
+
+
+class Row(_RowFields, total=False):
+    """One metric, cudalink against one peer (or a plain D2D copy)."""
+
+    from_send_return: dict[str, Summary | None]  # handoff and fan-out rows
+
+
+class WaitEntry(TypedDict):
+    mode: str
+    api: str
+    status: str
+    reason: str
+    handoff: Summary | None
+
+
+class Goal(TypedDict):
+    goal: str
+    cudalink: float | None
+    reference: float | None
+    reference_label: str
+    ratio: float | None
+    target: str
+    met: bool | None
+
+
+#: cudalink figures the goals need that no peer row carries
+Extra = TypedDict(
+    "Extra",
+    {
+        "release": Summary | None,
+        "recv_export_release": Summary | None,
+        "small_fps_cudalink": float | None,
+        "small_fps_torch-mp": float | None,
+    },
+    total=False,
+)
+
+
+class PlanInfo(TypedDict):
+    latency_frames: int
+    small_seconds: float
+    fanout_frames: int
+    fanout_consumers: int
+    warmup_frames: int
+    interval_ms: float
+    slots: int
+
+
+class _MachineFields(TypedDict):
+    python: str
+    platform: str
+    cpus: int | None
+    numpy: str
+    control: str
+
+
+class Machine(_MachineFields, total=False):
+    gpu: str
+    core: dict[str, str]
+
+
+#: floor name -> its summary, or why the floors could not be measured
+Floors = dict[str, Summary | None] | str
+
+
+class GoalInputs(TypedDict):
+    """What :func:`goals` reads of the report."""
+
+    rows: list[Row]
+    wait_modes: list[WaitEntry]
+    floors: Floors
+
+
+class _ReportFields(TypedDict):
+    cudalink_version: str
+    backend: str
+    gpu_lib: str | None
+    quick: bool
+    duration_s: float
+    machine: Machine
+    floors: Floors
+    breakdown: Breakdown | str
+
+
+class BenchReport(_ReportFields, total=False):
+    """The bench's JSON; a ``--breakdown`` run has only the fields above."""
+
+    backend_note: str
+    ratio: str
+    clock: str
+    plan: PlanInfo
+    rows: list[Row]
+    wait_modes: list[WaitEntry]
+    extra: Extra
+    goals: list[Goal]
+
+
 @dataclass
 class RunResult:
     sent: dict[int, int]  # seq -> monotonic ns when send() returned
     costs: list[int]  # ns inside send()
-    results: list[dict[str, Any]]
+    results: list[ConsumerResult]
     drops: int
     warm: int
 
@@ -246,7 +429,7 @@ class Bench:
     breakdown_only: bool = False  # ``--breakdown``: the floors and the stage breakdown, nothing else
     plan: Plan = field(init=False)
     _floors: dict[str, list[int]] | str | None = field(default=None, init=False)
-    _breakdown: dict[str, Any] | str | None = field(default=None, init=False)
+    _breakdown: Breakdown | str | None = field(default=None, init=False)
     _runs: dict[tuple[str, str], RunResult | str] = field(default_factory=dict, init=False)
     _bw: dict[str, tuple[list[int], list[int]] | str] = field(default_factory=dict, init=False)
     _lib: GpuLib | None = field(default=None, init=False)
@@ -290,7 +473,7 @@ class Bench:
         ]
         if self.breakdown_only:
             return steps
-        runs: list[tuple[str, dict[str, Any]]] = [
+        runs: list[tuple[str, RunArgs]] = [
             ("handoff", {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s}),
             (
                 "recv_export",
@@ -319,7 +502,8 @@ class Bench:
         for metric, kw in runs:
             for peer in ("cudalink", *live):
                 steps.append((f"{metric} · {peer}", self._step(metric, peer, kw)))
-        for mode in ("spin", "block", "async"):
+        modes: tuple[Literal["spin", "block", "async"], ...] = ("spin", "block", "async")
+        for mode in modes:
             kw = {
                 "shape": pl.frame_shape,
                 "n": pl.latency_frames,
@@ -333,7 +517,7 @@ class Bench:
                 steps.append((f"{key} · send vs D2D", self._bw_step(key, shape)))
         return steps
 
-    def _step(self, metric: str, peer: str, kw: dict[str, Any]) -> Callable[[], None]:
+    def _step(self, metric: str, peer: str, kw: RunArgs) -> Callable[[], None]:
         def run() -> None:
             try:
                 self._runs[(metric, peer)] = self._run(peer, **kw)
@@ -386,7 +570,7 @@ class Bench:
             self._lib = GpuLib(self.backend.lib, self.backend.device)
         return self._lib
 
-    def _source(self, shape: tuple[int, ...], dtype: str) -> Any:
+    def _source(self, shape: tuple[int, ...], dtype: str) -> object:
         host = (np.arange(int(math.prod(shape))) % 251).astype(dtype).reshape(shape)
         if not self.backend.is_cuda:
             return host
@@ -399,7 +583,7 @@ class Bench:
         self._counter += 1
         return f"bench-{os.getpid()}-{self._counter}"
 
-    def _producer(self, peer: str, shape: tuple[int, ...], dtype: str, k: int) -> Any:
+    def _producer(self, peer: str, shape: tuple[int, ...], dtype: str, k: int) -> Producer:
         b, slots = self.backend, self.plan.slots
         if peer == "cudalink":
             return LinkProducer(self._name(), shape, dtype, k, slots, b)
@@ -419,14 +603,14 @@ class Bench:
         seconds: float = math.inf,
         k: int = 1,
         mode: str = "recv",
-        wait: str = "hybrid",
+        wait: WaitMode = "hybrid",
         latest: bool = True,
         dtype: str = "uint8",
     ) -> RunResult:
         src = self._source(shape, dtype)
-        out = self._ctx.Queue()
+        out: mpq.Queue[ConsumerMsg] = self._ctx.Queue()
         prod = self._producer(peer, shape, dtype, k)
-        procs: list[Any] = []
+        procs: list[SpawnProcess] = []
         try:
             for i in range(k):
                 job = ConsumerJob(
@@ -481,8 +665,15 @@ class Bench:
         return RunResult(sent, costs, results, drops, self.plan.warm)
 
     @staticmethod
-    def _collect(out: Any, kind: str, k: int, procs: list[Any], timeout: float) -> list[dict[str, Any]]:
-        got: dict[int, dict[str, Any]] = {}
+    def _collect(
+        out: mpq.Queue[ConsumerMsg],
+        kind: Literal["ready", "result"],
+        k: int,
+        procs: Sequence[BaseProcess],
+        timeout: float,
+    ) -> list[ConsumerResult]:
+        """Wait for every consumer's ``kind`` message; the results, in consumer order (none for "ready")."""
+        got: dict[int, ConsumerResult | None] = {}
         deadline = time.monotonic() + timeout
         while len(got) < k:
             try:
@@ -499,8 +690,8 @@ class Bench:
             if msg[0] == "error":
                 raise LinkError(f"cudalink: consumer {msg[1]} failed: {msg[2]}")
             if msg[0] == kind:
-                got[int(msg[1])] = msg[2] if kind == "result" else {}
-        return [got[i] for i in sorted(got)]
+                got[int(msg[1])] = msg[2] if msg[0] == "result" else None
+        return [r for i in sorted(got) if (r := got[i]) is not None]
 
     def _copy_bw(self, shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
         """Sender.send + stream sync vs a plain D2D copy + sync of the same float32 frame, in this process."""
@@ -514,6 +705,7 @@ class Bench:
         ours: list[int] = []
         plain: list[int] = []
         with Sender(self._name(), shape=shape, dtype="float32", slots=2, device=self.backend.device) as tx:
+            assert tx.stream is not None  # a CUDA link has its own stream
             for i in range(iters + 3):
                 t0 = mono()
                 tx.send(src)
@@ -530,7 +722,7 @@ class Bench:
 
     # -- everything ---------------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> BenchReport:
         started = time.time()
         steps = self._steps()
         for i, (desc, fn) in enumerate(steps):
@@ -544,7 +736,7 @@ class Bench:
     def _get(self, metric: str, peer: str) -> RunResult | str | None:
         return self._runs.get((metric, peer))
 
-    def _report(self, duration: float) -> dict[str, Any]:
+    def _report(self, duration: float) -> BenchReport:
         if self.breakdown_only:
             return self._report_breakdown(duration)
         export = f"{self.backend.lib}.from_dlpack" if self.backend.is_cuda else "np.from_dlpack"
@@ -584,7 +776,7 @@ class Bench:
             ),
         ]
         run_of = {"send_cost": "handoff"}
-        rows: list[dict[str, Any]] = []
+        rows: list[Row] = []
         peers = self.peers()
         for mid, title, detail, unit, fn in metrics:
             run_id = run_of.get(mid, mid)
@@ -638,10 +830,10 @@ class Bench:
                     if s
                 )
             rows.append(row)
-        waits = []
+        waits: list[WaitEntry] = []
         for mode in ("spin", "hybrid", "block", "async"):
             run = self._get("handoff" if mode == "hybrid" else f"wait_{mode}", "cudalink")
-            entry: dict[str, Any] = {
+            entry: WaitEntry = {
                 "mode": mode,
                 "api": "await rx.recv_async()" if mode == "async" else f"Receiver(wait={mode!r}).recv()",
                 "status": "ok",
@@ -653,12 +845,12 @@ class Bench:
             else:
                 entry["status"], entry["reason"] = "error", run or "not run"
             waits.append(entry)
-        floors: dict[str, Any] | str
+        floors: Floors
         if isinstance(self._floors, dict):
             floors = {k: summarize(v) for k, v in self._floors.items()}
         else:
             floors = self._floors or "not run"
-        report_rows = {"rows": rows, "wait_modes": waits, "floors": floors}
+        report_rows: GoalInputs = {"rows": rows, "wait_modes": waits, "floors": floors}
         return {
             "cudalink_version": __version__,
             "backend": self.backend.label,
@@ -690,8 +882,8 @@ class Bench:
             "goals": goals(report_rows, self._breakdown, self._extra(), self.backend.is_cuda),
         }
 
-    def _report_breakdown(self, duration: float) -> dict[str, Any]:
-        floors: dict[str, Any] | str
+    def _report_breakdown(self, duration: float) -> BenchReport:
+        floors: Floors
         if isinstance(self._floors, dict):
             floors = {k: summarize(v) for k, v in self._floors.items()}
         else:
@@ -707,17 +899,19 @@ class Bench:
             "breakdown": self._breakdown if self._breakdown is not None else "not run",
         }
 
-    def _extra(self) -> dict[str, Any]:
+    def _extra(self) -> Extra:
         """cudalink figures the goals need that no peer row carries."""
-        out: dict[str, Any] = {}
+        out: Extra = {}
         run = self._get("recv_export", "cudalink")
         if isinstance(run, RunResult):
             out["release"] = summarize(run.release_costs())
             out["recv_export_release"] = summarize(run.recv_release_costs())
-        for peer in ("cudalink", "torch-mp"):
-            small = self._get("small_throughput", peer)
-            if isinstance(small, RunResult):
-                out[f"small_fps_{peer}"] = small.fps()
+        small = self._get("small_throughput", "cudalink")
+        if isinstance(small, RunResult):
+            out["small_fps_cudalink"] = small.fps()
+        small = self._get("small_throughput", "torch-mp")
+        if isinstance(small, RunResult):
+            out["small_fps_torch-mp"] = small.fps()
         return out
 
 
@@ -735,19 +929,17 @@ _GOAL_KINDS: dict[str, tuple[str, Callable[[float, float], bool]]] = {
 }
 
 
-def goals(
-    report: dict[str, Any], breakdown: dict[str, Any] | str | None, extra: dict[str, Any], cuda: bool
-) -> list[dict[str, Any]]:
+def goals(report: GoalInputs, breakdown: Breakdown | str | None, extra: Extra, cuda: bool) -> list[Goal]:
     """The per-frame path's targets, each as cudalink's figure against its floor (or peer) from this run."""
     floors = report["floors"] if isinstance(report["floors"], dict) else {}
     rows = {(r["id"], r["peer_name"]): r for r in report["rows"]}
     waits = {w["mode"]: w["handoff"] for w in report["wait_modes"]}
-    bd = breakdown if isinstance(breakdown, dict) else {}
+    reserve = breakdown.get("reserve_commit") if isinstance(breakdown, dict) else None
 
-    def stat(summary: dict[str, float] | None, key: str = "p50") -> float | None:
+    def stat(summary: Summary | None, key: str = "p50") -> float | None:
         return None if not summary else summary.get(key)
 
-    def side(mid: str, peer: str, who: str, key: str = "p50") -> float | None:
+    def side(mid: str, peer: str, who: Literal["cudalink", "peer"], key: str = "p50") -> float | None:
         row = rows.get((mid, peer))
         return stat(row.get(who) if row and row.get("status") == "ok" else None, key)
 
@@ -761,7 +953,7 @@ def goals(
         ("handoff p50, wait='block', 2 ms cadence", stat(waits.get("block")), wake, "bare socketpair wake", "1.5x"),
         ("handoff p50, wait='hybrid', 2 ms cadence", stat(waits.get("hybrid")), wake, "bare socketpair wake", "1.5x"),
         ("handoff p50, wait='spin'", stat(waits.get("spin")), spin, "bare spin", "+10us"),
-        ("reserve() + commit p50 (in process, no consumer)", stat(bd.get("reserve_commit")), 10.0, "10 us", "10us"),
+        ("reserve() + commit p50 (in process, no consumer)", stat(reserve), 10.0, "10 us", "10us"),
     ]
     if cuda:
         send = side("send_cost", peer, "cudalink")
@@ -817,7 +1009,7 @@ def goals(
             "3x",
         )
     )
-    out = []
+    out: list[Goal] = []
     for goal, value, ref, label, kind in table:
         target, test = _GOAL_KINDS[kind]
         out.append(
@@ -834,7 +1026,7 @@ def goals(
     return out
 
 
-def _row(mid: str, title: str, detail: str, unit: str, peer: str, label: str) -> dict[str, Any]:
+def _row(mid: str, title: str, detail: str, unit: str, peer: str, label: str) -> Row:
     return {
         "id": mid,
         "metric": title,
@@ -852,7 +1044,9 @@ def _row(mid: str, title: str, detail: str, unit: str, peer: str, label: str) ->
     }
 
 
-def _fill(row: dict[str, Any], run: RunResult | str | None, fn: Callable[[RunResult], list[int]], key: str) -> None:
+def _fill(
+    row: Row, run: RunResult | str | None, fn: Callable[[RunResult], list[int]], key: Literal["cudalink", "peer"]
+) -> None:
     if isinstance(run, RunResult):
         row[key] = summarize(fn(run))
         if row[key] is None and row["status"] == "ok":
@@ -862,11 +1056,11 @@ def _fill(row: dict[str, Any], run: RunResult | str | None, fn: Callable[[RunRes
         row["reason"] = f"{key}: {run or 'not run'}"
 
 
-def _ratios(row: dict[str, Any]) -> None:
+def _ratios(row: Row) -> None:
     a, b = row["cudalink"], row["peer"]
     if a and b and row["status"] == "ok":
-        for q in ("p50", "p99"):
-            row[f"ratio_{q}"] = a[q] / b[q] if b[q] > 0 else None
+        row["ratio_p50"] = a["p50"] / b["p50"] if b["p50"] > 0 else None
+        row["ratio_p99"] = a["p99"] / b["p99"] if b["p99"] > 0 else None
 
 
 def _throughput_note(ours: RunResult | str | None, theirs: RunResult | str | None) -> str:
@@ -878,8 +1072,8 @@ def _throughput_note(ours: RunResult | str | None, theirs: RunResult | str | Non
     return " · ".join(parts)
 
 
-def machine_info(backend: Backend) -> dict[str, Any]:
-    info: dict[str, Any] = {
+def machine_info(backend: Backend) -> Machine:
+    info: Machine = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

@@ -15,11 +15,21 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 
 from .. import _trace
+
+if TYPE_CHECKING:
+    import multiprocessing.queues as mpq
+
+    from ..link import Sender, WaitMode
+
+    #: each frame's trace marks, by seq
+    Marks = dict[int, list[tuple[str, int]]]
+    #: what the traced consumer tells the parent: it is ready (its pid), its marks, or why it failed
+    BreakdownMsg = tuple[Literal["ready"], int] | tuple[Literal["result"], Marks] | tuple[Literal["error"], str]
 
 #: each stage is named by the mark that ends it and lasts from the previous mark of the same frame, so
 #: a backend that skips a step (the CPU has no events) folds its time into the next stage, never loses it.
@@ -52,20 +62,43 @@ TOTALS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def breakdown_consumer(name: str, device: int, lib: str, wait: str, out: Any) -> None:
+class Stage(TypedDict):
+    stage: str
+    side: str  # "producer" | "consumer" | "both"
+    mark: str
+    us: dict[str, float] | None  # measure.summarize's
+
+
+#: an end-to-end span (the functional form: "from" is a keyword)
+Total = TypedDict("Total", {"span": str, "from": str, "to": str, "us": dict[str, float] | None})
+
+
+class Breakdown(TypedDict):
+    """What :func:`run` returns (the bench report's ``breakdown``)."""
+
+    frames: int
+    wait: str
+    stages: list[Stage]
+    totals: list[Total]
+    reserve_commit: dict[str, float] | None
+    reserve_commit_attached: dict[str, float] | None
+    ring_cycle: dict[str, dict[str, float] | None]
+
+
+def breakdown_consumer(name: str, device: int, lib: str, wait: WaitMode, out: mpq.Queue[BreakdownMsg]) -> None:
     """The traced consumer: recv, export, release; one list of marks per frame, sent back at the end."""
     from ..errors import ProducerGone
     from ..link import Receiver
     from .measure import GpuLib, _child_init, _one_line
 
     _child_init()
-    per_frame: dict[int, list[tuple[str, int]]] = {}
+    per_frame: Marks = {}
     try:
         g = GpuLib(lib, device) if device >= 0 else None
         if g is not None:
             g.context()
         export = g.mod.from_dlpack if g is not None else np.from_dlpack
-        rx = Receiver(name, wait=wait, timeout=30.0)  # type: ignore[arg-type]
+        rx = Receiver(name, wait=wait, timeout=30.0)
         out.put(("ready", os.getpid()))
         _trace.enable()
         mark = _trace.mark
@@ -87,7 +120,7 @@ def breakdown_consumer(name: str, device: int, lib: str, wait: str, out: Any) ->
         out.put(("error", _one_line(exc)))
 
 
-def _reserve_costs(tx: Any, n: int) -> list[int]:
+def _reserve_costs(tx: Sender, n: int) -> list[int]:
     """``reserve()`` + commit, back to back, nothing written: the API's own CPU cost, hot."""
     mono = time.monotonic_ns
     out = []
@@ -111,6 +144,7 @@ def ring_cycles(n: int = 20_000, batch: int = 50) -> dict[str, dict[str, float] 
     from ..transport import wire
     from .measure import summarize
 
+    # (producer ring, consumer ring) classes; the timed loop uses a take's result unchecked (no None test)
     impls: dict[str, tuple[Any, Any]] = {"python": (_ring.PyProducerRing, _ring.PyConsumerRing)}
     if _ring._native_ring is not None:
         impls["compiled"] = (_ring._NativeProducerRing, _ring._native_ring.ConsumerCore)
@@ -142,8 +176,8 @@ def run(
     frames: int,
     interval: float,
     warm: int,
-    wait: str = "block",
-) -> dict[str, Any]:
+    wait: WaitMode = "block",
+) -> Breakdown:
     """One traced run; returns ``{"stages": [...], "totals": [...], "reserve_commit": summary}``."""
     from ..errors import LinkError
     from ..link import Sender
@@ -156,8 +190,8 @@ def run(
     src = g.from_numpy(host) if g is not None else host
     if g is not None:
         g.sync()
-    out = ctx.Queue()
-    produced: dict[int, list[tuple[str, int]]] = {}
+    out: mpq.Queue[BreakdownMsg] = ctx.Queue()
+    produced: Marks = {}
     reserve_attached: list[int] = []
     with Sender(name, shape=shape, dtype="uint8", device=device if device >= 0 else "cpu") as tx:
         reserve = _reserve_costs(tx, max(frames // 4, 20))  # before any consumer: nobody to wake
@@ -191,9 +225,9 @@ def run(
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-    if msg[0] == "error":
+    if msg[0] != "result":  # an error (a consumer's "ready" came first, above)
         raise LinkError(f"cudalink: breakdown consumer failed: {msg[1]}")
-    consumed: dict[int, list[tuple[str, int]]] = msg[1]
+    consumed = msg[1]
     both = [{**dict(produced[s]), **dict(consumed[s])} for s in sorted(consumed) if s > warm and s in produced]
     durations: dict[str, list[int]] = {m: [] for m, _, _ in STAGES}
     for m in both:
@@ -204,8 +238,10 @@ def run(
                 start = earlier[-1] if earlier else None
             if start is not None and start in m and end in m:
                 durations[end].append(m[end] - m[start])
-    stages = [{"stage": label, "side": side, "mark": m, "us": summarize(durations[m])} for m, label, side in STAGES]
-    totals = []
+    stages: list[Stage] = [
+        {"stage": label, "side": side, "mark": m, "us": summarize(durations[m])} for m, label, side in STAGES
+    ]
+    totals: list[Total] = []
     for label, a, b in TOTALS:
         vals = [m[b] - m[a] for m in both if a in m and b in m]
         totals.append({"span": label, "from": a, "to": b, "us": summarize(vals)})

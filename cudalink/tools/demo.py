@@ -16,9 +16,10 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -30,6 +31,11 @@ from ..transport import wire
 from .measure import GpuLib, _child_init, _one_line, resolve_backend
 from .monitor import Snapshot, read_snapshot
 from .ui import _console, _pcts, _us
+
+if TYPE_CHECKING:
+    import multiprocessing.queues as mpq
+    from multiprocessing.context import SpawnProcess
+    from multiprocessing.synchronize import Event
 
 PATTERN_PERIOD = 113  # prime, so frame k's content differs from k-1's; 0..112 fits every dtype exactly
 DEMO_META = struct.Struct("<QQ")  # frame counter k, byte checksum
@@ -50,6 +56,67 @@ class DemoConfig:
     report_s: float = 0.25
 
 
+# -- what the children tell the parent (through one mp.Queue) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProducerReady:
+    """The Sender is up; consumers may start."""
+
+    pid: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """Every consumer attached: frames flow from now (``time.time()``)."""
+
+    since: float
+
+
+@dataclass(frozen=True)
+class ProducerStats:
+    """The Sender's counters, plus ``attempts`` and ``elapsed``; ``final`` once the producer stopped."""
+
+    stats: dict[str, float]
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Attached:
+    index: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class ConsumerStats:
+    """A consumer's counts so far, and the latencies (ns) since its previous report."""
+
+    index: int
+    pid: int
+    received: int
+    skipped: int
+    mismatches: int
+    lat: list[int]
+    first_error: str
+
+
+@dataclass(frozen=True)
+class ConsumerDone:
+    index: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A child's error: ``index`` is the consumer's, None for the producer."""
+
+    index: int | None
+    error: str
+
+
+DemoMsg = ProducerReady | Streaming | ProducerStats | Attached | ConsumerStats | ConsumerDone | Failed
+
+
 class Pattern:
     """Frame k is element i -> (i + k) mod 113, cast to the dtype: changing content, closed-form checksum.
 
@@ -67,7 +134,7 @@ class Pattern:
         self._bytes = per.view(np.uint8).reshape(m, self.dtype.itemsize).sum(axis=1).astype(np.int64)
         self.sample_idx = sorted({0, self.n // 2, self.n - 1})
 
-    def source(self) -> np.ndarray[Any, Any]:
+    def source(self) -> npt.NDArray[np.generic]:
         """One flat array; frame k is ``source[k % 113 : k % 113 + n]``."""
         return (np.arange(self.n + PATTERN_PERIOD) % PATTERN_PERIOD).astype(self.dtype)
 
@@ -77,12 +144,12 @@ class Pattern:
         part = int(self._bytes[(s + np.arange(rem)) % m].sum()) if rem else 0
         return q * int(self._bytes.sum()) + part
 
-    def expected(self, k: int) -> np.ndarray[Any, Any]:
+    def expected(self, k: int) -> npt.NDArray[np.generic]:
         idx = np.asarray(self.sample_idx)
         return ((idx + k % PATTERN_PERIOD) % PATTERN_PERIOD).astype(self.dtype)
 
 
-def demo_producer(cfg: DemoConfig, out: Any, stop: Any) -> None:
+def demo_producer(cfg: DemoConfig, out: mpq.Queue[DemoMsg], stop: Event) -> None:
     """Publish pattern frames until ``stop``, --seconds or --frames; report stats to ``out`` as it goes."""
     _child_init()
     from ..link import Sender
@@ -91,9 +158,9 @@ def demo_producer(cfg: DemoConfig, out: Any, stop: Any) -> None:
     try:
         pat = Pattern(cfg.shape, cfg.dtype)
         lib = GpuLib(cfg.lib, cfg.device) if cfg.device >= 0 else None
-        src: Any = pat.source()
+        host = pat.source()
+        src = host if lib is None else lib.from_numpy(host)
         if lib is not None:
-            src = lib.from_numpy(src)
             lib.sync()
         tx = Sender(
             cfg.name,
@@ -103,14 +170,14 @@ def demo_producer(cfg: DemoConfig, out: Any, stop: Any) -> None:
             device=cfg.device if cfg.device >= 0 else "cpu",
             max_consumers=max(16, cfg.consumers),
         )
-        out.put(("ready", os.getpid(), tx.generation))
+        out.put(ProducerReady(os.getpid(), tx.generation))
         deadline = time.monotonic() + 60.0
         while tx.stats()["consumers"] < cfg.consumers and not stop.is_set():
             if time.monotonic() > deadline:
                 n = tx.stats()["consumers"]
                 raise LinkTimeout(f"cudalink: only {n} of {cfg.consumers} consumers attached within 60s")
             time.sleep(0.01)
-        out.put(("streaming", time.time()))
+        out.put(Streaming(time.time()))
         start = last = time.monotonic()
         period = 1.0 / cfg.fps if cfg.fps > 0 else 0.0
         next_t = start
@@ -122,11 +189,11 @@ def demo_producer(cfg: DemoConfig, out: Any, stop: Any) -> None:
             if cfg.seconds is not None and now - start >= cfg.seconds:
                 break
             s = k % PATTERN_PERIOD
-            frame = src[s : s + pat.n].reshape(cfg.shape)
+            frame = src[s : s + pat.n].reshape(*cfg.shape)
             tx.send(frame, meta=DEMO_META.pack(k, pat.checksum(k)))
             k += 1
             if now - last >= cfg.report_s:
-                out.put(("producer", dict(tx.stats(), attempts=k, elapsed=now - start)))
+                out.put(ProducerStats(dict(tx.stats(), attempts=k, elapsed=now - start)))
                 last = now
             if period:
                 next_t += period
@@ -135,16 +202,16 @@ def demo_producer(cfg: DemoConfig, out: Any, stop: Any) -> None:
                     time.sleep(delay)
                 elif delay < -period:
                     next_t = time.monotonic()  # fell behind: do not burst to catch up
-        out.put(("producer_done", dict(tx.stats(), attempts=k, elapsed=time.monotonic() - start)))
+        out.put(ProducerStats(dict(tx.stats(), attempts=k, elapsed=time.monotonic() - start), final=True))
     except BaseException as exc:
-        out.put(("error", "producer", _one_line(exc)))
+        out.put(Failed(None, _one_line(exc)))
     finally:
         if tx is not None:
             with contextlib.suppress(Exception):
                 tx.close(timeout=5.0)
 
 
-def demo_consumer(cfg: DemoConfig, index: int, out: Any, stop: Any) -> None:
+def demo_consumer(cfg: DemoConfig, index: int, out: mpq.Queue[DemoMsg], stop: Event) -> None:
     """Receive, verify content against the stamped counter/checksum, report latency and counts."""
     _child_init()
     from ..link import Receiver
@@ -160,7 +227,7 @@ def demo_consumer(cfg: DemoConfig, index: int, out: Any, stop: Any) -> None:
         if lib is not None:
             lib.context()
         rx = Receiver(cfg.name, timeout=30.0, wait="hybrid")
-        out.put(("attached", index, os.getpid()))
+        out.put(Attached(index, os.getpid()))
         while True:
             try:
                 frame = rx.recv(timeout=0.5)
@@ -189,13 +256,13 @@ def demo_consumer(cfg: DemoConfig, index: int, out: Any, stop: Any) -> None:
                     first_error = f"frame {frame.seq} (k={k}): byte sum {total} vs {checksum}, samples {got}"
             now = time.monotonic()
             if now - last >= cfg.report_s:
-                out.put(("consumer", index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
+                out.put(ConsumerStats(index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
                 lat = []
                 last = now
-        out.put(("consumer", index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
-        out.put(("done", index))
+        out.put(ConsumerStats(index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
+        out.put(ConsumerDone(index))
     except BaseException as exc:
-        out.put(("error", index, _one_line(exc)))
+        out.put(Failed(index, _one_line(exc)))
     finally:
         if rx is not None:
             with contextlib.suppress(Exception):
@@ -233,7 +300,7 @@ class _ProducerState:
     pid: int = 0
     status: str = "starting"
     generation: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
     error: str = ""
     fps: float = 0.0
     _mark: tuple[float, int] = (0.0, 0)
@@ -250,7 +317,7 @@ def _update_fps(state: _ConsumerState | _ProducerState, count: int) -> None:
 
 
 def _demo_view(
-    cfg: Any, backend: str, prod: _ProducerState, cons: list[_ConsumerState], snap: Snapshot | None
+    cfg: DemoConfig, backend: str, prod: _ProducerState, cons: list[_ConsumerState], snap: Snapshot | None
 ) -> Group:
     st = prod.stats
     head = Text.assemble(
@@ -325,14 +392,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         args.fps,
     )
     ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
-    stop: Any = ctx.Event()
+    out: mpq.Queue[DemoMsg] = ctx.Queue()
+    stop = ctx.Event()
     prod = _ProducerState()
     cons = [_ConsumerState(i) for i in range(args.consumers)]
     producer = ctx.Process(target=demo_producer, args=(cfg, out, stop), daemon=True)
     producer.start()
     prod.pid = producer.pid or 0
-    workers: list[Any] = []
+    workers: list[SpawnProcess] = []
     budget = (seconds or 0) + (args.frames or 0) / max(1.0, args.fps or 1000.0) + 90.0
     hard_deadline = time.monotonic() + budget
     stop_deadline: float | None = None
@@ -347,39 +414,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 except queue_mod.Empty:
                     msg = None
                 while msg is not None:
-                    kind = msg[0]
-                    if kind == "ready":
-                        prod.status, prod.generation = "waiting for consumers", int(msg[2])
+                    if isinstance(msg, ProducerReady):
+                        prod.status, prod.generation = "waiting for consumers", int(msg.generation)
                         for c in cons:
                             w = ctx.Process(target=demo_consumer, args=(cfg, c.index, out, stop), daemon=True)
                             w.start()
                             c.pid = w.pid or 0
                             workers.append(w)
-                    elif kind == "streaming":
+                    elif isinstance(msg, Streaming):
                         prod.status = "streaming"
-                    elif kind in ("producer", "producer_done"):
-                        prod.stats = dict(msg[1])
+                    elif isinstance(msg, ProducerStats):
+                        prod.stats = dict(msg.stats)
                         _update_fps(prod, int(prod.stats.get("published", 0)))
-                        if kind == "producer_done":
+                        if msg.final:
                             prod.status, producer_done = "done", True
-                    elif kind == "attached":
-                        cons[msg[1]].status = "receiving"
-                    elif kind == "consumer":
-                        _, i, pid, received, skipped, mism, lat, first = msg
-                        c = cons[i]
-                        c.pid, c.received, c.skipped, c.mismatches = pid, received, skipped, mism
-                        c.first_error = c.first_error or first
-                        c.lat.extend(lat)
-                        c.recent.extend(lat)
-                        _update_fps(c, received)
-                    elif kind == "done":
-                        cons[msg[1]].status = "done"
-                    elif kind == "error":
-                        if msg[1] == "producer":
-                            prod.status, prod.error, producer_done = "failed", msg[2], True
-                            stop.set()
-                        else:
-                            cons[msg[1]].status, cons[msg[1]].error = "failed", msg[2]
+                    elif isinstance(msg, Attached):
+                        cons[msg.index].status = "receiving"
+                    elif isinstance(msg, ConsumerStats):
+                        c = cons[msg.index]
+                        c.pid, c.received, c.skipped, c.mismatches = msg.pid, msg.received, msg.skipped, msg.mismatches
+                        c.first_error = c.first_error or msg.first_error
+                        c.lat.extend(msg.lat)
+                        c.recent.extend(msg.lat)
+                        _update_fps(c, msg.received)
+                    elif isinstance(msg, ConsumerDone):
+                        cons[msg.index].status = "done"
+                    elif msg.index is None:  # Failed: the producer
+                        prod.status, prod.error, producer_done = "failed", msg.error, True
+                        stop.set()
+                    else:
+                        cons[msg.index].status, cons[msg.index].error = "failed", msg.error
                     try:
                         msg = out.get_nowait()
                     except queue_mod.Empty:
@@ -425,7 +489,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo_summary(
     console: Console,
-    cfg: Any,
+    cfg: DemoConfig,
     backend: str,
     prod: _ProducerState,
     cons: list[_ConsumerState],

@@ -26,18 +26,32 @@ import multiprocessing as mp
 import os
 import struct
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from ..cuda import devices, driver
+from ..errors import LinkError
+
+if TYPE_CHECKING:
+    import multiprocessing.queues as mpq
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnContext
+
+    from ..cuda.objects import Event, Stream
+
+    #: what a floor child tells the parent: it is ready (its pid), its samples, or why it failed
+    FloorMsg = (
+        tuple[Literal["ready"], int] | tuple[Literal["result"], dict[str, list[int]]] | tuple[Literal["error"], str]
+    )
 
 _T = struct.Struct("<q")
 _T2 = struct.Struct("<qq")  # the spin floor's word and its complement: a torn read never passes as a stamp
 STOP = -1
 
 
-def _pace(interval: float, n: int, send: Any, work: Any = None) -> None:
+def _pace(interval: float, n: int, send: Callable[[int], object], work: Callable[[], None] | None = None) -> None:
     """Every ``interval``: do what the producer does before publishing (``work``), then stamp and send."""
     for _ in range(n):
         if work is not None:
@@ -48,7 +62,14 @@ def _pace(interval: float, n: int, send: Any, work: Any = None) -> None:
 
 
 def floor_child(
-    conn: Any, seg_name: str, kind: str, shape: tuple[int, ...], device: int, lib: str, ev: Any, out: Any
+    conn: Connection,
+    seg_name: str,
+    kind: str,
+    shape: tuple[int, ...],
+    device: int,
+    lib: str,
+    ev: tuple[bytes, int] | None,
+    out: mpq.Queue[FloorMsg],
 ) -> None:
     """One floor, in a spawned child: wait the way a consumer waits, then time the bare operation."""
     from ..transport.shm import _open_segment
@@ -108,9 +129,14 @@ def floor_child(
             seg.close()
 
 
-def _gpu_ops(shape: tuple[int, ...], device: int, lib: str, ev_handle: tuple[bytes, int]) -> Any:
+def _gpu_ops(
+    shape: tuple[int, ...], device: int, lib: str, ev_handle: tuple[bytes, int] | None
+) -> Callable[[], dict[str, int]]:
     """The consumer-side driver floors, built once: an imported IPC event, a cached view, an own IPC event."""
     from .measure import GpuLib
+
+    if ev_handle is None:
+        raise LinkError("cudalink: the GPU floors need the parent's IPC event")
 
     g = GpuLib(lib, device)
     g.context()
@@ -162,8 +188,8 @@ def measure(
     seg = _open_segment(name, create=True, size=size)
     assert seg.buf is not None
     out: dict[str, list[int]] = {}
-    ev_handle: Any = None
-    keep: list[Any] = []
+    ev_handle: tuple[bytes, int] | None = None
+    keep: list[object] = []
     try:
         if backend_device >= 0:
             dev = devices.device(backend_device)
@@ -185,20 +211,20 @@ def measure(
 
 
 def _run_child(
-    ctx: Any,
-    seg: Any,
+    ctx: SpawnContext,
+    seg: Any,  # an open SharedMemory: its buf, read per frame in the stamp below, is never None here
     name: str,
     kind: str,
     shape: tuple[int, ...],
     device: int,
     lib: str,
-    ev_handle: Any,
+    ev_handle: tuple[bytes, int] | None,
     frames: int,
     interval: float,
 ) -> dict[str, list[int]]:
     import queue as queue_mod
 
-    q = ctx.Queue()
+    q: mpq.Queue[FloorMsg] = ctx.Queue()
     ours, theirs = ctx.Pipe(duplex=True)  # a socketpair on POSIX
     w = ours.fileno()
     p = ctx.Process(target=floor_child, args=(theirs, name, kind, shape, device, lib, ev_handle, q), daemon=True)
@@ -227,7 +253,7 @@ def _run_child(
             msg = q.get(timeout=60)
         except queue_mod.Empty as exc:
             raise RuntimeError(f"floor child '{kind}' sent no result") from exc
-        if msg[0] == "error":
+        if msg[0] != "result":  # an error ("ready" came first, above)
             raise RuntimeError(f"floor child '{kind}': {msg[1]}")
         return dict(msg[1])
     finally:
@@ -238,7 +264,7 @@ def _run_child(
 
 
 def _producer_ops(
-    device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float, ev: Any, stream: Any
+    device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float, ev: Event, stream: Stream
 ) -> dict[str, list[int]]:
     """The producer's driver floor, at the cadence: one frame's ``cuMemcpyDtoDAsync`` and an IPC event record."""
     from .measure import GpuLib

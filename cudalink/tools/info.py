@@ -11,7 +11,7 @@ import platform
 import shutil
 import sys
 import tempfile
-from typing import Any
+from typing import TypedDict
 
 from rich.table import Table
 from rich.text import Text
@@ -20,6 +20,44 @@ from .. import _native, _platform
 from .._version import __version__
 from ..cuda import devices, driver
 from .ui import _console
+
+
+class _GpuFields(TypedDict):
+    ordinal: int
+    name: str | None
+    uuid: str | None
+    compute_capability: str | None
+
+
+class GpuInfo(_GpuFields, total=False):
+    ipc: dict[str, bool]  # devices.ipc_support's, plus ipc_event_supported
+    ipc_error: str
+
+
+class ShmInfo(TypedDict, total=False):
+    path: str
+    total: int
+    free: int
+    error: str
+
+
+class _InfoFields(TypedDict):
+    cudalink: str
+    python: str
+    platform: str
+    packages: dict[str, str | None]
+
+
+class Info(_InfoFields, total=False):
+    """What ``info`` finds; the probes' keys are added as they run."""
+
+    driver: dict[str, str | None]  # "cuda", "kernel"
+    core: dict[str, str]
+    gpu_error: str
+    gpus: list[GpuInfo]
+    shm: ShmInfo
+    runtime_dir: str
+    runtime_dir_error: str
 
 
 def _version(dist: str) -> str | None:
@@ -46,7 +84,7 @@ def _driver_versions() -> tuple[str | None, str | None]:
         pass
     if cuda_v is None:
         try:
-            drv: Any = importlib.import_module("cuda.bindings.driver")
+            drv = importlib.import_module("cuda.bindings.driver")
             v = int(driver.check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
             cuda_v = f"{v // 1000}.{v % 1000 // 10}"
         except Exception:
@@ -54,11 +92,20 @@ def _driver_versions() -> tuple[str | None, str | None]:
     return cuda_v, kernel_v
 
 
-def gather_info() -> dict[str, Any]:
+def _attr(dev: object, attr: str) -> str | None:
+    """A device's ``attr`` as text (compute capability as "9.0"); None where it cannot be read."""
+    try:
+        v = getattr(dev, attr)
+        return ".".join(map(str, tuple(v))) if attr == "compute_capability" else str(v)
+    except Exception:
+        return None
+
+
+def gather_info() -> Info:
     """Everything ``info`` reports, each probe wrapped so a missing driver is a finding, not a crash."""
     from .measure import short_reason
 
-    out: dict[str, Any] = {
+    out: Info = {
         "cudalink": __version__,
         "python": f"{sys.version.split()[0]} ({platform.python_implementation()})",
         "platform": platform.platform(),
@@ -80,7 +127,7 @@ def gather_info() -> dict[str, Any]:
     out["driver"] = {"cuda": cuda_v, "kernel": kernel_v}
     _native.load_driver()  # so the report says why the compiled driver calls are (not) in use
     out["core"] = _native.status()  # after the driver probe, which decides the driver calls' module
-    gpus: list[dict[str, Any]] = []
+    gpus: list[GpuInfo] = []
     try:
         dev0 = devices.device(0)
     except Exception as exc:
@@ -93,17 +140,12 @@ def gather_info() -> dict[str, Any]:
         except Exception:
             devs = [dev0]
         for d in devs:
-            g: dict[str, Any] = {"ordinal": int(d.device_id)}
-            for key, attr in (
-                ("name", "name"),
-                ("uuid", "uuid"),
-                ("compute_capability", "compute_capability"),
-            ):
-                try:
-                    v = getattr(d, attr)
-                    g[key] = ".".join(map(str, tuple(v))) if key == "compute_capability" else str(v)
-                except Exception:
-                    g[key] = None
+            g: GpuInfo = {
+                "ordinal": int(d.device_id),
+                "name": _attr(d, "name"),
+                "uuid": _attr(d, "uuid"),
+                "compute_capability": _attr(d, "compute_capability"),
+            }
             try:
                 g["ipc"] = devices.ipc_support(d)
             except Exception as exc:
@@ -128,7 +170,7 @@ def gather_info() -> dict[str, Any]:
     return out
 
 
-def _verdict(info: dict[str, Any]) -> tuple[bool, str]:
+def _verdict(info: Info) -> tuple[bool, str]:
     """(ready, one line that says what works and what to do)."""
     if "runtime_dir_error" in info:
         return False, f"not ready: {info['runtime_dir_error']}"

@@ -6,19 +6,19 @@ import each other.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..cuda import devices
 from ..errors import CudaUnavailable, LinkError
+from ..td.arraylib import ArrayLib, installed
 
 
-def summarize(values_ns: Sequence[int] | np.ndarray[Any, Any]) -> dict[str, float] | None:
+def summarize(values_ns: Sequence[int] | npt.NDArray[np.generic]) -> dict[str, float] | None:
     """p50/p99/mean in microseconds (numpy.percentile), or None when nothing was measured."""
     a = np.asarray(values_ns, dtype=np.float64)
     if a.size == 0:
@@ -34,10 +34,7 @@ def summarize(values_ns: Sequence[int] | np.ndarray[Any, Any]) -> dict[str, floa
 
 def gpu_lib_name() -> str | None:
     """The GPU array library children will use: torch first, then cupy; None if neither is installed."""
-    for name in ("torch", "cupy"):
-        if importlib.util.find_spec(name) is not None:
-            return name
-    return None
+    return installed(("torch", "cupy"))
 
 
 def short_reason(exc: BaseException) -> str:
@@ -98,81 +95,13 @@ def resolve_backend(device: str) -> Backend:
     return Backend(ordinal, lib)
 
 
-class GpuLib:
-    """The few GPU array operations the demo and bench need, from torch or cupy (whichever is installed)."""
+class GpuLib(ArrayLib):
+    """The GPU array library of the demo and bench children: torch or cupy (whichever is installed), on
+    ``ordinal``, which it makes the library's current device at once."""
 
     def __init__(self, name: str, ordinal: int) -> None:
-        self.name = name
-        self.ordinal = ordinal
-        if name == "torch":
-            import torch
-
-            torch.cuda.set_device(ordinal)
-            self.mod: Any = torch
-            self.dev: Any = torch.device("cuda", ordinal)
-        elif name == "cupy":
-            import cupy
-
-            cupy.cuda.Device(ordinal).use()
-            self.mod = cupy
-            self.dev = None
-        else:
-            raise LinkError(f"cudalink: no GPU array library {name!r}; install torch or cupy")
-
-    def from_numpy(self, a: np.ndarray[Any, Any]) -> Any:
-        if self.name == "torch":
-            return self.mod.from_numpy(np.ascontiguousarray(a)).to(self.dev)
-        return self.mod.asarray(a)
-
-    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
-        return self.from_numpy(np.zeros(shape, dtype))
-
-    def copy(self, dst: Any, src: Any) -> None:
-        """D2D, or H2D when ``src`` is a numpy array."""
-        if self.name == "torch":
-            dst.copy_(self.mod.from_numpy(src) if isinstance(src, np.ndarray) else src)
-        elif isinstance(src, np.ndarray):
-            dst.set(src)
-        else:
-            self.mod.copyto(dst, src)
-
-    def to_host(self, dst: np.ndarray[Any, Any], src: Any) -> None:
-        """Blocking D2H into existing host memory (a shared-memory slot)."""
-        if self.name == "torch":
-            self.mod.from_numpy(dst).copy_(src)
-        else:
-            src.get(out=dst)
-
-    def sync(self) -> None:
-        if self.name == "torch":
-            self.mod.cuda.synchronize(self.dev)
-        else:
-            self.mod.cuda.Device(self.ordinal).synchronize()
-
-    def from_dlpack(self, obj: Any) -> Any:
-        return self.mod.from_dlpack(obj)
-
-    def bytesum(self, x: Any) -> int:
-        if self.name == "torch":
-            return int(x.reshape(-1).view(self.mod.uint8).sum(dtype=self.mod.int64).item())
-        return int(x.reshape(-1).view(self.mod.uint8).sum(dtype=self.mod.uint64).item())
-
-    def take(self, x: Any, idx: list[int]) -> np.ndarray[Any, Any]:
-        if self.name == "torch":
-            flat = x.reshape(-1)
-            return np.asarray(flat[self.mod.tensor(idx, device=self.dev)].cpu().numpy())
-        return np.asarray(self.mod.asnumpy(x.reshape(-1)[self.mod.asarray(idx)]))
-
-    def ptr(self, x: Any) -> int:
-        return int(x.data_ptr()) if self.name == "torch" else int(x.data.ptr)
-
-    def context(self) -> None:
-        """Create the CUDA context now, so the first measured frame does not pay for it."""
-        if self.name == "torch":
-            self.mod.zeros(1, device=self.dev)
-            self.sync()
-        else:
-            self.mod.zeros(1)
+        super().__init__(name, ordinal)
+        self.use()
 
 
 def _child_init() -> None:

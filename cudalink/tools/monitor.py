@@ -7,7 +7,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from rich.console import Group
 from rich.live import Live
@@ -56,7 +55,7 @@ class Snapshot:
     producer_alive: bool
 
 
-def _map_readonly(name: str) -> tuple[Any, Callable[[], None]]:
+def _map_readonly(name: str) -> tuple[wire.ReadBuf, Callable[[], None]]:
     """The header segment mapped read-only (POSIX) or copied (Windows): a monitor can never write to it."""
     from ..transport.shm import header_segment, map_readonly
 

@@ -6,9 +6,9 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -17,8 +17,11 @@ from .measure import resolve_backend
 from .peers.mpqueue import KEEP_UNTIL_EXIT
 from .ui import _console, _us
 
+if TYPE_CHECKING:
+    from .bench import BenchReport
 
-def _core_label(report: dict[str, Any]) -> str:
+
+def _core_label(report: BenchReport) -> str:
     """Which implementation the figures came from: 'compiled core', 'pure-Python core', or a mix."""
     core = report.get("machine", {}).get("core", {})
     kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)")}
@@ -29,7 +32,7 @@ def _core_label(report: dict[str, Any]) -> str:
     )
 
 
-def _bench_tables(report: dict[str, Any]) -> list[Any]:
+def _bench_tables(report: BenchReport) -> list[RenderableType]:
     rows = report["rows"]
     table = Table(
         title=f"cudalink {report['cudalink_version']} vs peers · backend {report['backend']} · {_core_label(report)}"
@@ -76,7 +79,7 @@ def _bench_tables(report: dict[str, Any]) -> list[Any]:
             _us(h.get("p99")),
             f"{int(h.get('n', 0))}" if w["status"] == "ok" else f"ERROR {w['reason']}",
         )
-    out: list[Any] = [table, waits]
+    out: list[RenderableType] = [table, waits]
     if skipped:
         lines = [Text("skipped (not measured on this machine):", style="bold")]
         lines += [Text(f"  {k}  [{', '.join(dict.fromkeys(v))}]") for k, v in skipped.items()]
@@ -98,9 +101,9 @@ FLOOR_LABELS = {
 }
 
 
-def _breakdown_tables(report: dict[str, Any]) -> list[Any]:
+def _breakdown_tables(report: BenchReport) -> list[RenderableType]:
     """Floors (what the machine allows) and the per-stage breakdown of cudalink's own path."""
-    out: list[Any] = []
+    out: list[RenderableType] = []
     floors = report.get("floors")
     ft = Table(title=f"floors on {report['backend']} · no cudalink code · measured in this run", title_justify="left")
     for col in ("floor", "what", "p50", "p99", "samples"):
@@ -126,14 +129,14 @@ def _breakdown_tables(report: dict[str, Any]) -> list[Any]:
         for tot in bd["totals"]:
             u = tot["us"] or {}
             bt.add_row(Text(tot["span"], style="bold"), "total", _us(u.get("p50")), _us(u.get("p99")))
-        for key, label in (
-            ("reserve_commit", "reserve() + commit, back to back, no consumer"),
-            ("reserve_commit_attached", "reserve() + commit, back to back, a consumer waiting"),
+        for summary, label in (
+            (bd.get("reserve_commit"), "reserve() + commit, back to back, no consumer"),
+            (bd.get("reserve_commit_attached"), "reserve() + commit, back to back, a consumer waiting"),
         ):
-            rc = bd.get(key) or {}
+            rc = summary or {}
             bt.add_row(Text(label, style="bold"), "producer", _us(rc.get("p50")), _us(rc.get("p99")))
-        for impl, rc in (bd.get("ring_cycle") or {}).items():
-            rc = rc or {}
+        for impl, cycle in (bd.get("ring_cycle") or {}).items():
+            rc = cycle or {}
             label = f"ring ops of one frame, hot, {impl} ring (claim, publish, take, release)"
             bt.add_row(Text(label, style="bold"), "both", _us(rc.get("p50")), _us(rc.get("p99")))
         out.append(bt)
@@ -142,7 +145,7 @@ def _breakdown_tables(report: dict[str, Any]) -> list[Any]:
     return out
 
 
-def _goals_table(report: dict[str, Any]) -> Table:
+def _goals_table(report: BenchReport) -> Table:
     gt = Table(title="goals · cudalink against its floor from this run", title_justify="left")
     for col in ("goal", "cudalink", "reference", "against", "ratio", "target", "met"):
         gt.add_column(col, justify="left" if col in ("goal", "against", "target") else "right")
@@ -216,15 +219,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"JSON written to {args.json}")
     else:
         sys.stdout.write(text + "\n")
-    errors = [r for r in report.get("rows", []) if r["status"] == "error"]
-    errors += [w for w in report.get("wait_modes", []) if w["status"] == "error"]
+    errors = [r["reason"] for r in report.get("rows", []) if r["status"] == "error"]
+    errors += [w["reason"] for w in report.get("wait_modes", []) if w["status"] == "error"]
     errors += [
-        {"reason": f"{part}: {report[part]}"} for part in ("floors", "breakdown") if isinstance(report.get(part), str)
+        f"{part}: {value}"
+        for part, value in (("floors", report.get("floors")), ("breakdown", report.get("breakdown")))
+        if isinstance(value, str)
     ]
     code = 0
     if errors:
-        first = errors[0]
-        print(f"cudalink: {len(errors)} bench measurement(s) failed; first: {first['reason']}", file=sys.stderr)
+        print(f"cudalink: {len(errors)} bench measurement(s) failed; first: {errors[0]}", file=sys.stderr)
         code = 1
     if KEEP_UNTIL_EXIT:
         # the GPU peers' shared tensors/buffers crash torch/cuda.core when freed (see peers/mpqueue.py): skip teardown

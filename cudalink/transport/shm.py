@@ -15,7 +15,6 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing import shared_memory
-from typing import Any
 
 import numpy as np
 
@@ -250,7 +249,7 @@ def header_segment(name: str) -> str:
     return found.header if found is not None else _platform.segment_name(name)
 
 
-def map_readonly(segment: str) -> tuple[Any, Callable[[], None]]:
+def map_readonly(segment: str) -> tuple[wire.ReadBuf, Callable[[], None]]:
     """``segment`` mapped PROT_READ where POSIX shm exists, else a byte copy; and how to let go of it."""
     mm = _platform.shm_map_readonly(segment)
     if isinstance(mm, bytes):

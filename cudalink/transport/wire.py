@@ -92,6 +92,7 @@ Windows keeps a segment alive while any process maps it, so a restarted producer
 from __future__ import annotations
 
 import hmac
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -100,6 +101,11 @@ import numpy as np
 
 from ..errors import ProtocolError, ProtocolReason
 from ..frames.spec import MAX_NDIM, SUPPORTED_DTYPES, FrameSpec, PixelFormat, RowOrigin
+
+#: what a header is written in: a SharedMemory's memoryview, or a bytearray in tests
+Buf = memoryview | bytearray
+#: what a header is read from: also a read-only mapping (``mmap``) or a snapshot (``bytes``), for monitors
+ReadBuf = memoryview | bytearray | bytes | mmap.mmap
 
 MAGIC = b"CUDALINK"
 LAYOUT_VERSION = 1
@@ -271,7 +277,7 @@ class Fixed:
         return Layout(self.nslots, self.nconsumers)
 
 
-def write_fixed(buf: Any, f: Fixed) -> None:
+def write_fixed(buf: Buf, f: Fixed) -> None:
     FIXED.pack_into(
         buf,
         0,
@@ -295,7 +301,7 @@ def write_fixed(buf: Any, f: Fixed) -> None:
     )
 
 
-def read_fixed(buf: Any, segment_size: int | None = None) -> Fixed:
+def read_fixed(buf: ReadBuf, segment_size: int | None = None) -> Fixed:
     """Decode and validate the fixed header; anything inconsistent is a :class:`ProtocolError`."""
     if len(buf) < FIXED_SIZE:
         raise ProtocolError(f"cudalink: header segment is {len(buf)} bytes, smaller than the {FIXED_SIZE}-byte header")
@@ -333,27 +339,27 @@ _u64_unpack = U64.unpack_from
 _u32_unpack = U32.unpack_from
 
 
-def read_u64(buf: Any, off: int) -> int:
+def read_u64(buf: ReadBuf, off: int) -> int:
     return int(_u64_unpack(buf, off)[0])
 
 
-def write_u64(buf: Any, off: int, value: int) -> None:
+def write_u64(buf: Buf, off: int, value: int) -> None:
     U64.pack_into(buf, off, value)
 
 
-def read_u32(buf: Any, off: int) -> int:
+def read_u32(buf: ReadBuf, off: int) -> int:
     return int(_u32_unpack(buf, off)[0])
 
 
-def write_u32(buf: Any, off: int, value: int) -> None:
+def write_u32(buf: Buf, off: int, value: int) -> None:
     U32.pack_into(buf, off, value)
 
 
-def read_stamps(buf: Any, layout: Layout) -> tuple[int, ...]:
+def read_stamps(buf: ReadBuf, layout: Layout) -> tuple[int, ...]:
     return layout.stamps_struct.unpack_from(buf, layout.stamps)  # type: ignore[no-any-return]
 
 
-def read_column(buf: Any, layout: Layout, slot: int) -> tuple[int, ...]:
+def read_column(buf: ReadBuf, layout: Layout, slot: int) -> tuple[int, ...]:
     """All consumers' lease cells of one slot."""
     return layout.column_struct.unpack_from(buf, layout.lease(slot, 0))  # type: ignore[no-any-return]
 
@@ -395,13 +401,13 @@ def spec_bytes(spec: FrameSpec) -> bytes:
     return raw
 
 
-def pack_record(buf: Any, off: int, seq: int, timestamp_ns: int, spec: FrameSpec, meta: bytes) -> None:
+def pack_record(buf: Buf, off: int, seq: int, timestamp_ns: int, spec: FrameSpec, meta: bytes) -> None:
     """Write a slot record: the spec's bytes are packed once per spec, so a frame writes two integers."""
     pack_record_spec(buf, off, spec, meta)
     U64X2.pack_into(buf, off, seq, timestamp_ns)
 
 
-def pack_record_spec(buf: Any, off: int, spec: FrameSpec, meta: bytes) -> None:
+def pack_record_spec(buf: Buf, off: int, spec: FrameSpec, meta: bytes) -> None:
     """Everything of a record but ``seq`` and ``timestamp_ns`` (bytes 0..16), which the publisher writes last."""
     mlen = len(meta)
     if mlen > META_MAX:
@@ -412,7 +418,7 @@ def pack_record_spec(buf: Any, off: int, spec: FrameSpec, meta: bytes) -> None:
         buf[off + 160 : off + 160 + mlen] = meta
 
 
-def unpack_record(buf: Any, off: int, capacity: int) -> SlotRecord:
+def unpack_record(buf: ReadBuf, off: int, capacity: int) -> SlotRecord:
     """Decode a slot record; a record that lies about its sizes is a :class:`ProtocolError`, never a crash.
 
     Validated specs are cached by their raw bytes: a stream repeats one spec, and rebuilding it is most
@@ -431,7 +437,7 @@ def unpack_record(buf: Any, off: int, capacity: int) -> SlotRecord:
     return SlotRecord(seq, ts, spec, bytes(buf[off + 160 : off + 160 + mlen]) if mlen else b"")
 
 
-def _unpack_record(buf: Any, off: int, capacity: int) -> SlotRecord:
+def _unpack_record(buf: ReadBuf, off: int, capacity: int) -> SlotRecord:
     vals = RECORD.unpack_from(buf, off)
     seq, ts, nbytes, ndim, dcode, pcode, ocode, mlen = vals[:8]
     shape, strides, meta = vals[8:16], vals[16:24], vals[24]
@@ -468,11 +474,11 @@ class SlotHandle:
     event_flags: int
 
 
-def pack_handle(buf: Any, off: int, h: SlotHandle) -> None:
+def pack_handle(buf: Buf, off: int, h: SlotHandle) -> None:
     HANDLE.pack_into(buf, off, h.memory, h.size, h.event, h.event_flags)
 
 
-def unpack_handle(buf: Any, off: int) -> SlotHandle:
+def unpack_handle(buf: ReadBuf, off: int) -> SlotHandle:
     mem, size, ev, flags = HANDLE.unpack_from(buf, off)
     return SlotHandle(bytes(mem), size, bytes(ev), flags)
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import select
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from ...errors import LinkTimeout, ProducerGone
 from ..measure import Backend, GpuLib
-from . import ConsumerJob
+from . import ConsumerJob, JobFields
+
+if TYPE_CHECKING:
+    from ...frames.frame import Frame
+    from ...link import WaitMode
 
 
 class LinkSource:
@@ -20,14 +24,14 @@ class LinkSource:
         self.lib = GpuLib(job.lib, job.device) if job.device >= 0 and job.lib else None
         if self.lib is not None:
             self.lib.context()
-        wait: Any = "hybrid" if job.mode == "async" else job.wait
+        wait: WaitMode = "hybrid" if job.mode == "async" else job.wait
         self.rx = Receiver(job.name, wait=wait, latest=job.latest, timeout=job.timeout)
 
     @property
     def skipped(self) -> int:
         return self.rx.skipped
 
-    def take(self) -> tuple[int, Any, int] | None:
+    def take(self) -> tuple[int, Frame, int] | None:
         try:
             f = self.rx.recv()
         except ProducerGone:
@@ -37,17 +41,17 @@ class LinkSource:
     def ready(self, timeout: float) -> bool:
         return bool(select.select([self.rx.fileno()], [], [], timeout)[0])
 
-    def take_now(self) -> tuple[int, Any, int] | bool | None:
+    def take_now(self) -> tuple[int, Frame, int] | Literal[False] | None:
         try:
             f = self.rx.poll()
         except ProducerGone:
             return None
         return False if f is None else (f.seq, f, f.timestamp_ns)
 
-    def export(self, obj: Any) -> Any:
+    def export(self, obj: Frame) -> object:
         return self.lib.from_dlpack(obj) if self.lib is not None else np.from_dlpack(obj)
 
-    def done(self, obj: Any) -> None:
+    def done(self, obj: Frame) -> None:
         obj.release()
 
     def close(self) -> None:
@@ -70,10 +74,10 @@ class LinkProducer:
             max_consumers=max(16, k),
         )
 
-    def chan(self, i: int) -> Any:
+    def chan(self, i: int) -> None:
         return None
 
-    def job_fields(self) -> dict[str, Any]:
+    def job_fields(self) -> JobFields:
         return {}
 
     def wait_connected(self, k: int, timeout: float) -> None:
@@ -83,7 +87,7 @@ class LinkProducer:
                 raise LinkTimeout(f"cudalink: only {self.tx.stats()['consumers']} of {k} consumers attached")
             time.sleep(0.002)
 
-    def send(self, src: Any) -> int | None:
+    def send(self, src: object) -> int | None:
         return self.tx.send(src)
 
     def finish(self) -> None:

@@ -5,19 +5,26 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
 from ...cuda import devices, driver
 from ..measure import GpuLib
-from . import ConsumerJob
+from . import ConsumerJob, JobFields
+
+if TYPE_CHECKING:
+    import multiprocessing.queues as mpq
+    from multiprocessing.context import BaseContext
+
+    from ...cuda.objects import Closable, Stream
+    from . import QueueItem
 
 
 class QueueSource:
     """torch.multiprocessing CUDA tensors, or cuda.core Buffers, unpickled from an mp.Queue."""
 
-    def __init__(self, job: ConsumerJob, q: Any) -> None:
+    def __init__(self, job: ConsumerJob, q: mpq.Queue[QueueItem]) -> None:
         self.q = q
         self.peer = job.peer
         self.timeout = job.timeout
@@ -29,7 +36,7 @@ class QueueSource:
             devices.device(job.device)
         self.skipped = 0
 
-    def take(self) -> tuple[int, Any, int] | None:
+    def take(self) -> tuple[int, object, int] | None:
         item = self.q.get(timeout=self.timeout)
         return None if item is None else (int(item[0]), item[1], int(item[2]))
 
@@ -41,16 +48,16 @@ class QueueSource:
             time.sleep(20e-6)
         return True
 
-    def take_now(self) -> tuple[int, Any, int] | bool | None:
+    def take_now(self) -> tuple[int, object, int] | Literal[False] | None:
         return self.take()
 
-    def export(self, obj: Any) -> Any:
+    def export(self, obj: object) -> object:
         return obj  # already a tensor / a Buffer
 
-    def done(self, obj: Any) -> None:
-        if self.peer == "core-pickle":
+    def done(self, obj: object) -> None:
+        if self.peer == "core-pickle":  # a cuda.core Buffer
             with contextlib.suppress(Exception):
-                obj.close()
+                cast("Closable", obj).close()
 
     def close(self) -> None:
         pass
@@ -61,7 +68,7 @@ class QueueProducer:
 
     def __init__(
         self,
-        ctx: Any,
+        ctx: BaseContext,
         peer: str,
         name: str,
         shape: tuple[int, ...],
@@ -77,9 +84,8 @@ class QueueProducer:
         self.nslots = nslots
         self.seq = 0
         self.nbytes = int(math.prod(shape)) * np.dtype(dtype).itemsize
-        self.pool: list[Any] = []
-        self.mr: Any = None
-        self.stream: Any = None
+        self.pool: list[Any] = []  # torch tensors or cuda.core Buffers: neither library ships types
+        self.mr: object = None
         if peer == "torch-mp":
             import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reducers)
 
@@ -88,26 +94,26 @@ class QueueProducer:
             from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
 
             dev = devices.device(ordinal)
-            self.stream = dev.create_stream()
+            self.stream: Stream = dev.create_stream()  # core-pickle only
             gran = 2 << 20
             per = (self.nbytes + gran - 1) // gran * gran
-            self.mr = DeviceMemoryResource(
+            self.mr = mr = DeviceMemoryResource(
                 dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=per * nslots + gran)
             )
-            self.pool = [self.mr.allocate(self.nbytes, stream=self.stream) for _ in range(nslots)]
+            self.pool = [mr.allocate(self.nbytes, stream=self.stream) for _ in range(nslots)]
             self.stream.sync()
-        self.queues = [ctx.Queue() for _ in range(k)]
+        self.queues: list[mpq.Queue[QueueItem]] = [ctx.Queue() for _ in range(k)]
 
-    def chan(self, i: int) -> Any:
+    def chan(self, i: int) -> mpq.Queue[QueueItem]:
         return self.queues[i]
 
-    def job_fields(self) -> dict[str, Any]:
+    def job_fields(self) -> JobFields:
         return {}
 
     def wait_connected(self, k: int, timeout: float) -> None:
         pass
 
-    def send(self, src: Any) -> int | None:
+    def send(self, src: Any) -> int | None:  # a GPU array of the producer's library
         self.seq += 1
         item = self.pool[self.seq % self.nslots]
         if self.peer == "torch-mp":
@@ -141,4 +147,4 @@ class QueueProducer:
         self.pool = []
 
 
-KEEP_UNTIL_EXIT: list[Any] = []
+KEEP_UNTIL_EXIT: list[object] = []

@@ -5,45 +5,50 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from ..measure import GpuLib
-from . import PEER_MSG, ConsumerJob
+from . import PEER_MSG, ConsumerJob, JobFields
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import BaseContext
 
 
 class ShmSource:
     """The plain peer: a shared-memory ring the producer copies into, plus one pipe message per frame."""
 
-    def __init__(self, job: ConsumerJob, conn: Any) -> None:
+    def __init__(self, job: ConsumerJob, conn: Connection) -> None:
         from ...transport.shm import _open_segment
 
         self.conn = conn
         self.seg = _open_segment(job.name)
         dt = np.dtype(job.dtype)
-        self.views: list[np.ndarray[Any, Any]] = [
+        self.views: list[npt.NDArray[np.generic]] = [
             np.ndarray(job.shape, dt, buffer=self.seg.buf, offset=i * job.stride) for i in range(job.nslots)
         ]
         self.lib = GpuLib(job.lib, job.device) if job.device >= 0 and job.lib else None
-        self.dev: Any = None
         if self.lib is not None:
             self.lib.context()
-            self.dev = self.lib.empty(job.shape, job.dtype)
+        # on a GPU run: the frame, copied to this process's GPU
+        self.dev = self.lib.empty(job.shape, job.dtype) if self.lib is not None else None
         self.skipped = 0
 
-    def _get(self, msg: bytes) -> tuple[int, Any, int] | None:
+    def _get(self, msg: bytes) -> tuple[int, object, int] | None:
         if not msg:
             return None
         seq, slot, pub = PEER_MSG.unpack(msg)
         view = self.views[slot]
-        if self.lib is not None:  # the frame is only usable once it is on this process's GPU
-            self.lib.copy(self.dev, view)
+        if self.lib is not None and (dev := self.dev) is not None:  # usable once on this process's GPU
+            self.lib.copy(dev, view)
             self.lib.sync()
-            return seq, self.dev, pub
+            return seq, dev, pub
         return seq, view, pub
 
-    def take(self) -> tuple[int, Any, int] | None:
+    def take(self) -> tuple[int, object, int] | None:
         try:
             return self._get(self.conn.recv_bytes())
         except EOFError:
@@ -52,13 +57,13 @@ class ShmSource:
     def ready(self, timeout: float) -> bool:
         return bool(self.conn.poll(timeout))
 
-    def take_now(self) -> tuple[int, Any, int] | bool | None:
+    def take_now(self) -> tuple[int, object, int] | Literal[False] | None:
         return self.take()
 
-    def export(self, obj: Any) -> Any:
+    def export(self, obj: object) -> object:
         return obj if self.lib is not None else np.asarray(obj)
 
-    def done(self, obj: Any) -> None:
+    def done(self, obj: object) -> None:
         pass
 
     def close(self) -> None:
@@ -72,7 +77,7 @@ class ShmProducer:
     peer = "shm"
 
     def __init__(
-        self, ctx: Any, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, lib: GpuLib | None
+        self, ctx: BaseContext, name: str, shape: tuple[int, ...], dtype: str, k: int, nslots: int, lib: GpuLib | None
     ) -> None:
         from ..._backends import align
         from ...transport.shm import _open_segment
@@ -83,7 +88,7 @@ class ShmProducer:
         self.stride = align(int(math.prod(shape)) * dt.itemsize)
         self.nslots = nslots
         self.seg = _open_segment(name, create=True, size=self.stride * nslots)
-        self.views: list[np.ndarray[Any, Any]] = [
+        self.views: list[npt.NDArray[np.generic]] = [
             np.ndarray(shape, dt, buffer=self.seg.buf, offset=i * self.stride) for i in range(nslots)
         ]
         pipes = [ctx.Pipe(duplex=False) for _ in range(k)]
@@ -91,16 +96,16 @@ class ShmProducer:
         self.writers = [w for _, w in pipes]
         self.seq = 0
 
-    def chan(self, i: int) -> Any:
+    def chan(self, i: int) -> Connection:
         return self.readers[i]
 
-    def job_fields(self) -> dict[str, Any]:
+    def job_fields(self) -> JobFields:
         return {"nslots": self.nslots, "stride": self.stride}
 
     def wait_connected(self, k: int, timeout: float) -> None:
         pass
 
-    def send(self, src: Any) -> int | None:
+    def send(self, src: Any) -> int | None:  # numpy on the CPU backend, the array library's on a GPU
         self.seq += 1
         slot = self.seq % self.nslots
         if self.lib is not None:

@@ -69,7 +69,7 @@ cdef cl_Memcpy2DAsync_t _copy2d = <cl_Memcpy2DAsync_t>_entry(_drv, "cuMemcpy2DAs
 
 
 cdef int _fail(cl_CUresult err, str what) except -1:
-    from cudalink._cuda import cuda_error  # the one translation, shared with the Python calls
+    from cudalink.cuda.driver import cuda_error  # the one translation, shared with the Python calls
 
     raise cuda_error(err, what)
 

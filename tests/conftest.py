@@ -135,6 +135,18 @@ def spawned(ctx: mp.context.SpawnContext) -> Iterator[Spawned]:
         procs.close()
 
 
+def header_bytes(name: str) -> bytes:
+    """A snapshot of a link's header, read as any monitor would (public: ``header_segment``, ``map_readonly``)."""
+    from cudalink.transport import shm
+
+    buf, let_go = shm.map_readonly(shm.header_segment(name))
+    try:
+        return bytes(buf)
+    finally:
+        del buf
+        let_go()
+
+
 @functools.lru_cache(maxsize=1)
 def gpu_reason() -> str | None:
     """None when a CUDA GPU with IPC pools is usable here, else why not."""

@@ -20,7 +20,7 @@ import cudalink
 from cudalink.cuda import devices
 from cudalink.tools import demo, measure
 
-from .conftest import DEFAULT, PairFactory
+from .conftest import DEFAULT, PairFactory, header_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,10 +137,9 @@ def test_monitor_once_is_read_only(control: str) -> None:
     with cudalink.Sender(name, shape=(24, 32, 4), dtype="uint8", pixel_format="RGBA") as tx:
         for i in range(3):
             tx.send(np.full((24, 32, 4), i, np.uint8))
-        header = tx._server.header
-        before = bytes(header)
+        before = header_bytes(name)
         proc = run_cli("monitor", name, "--once", "--interval", "0.1", timeout=60)
-        after = bytes(header)
+        after = header_bytes(name)
         assert tx.stats()["consumers"] == 0  # the monitor never connected
         assert after == before  # ... and wrote nothing: not even a counter moved
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -160,12 +159,12 @@ def test_monitor_shows_consumers_and_leases(pair: PairFactory) -> None:
             tx.send(np.ones((8, 8), np.float32))
         from cudalink.transport import wire
 
-        layout = wire.read_fixed(tx._server.header).layout
-        table_before = bytes(tx._server.header[layout.consumers : layout.size])
-        lease_before = bytes(tx._server.header[layout.leases : layout.fences])
+        before = header_bytes(name)
+        layout = wire.read_fixed(before).layout
         proc = run_cli("monitor", name, "--once", "--interval", "0.1", timeout=60)
-        assert bytes(tx._server.header[layout.consumers : layout.size]) == table_before
-        assert bytes(tx._server.header[layout.leases : layout.fences]) == lease_before
+        after = header_bytes(name)
+        assert after[layout.consumers : layout.size] == before[layout.consumers : layout.size]
+        assert after[layout.leases : layout.fences] == before[layout.leases : layout.fences]
         assert tx.stats()["consumers"] == 1  # still only our Receiver
         seq = frame.seq
         frame.release()

@@ -24,7 +24,7 @@ from cudalink.transport.base import Peer
 from cudalink.transport.shm import _open_segment, _unlink_segment
 
 from . import _chaos, _content, _procs
-from .conftest import DEFAULT, PairFactory, Spawned
+from .conftest import DEFAULT, PairFactory, Spawned, header_bytes
 
 
 def _chaos_cycles(spawned: Spawned, name: str, cycles: int) -> dict[str, float]:
@@ -77,7 +77,7 @@ def test_producer_kill_restart_chaos_200(spawned: Spawned, name: str) -> None:
 
 
 def _lease_cells(tx: cudalink.Sender) -> list[int]:
-    buf = tx._server.header  # no public view of the header exists; its layout is read from the header itself
+    buf = header_bytes(tx.name)  # as a monitor reads it; the layout comes from the header itself
     lay = wire.read_fixed(buf).layout
     return [wire.read_u64(buf, lay.lease(s, c)) for s in range(lay.nslots) for c in range(lay.nconsumers)]
 

@@ -593,6 +593,15 @@ class Receiver:
         return self._att.fixed.capacity if self._att else 0
 
     @property
+    def mean_wait_s(self) -> float:
+        """How long ``recv()`` waited for recent frames (a moving average, seconds).
+
+        ``wait="hybrid"`` spins before sleeping while this stays under four times ``spin_us``: a fast
+        stream keeps it spinning, a slow one lets it sleep. Watch it when tuning ``spin_us``.
+        """
+        return self._wait_avg
+
+    @property
     def producer_closing(self) -> bool:
         """The producer announced shutdown: copy what you must keep, then release your frames."""
         return bool(self._att is not None and self._att.ring.flags() & wire.FLAG_SHUTDOWN)

@@ -8,6 +8,7 @@ still build, pure Python. The CPU backend is run in a process that cannot import
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -47,8 +48,12 @@ print("CPU backend OK")
 @pytest.fixture(scope="module")
 def requires(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Requirement]:
     out = tmp_path_factory.mktemp("wheel")
+    # A clean copy of the sources: a developer's build/ or in-place .so must not stand in for the build
+    src = tmp_path_factory.mktemp("src") / "cudalink"
+    junk = ("build", "dist", "out", ".git", ".*venv", ".nox", "*_cache", ".hypothesis", "*.egg-info", "__pycache__")
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*junk, "*.so", "*.pyd", "*.c", "benchmarks"))
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(out), str(src)],
         capture_output=True,
         text=True,
         timeout=240,

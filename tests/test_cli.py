@@ -216,6 +216,12 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         if key[1] in ("torch-mp", "core-pickle") or key[0].startswith("copy_bw"):
             assert row["status"] == "skipped" and row["reason"], row
             assert row["peer"] is None
+    # the CPU goal's floor is paired: timed in the polling consumer itself, on alternate frames
+    paired, own = report["extra"]["view_read_paired"], report["extra"]["recv_export_release"]
+    assert paired["n"] > 0 and own["n"] > 0 and abs(paired["n"] - own["n"]) <= 2, (paired, own)
+    assert 0 < paired["p50"] < own["p50"], (paired, own)  # a bare view costs less than cudalink's path
+    goal = next(g for g in report["goals"] if g["goal"].startswith("poll + np.from_dlpack"))
+    assert goal["reference"] == paired["p50"] and "same consumer" in goal["reference_label"], goal
     modes = {w["mode"]: w for w in report["wait_modes"]}
     assert set(modes) == {"spin", "hybrid", "block", "async"}
     for w in modes.values():

@@ -54,6 +54,25 @@ class LinkSource:
     def done(self, obj: Frame) -> None:
         obj.release()
 
+    _next = 0
+
+    def bare_view_ns(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> int | None:
+        """The ``view_read`` floor, paired: in this consumer, right after a wake, a numpy view of a slot
+        (the slots in turn, as the producer fills them), made and read. No cudalink code runs in it."""
+        att = self.rx._att  # the bench reads the mapped region the frames point into; users never need it
+        if att is None or self.lib is not None:
+            return None
+        region = att.view.region  # type: ignore[attr-defined]  # a HostView: host links only
+        self._next = (self._next + 1) % len(att.handles)
+        off = att.handles[self._next].size  # a host slot's handle carries its offset in the region
+        first = (0,) * len(shape)
+        t0 = time.monotonic_ns()
+        a = np.ndarray(shape, dtype, buffer=region.buf, offset=off)
+        _ = a[first]
+        t1 = time.monotonic_ns()
+        del a
+        return t1 - t0
+
     def close(self) -> None:
         self.rx.close()
 

@@ -8,7 +8,7 @@ on the GPU). Host and CUDA links therefore share every line of protocol code.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -16,7 +16,7 @@ import numpy.typing as npt
 from . import _platform, _trace
 from .cuda import arrays, devices, driver, memory
 from .errors import FormatError, LinkError
-from .frames.frame import Frame, ReleaseCallback, _Hold
+from .frames.frame import Frame, FrameSync, HostViews
 from .frames.spec import FrameSpec
 from .transport import wire
 from .transport.base import Client, Region
@@ -57,15 +57,26 @@ class ProducerSlots(Protocol):
     def close(self, timeout: float) -> None: ...
 
 
+class SlotParts(NamedTuple):
+    """One slot as a consumer's frames see it, made once per (slot, spec) instead of once per frame."""
+
+    spec: FrameSpec
+    ptr: int
+    owner: object  # what a frame's hold keeps alive: the mapping
+    sync: FrameSync | None  # CUDA: waits on the slot's ready event
+    host: HostViews | None  # host: the slot viewed as ``spec``
+
+
 class ConsumerView(Protocol):
     """A consumer's side of one producer generation's slots: frames out, release fences back."""
 
     device: int
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None: ...
-    def frame(
-        self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback, gen: int
-    ) -> Frame: ...
+    def slot(self, slot: int, handle: wire.SlotHandle, spec: FrameSpec) -> SlotParts:
+        """What every frame of ``slot`` with ``spec`` shares; the caller keeps it per (slot, spec)."""
+        ...
+
     def fence(self, slot: int, streams: list[int]) -> bool: ...
     def close(self) -> None: ...
 
@@ -200,6 +211,7 @@ class CudaSlots:
         self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
         self.ready = [driver.new_ipc_event(self.stream) for _ in range(nslots)]
         self._ready_raw = [driver.raw(ev) for ev in self.ready]
+        self._ptrs = [s.ptr for s in self.mem.slots]
         self._sources: list[object] = [None] * nslots  # what each slot's pending copy reads from
         self._join: RawEvent | None = None
         self._tls = threading.local()
@@ -235,6 +247,23 @@ class CudaSlots:
         for a slow consumer never stalls the caller's own stream.
         """
         self._current()
+        if stream is None and not fences:
+            fast = arrays.torch_source(src)
+            if fast is not None and fast[1] == spec.shape and fast[2] == spec.dtype and fast[3] == self.device:
+                # the common case, on torch's current stream: after the tensor's producer, nothing to order
+                if _trace.ON:
+                    _trace.mark(_trace.SOURCE_READ)
+                    _trace.mark(_trace.FENCES_WAITED)
+                self._settle(slot)
+                s = fast[4]
+                driver.memcpy_dtod(self._ptrs[slot], fast[0], spec.nbytes, s)
+                if _trace.ON:
+                    _trace.mark(_trace.COPY_QUEUED)
+                driver.record(self._ready_raw[slot], s)
+                if _trace.ON:
+                    _trace.mark(_trace.EVENT_RECORDED)
+                self._sources[slot] = src  # keep the source alive until the copy has run
+                return
         if stream is not None:
             s = order = driver.stream_handle(stream)
         else:
@@ -259,7 +288,7 @@ class CudaSlots:
         if _trace.ON:
             _trace.mark(_trace.FENCES_WAITED)
         self._settle(slot)
-        dst = self.mem.slots[slot].ptr
+        dst = self._ptrs[slot]
         if pitch == 0:
             driver.memcpy_dtod(dst, info.ptr, spec.nbytes, s)
         else:
@@ -327,22 +356,16 @@ class HostView:
         if region is None:
             raise LinkError("cudalink: the transport mapped no data region for a host link")
         self.region: Region = region
-        #: per slot, the last spec seen there and a writable numpy view of the slot for it
-        self._views: list[tuple[FrameSpec, npt.NDArray[np.generic]] | None] = [None] * fixed.nslots
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         pass
 
-    def frame(
-        self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback, gen: int
-    ) -> Frame:
-        seq, ts, spec, meta = rec
-        hold = _Hold(self.region, self.region.address + handle.size, on_release)
-        got = self._views[slot]
-        if got is None or got[0] is not spec:  # specs are cached by the ring, so identity is the common case
-            arr = np.ndarray(spec.shape, spec.dtype, self.region.buf, handle.size, spec.strides)
-            got = self._views[slot] = (spec, arr)
-        return Frame._received(spec, hold, -1, seq, ts, meta, None, gen, got[1])
+    def slot(self, slot: int, handle: wire.SlotHandle, spec: FrameSpec) -> SlotParts:
+        offset = handle.size  # a host slot's handle carries its offset in the region
+        arr = np.ndarray(spec.shape, spec.dtype, self.region.buf, offset, spec.strides)
+        ro = arr.view()
+        ro.flags.writeable = False
+        return SlotParts(spec, self.region.address + offset, self.region, None, (arr, ro))
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         return False
@@ -409,15 +432,12 @@ class CudaView:
                 self._slots[slot] = got
             return got
 
-    def frame(
-        self, slot: int, handle: wire.SlotHandle, rec: wire.SlotRecord, on_release: ReleaseCallback, gen: int
-    ) -> Frame:
+    def slot(self, slot: int, handle: wire.SlotHandle, spec: FrameSpec) -> SlotParts:
         got = self._slots[slot]
         if got is None:
             got = self._import(slot, handle)
         ptr, owner, sync = got
-        seq, ts, spec, meta = rec
-        return Frame._received(spec, _Hold(owner, ptr, on_release), self.device, seq, ts, meta, sync, gen)
+        return SlotParts(spec, ptr, owner, sync, None)
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         """Record this slot's release event after the work the consumer queued on every stream it used."""

@@ -214,16 +214,17 @@ class PyConsumerRing:
                     return slot, rec
             _put64(buf, off, 0)  # the producer reclaimed it between our read and our lease: look again
 
-    def release(self, slot: int, seq: int, fenced: bool) -> None:
+    def release(self, slot: int, seq: int, fenced: bool) -> int:
+        """Clear our lease of ``slot`` if it still holds ``seq``; returns the header flags, read after it."""
         buf = self.buf
         off = self._lease_off[slot]
-        if _get64(buf, off)[0] != seq:
-            return
-        if fenced:
-            _put32(buf, self._fence_off[slot], 1)
-        _put64(buf, off, 0)
-        _acquire()  # full fence: before the caller reads FLAG_PRODUCER_WAITING
-        _release()
+        if _get64(buf, off)[0] == seq:
+            if fenced:
+                _put32(buf, self._fence_off[slot], 1)
+            _put64(buf, off, 0)
+            _acquire()  # full fence: the lease is clear before we read FLAG_PRODUCER_WAITING
+            _release()
+        return int(_get32(buf, wire.OFF_FLAGS)[0])
 
     def flags(self) -> int:
         return int(_get32(self.buf, wire.OFF_FLAGS)[0])
@@ -281,7 +282,7 @@ class ConsumerRing(Protocol):
     """What ``Receiver`` uses of its ring, whichever implementation it got."""
 
     def take(self, after: int, newest: bool) -> tuple[int, wire.SlotRecord] | None: ...
-    def release(self, slot: int, seq: int, fenced: bool) -> None: ...
+    def release(self, slot: int, seq: int, fenced: bool) -> int: ...
     def flags(self) -> int: ...
     def set_waiting(self, on: bool) -> None: ...
     def count(self, received: int, skipped: int) -> None: ...

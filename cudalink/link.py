@@ -17,7 +17,7 @@ from . import _backends, _platform, _trace
 from ._ring import consumer_ring, producer_ring
 from .cuda import driver
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
-from .frames.frame import Frame
+from .frames.frame import Frame, _Hold
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import wire
 from .transport.base import UNVERIFIED_UID, Client, NoProducer, Peer, Reply, ServerHandler, Transport
@@ -471,6 +471,38 @@ class Sender:
 # ============================================================================================ Receiver
 
 
+class _Lease(_Hold):
+    """A received frame's hold: when the frame and its last export die, the lease on its slot ends.
+
+    The slot and seq live on the hold itself, so a frame costs no closure and no extra call.
+    """
+
+    __slots__ = ("att", "seq", "slot")
+
+    def __init__(self, att: _Attachment, slot: int, seq: int, owner: object, ptr: int) -> None:
+        self.owner = owner
+        self.ptr = ptr
+        self.streams = []
+        self.att: _Attachment | None = att
+        self.slot = slot
+        self.seq = seq
+
+    def end(self) -> None:
+        att = self.att
+        if att is not None:
+            self.att = None
+            att.release(self.slot, self.seq, self.streams)
+
+    def __del__(self) -> None:  # end(), inlined: this runs once per frame
+        att = self.att
+        if att is not None:
+            self.att = None
+            try:
+                att.release(self.slot, self.seq, self.streams)
+            except Exception:  # a finalizer must never raise
+                pass
+
+
 class _Attachment:
     """One producer generation as seen by one Receiver. Lives until its last frame is released."""
 
@@ -481,9 +513,14 @@ class _Attachment:
         self.view = view
         self.handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
         self.generation = fixed.generation
+        self.device = view.device
+        self.parts: list[_backends.SlotParts | None] = [None] * fixed.nslots  # per slot, for its last spec
         self.counted = 0  # the received count last written to our consumer entry (for monitors)
-        self.live = 0
+        #: seqs of frames still held. ``set.add``/``discard`` are single atomic operations under the GIL, so
+        #: a frame takes no lock; the lock guards only detaching and unmapping.
+        self.live: set[int] = set()
         self.detached = False
+        self.unmapped = False
         self.lock = threading.Lock()
 
     def release(self, slot: int, seq: int, streams: list[int]) -> None:
@@ -493,15 +530,12 @@ class _Attachment:
                 fenced = self.view.fence(slot, streams)
             except Exception:
                 fenced = False
-        ring = self.ring
-        ring.release(slot, seq, fenced)
-        if ring.flags() & wire.FLAG_PRODUCER_WAITING:
+        if self.ring.release(slot, seq, fenced) & wire.FLAG_PRODUCER_WAITING:
             with contextlib.suppress(Exception):
                 self.client.hint()
-        with self.lock:
-            self.live -= 1
-            done = self.detached and self.live == 0
-        if done:
+        live = self.live
+        live.discard(seq)
+        if self.detached and not live:  # detach() saw a frame still live; the last one unmaps
             self._unmap()
 
     def detach(self) -> None:
@@ -514,11 +548,14 @@ class _Attachment:
             if self.detached:
                 return
             self.detached = True
-            idle = self.live == 0
-        if idle:
+        if not self.live:  # read after ``detached`` is set: a release racing us is seen by one side or both
             self._unmap()
 
     def _unmap(self) -> None:
+        with self.lock:
+            if self.unmapped:
+                return
+            self.unmapped = True
         with contextlib.suppress(Exception):
             self.view.close()
         self.client.close()
@@ -685,32 +722,40 @@ class Receiver:
 
     # -- receiving ------------------------------------------------------------------------------------------
 
-    def _try_take(self) -> Frame | None:
-        att = self._att
-        assert att is not None
-        got = att.ring.take(self._last, self.latest)
+    def _try_take(self, att: _Attachment) -> Frame | None:
+        last = self._last
+        got = att.ring.take(last, self.latest)
         if got is None:
             return None
         slot, rec = got
-        seq = rec.seq
+        seq = rec[0]
         if _trace.ON:
             _trace.mark(_trace.LEASED)
-        floor = self._last if self._last > self._floor else self._floor
+        floor = last if last > self._floor else self._floor
         if seq > floor + 1:
             self.skipped += seq - floor - 1
         self._last = seq
         self.received += 1
-        with att.lock:
-            att.live += 1
-
-        def on_release(streams: list[int], _a: _Attachment = att, _s: int = slot, _q: int = seq) -> None:
-            _a.release(_s, _q, streams)
-
-        try:
-            frame: Frame = att.view.frame(slot, att.handles[slot], rec, on_release, att.generation)
-        except BaseException:
-            on_release([])
-            raise
+        att.live.add(seq)
+        spec = rec[2]
+        parts = att.parts[slot]
+        if parts is None or parts[0] is not spec:  # the ring caches specs: identity is the common case
+            try:
+                parts = att.parts[slot] = att.view.slot(slot, att.handles[slot], spec)
+            except BaseException:
+                _Lease(att, slot, seq, None, 0).end()
+                raise
+        frame = Frame._received(
+            spec,
+            _Lease(att, slot, seq, parts[2], parts[1]),
+            att.device,
+            seq,
+            rec[1],
+            rec[3],
+            parts[3],
+            att.generation,
+            parts[4],
+        )
         if _trace.ON:
             _trace.mark(_trace.FRAME_BUILT)
         return frame
@@ -723,12 +768,13 @@ class Receiver:
 
     def poll(self) -> Frame | None:
         """A new frame if one is there now, else None; never waits."""
-        self._check_open()
-        if self._att is None:
-            self._attach(0.0)
         att = self._att
-        assert att is not None
-        frame = self._try_take()
+        if att is None or self._closed:  # the per-frame path: one test when attached and open
+            self._check_open()
+            self._attach(0.0)
+            att = self._att
+            assert att is not None
+        frame = self._try_take(att)
         if frame is None:
             self._publish_counts(att)
             if not att.client.drain():
@@ -763,7 +809,7 @@ class Receiver:
         take = self._try_take
         n = 0
         while True:
-            frame = take()
+            frame = take(att)
             if frame is not None:
                 return self._arrived(frame, entered)
             if att.ring.flags() & wire.FLAG_SHUTDOWN:
@@ -775,7 +821,7 @@ class Receiver:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
             if now < spin_until:
                 for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
-                    frame = take()
+                    frame = take(att)
                     if frame is not None:
                         return self._arrived(frame, entered)
                 # hand the GIL over now and then: a spinning thread must not starve this process's
@@ -794,7 +840,7 @@ class Receiver:
             self._publish_counts(att)
             att.ring.set_waiting(True)
             try:
-                frame = take()  # a frame published before our flag was visible
+                frame = take(att)  # a frame published before our flag was visible
                 if frame is not None:
                     return self._arrived(frame, entered)
                 att.client.wait_readable(deadline - now)
@@ -831,7 +877,7 @@ class Receiver:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
             att.ring.set_waiting(True)
             try:
-                frame = self._try_take()  # published before our flag was visible
+                frame = self._try_take(att)  # published before our flag was visible
                 if frame is not None:
                     return frame
                 await att.client.wait_async(None if left == float("inf") else left)

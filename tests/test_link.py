@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import stat
+import threading
 
 import numpy as np
 import pytest
@@ -228,6 +229,43 @@ def test_close_with_frames_held_keeps_them_valid(pair: PairFactory, transport: T
     tx.close()
     gc.collect()
     assert view[2, 2] == 7  # mapping outlives both ends while a view exists
+
+
+def test_a_closed_receiver_unmaps_once_after_its_last_frame_dies_on_any_thread(
+    pair: PairFactory, transport: Transport
+) -> None:
+    """Frames take no lock: their leases are counted in a set. Released from six threads at once, after
+    close(), the mapping goes exactly once, and only when the last frame is gone."""
+    tx, rx = pair(transport, slots=8)
+    frames = []
+    for i in range(6):
+        tx.send(np.full((4, 4), i, np.uint16))
+        frames.append(rx.recv(1))
+    att = rx._att
+    assert att is not None and len(att.live) == 6
+    closes: list[int] = []
+    close = att.view.close
+    att.view.close = lambda: (closes.append(1), close())[1]  # type: ignore[method-assign]
+    rx.close()
+    assert not att.unmapped and closes == []  # six frames still hold the mapping
+    views = [np.from_dlpack(f) for f in frames]
+    barrier = threading.Barrier(len(frames))
+
+    def drop(f: cudalink.Frame) -> None:
+        barrier.wait()
+        f.release()
+
+    threads = [threading.Thread(target=drop, args=(f,)) for f in frames]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert [int(v[1, 1]) for v in views] == list(range(6))  # the views still hold the memory
+    assert not att.unmapped and closes == []
+    del views
+    gc.collect()
+    assert att.unmapped and closes == [1] and not att.live
+    tx.close()
 
 
 def test_reserve_refuses_oversized_meta_before_taking_a_slot(pair: PairFactory, transport: Transport) -> None:

@@ -32,6 +32,8 @@ from .conftest import Spawned
 ROOT = Path(__file__).resolve().parent.parent
 native = pytest.mark.skipif(_native.ring is None, reason=f"compiled ring not in use: {_native.missing.get('ring')}")
 SPEC = FrameSpec((4, 6), np.dtype("uint16"))
+#: a slot's spec changes under the consumer's per-slot spec cache (a reconfigure), and some cannot fit
+SPECS = (SPEC, FrameSpec((3, 5, 4), np.dtype("float32")), FrameSpec((1024, 1024), np.dtype("uint8")))
 
 
 def test_compiled_core_is_built_where_a_compiler_exists() -> None:
@@ -65,6 +67,7 @@ _op = st.one_of(
         st.integers(1, 40),
         st.integers(0, 2**63),
         st.binary(max_size=wire.META_MAX),
+        st.sampled_from(SPECS),
     ),
     st.tuples(st.just("drop")),
     st.tuples(st.just("fences"), st.integers(0, NSLOTS - 1)),
@@ -94,8 +97,8 @@ class _Side:
             if kind == "abort":
                 return self.tx.abort(args[0])
             if kind == "publish":
-                slot, seq, ts, meta = args
-                return self.tx.publish(slot, seq, ts, SPEC, meta)
+                slot, seq, ts, meta, spec = args
+                return self.tx.publish(slot, seq, ts, spec, meta)
             if kind == "drop":
                 return self.tx.count_drop()
             if kind == "fences":
@@ -128,6 +131,30 @@ def test_compiled_ring_matches_the_python_ring_byte_for_byte(ops: list[tuple[Any
         want, got = py.apply(op), c.apply(op)
         assert got == want, (i, op)
         assert c.buf == py.buf, (i, op, [k for k in range(len(py.buf)) if c.buf[k] != py.buf[k]][:8])
+
+
+@pytest.mark.parametrize("impl", ["python", "compiled"])
+def test_a_slot_whose_spec_changes_is_read_with_its_new_spec(impl: str) -> None:
+    """Consumers keep the last spec read in each slot; a reconfigure rewrites a slot with a new one."""
+    if impl == "compiled" and _native.ring is None:
+        pytest.skip("compiled ring not in use")
+    side = _Side(_ring.PyProducerRing, _ring.PyConsumerRing)
+    if impl == "compiled":
+        assert _native.ring is not None
+        side = _Side(_ring._NativeProducerRing, _native.ring.ConsumerCore)
+    rx = side.rx[0]
+    seen = []
+    for seq, spec in enumerate([SPECS[0], SPECS[0], SPECS[1], SPECS[0], SPECS[1]], start=1):
+        slot = side.tx.claim(seq)
+        assert slot is not None
+        side.tx.publish(slot, seq, 0, spec, b"m" * seq)
+        got = rx.take(seq - 1, True)
+        assert got is not None
+        seen.append((got[0], got[1].seq, got[1].spec, got[1].meta))
+        rx.release(got[0], seq, False)
+    assert [x[2] for x in seen] == [SPECS[0], SPECS[0], SPECS[1], SPECS[0], SPECS[1]]
+    assert [x[3] for x in seen] == [b"m" * k for k in range(1, 6)]
+    assert len({x[0] for x in seen}) < len(seen)  # slots came round: the cache was consulted
 
 
 @native

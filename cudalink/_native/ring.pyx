@@ -13,7 +13,7 @@ instead of touching unmapped memory.
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 import time
 
@@ -43,6 +43,7 @@ cdef object _unpack_record = wire.unpack_record
 cdef object _spec_bytes = wire.spec_bytes
 cdef dict _spec_cache = wire._spec_cache
 cdef object _SlotRecord = wire.SlotRecord
+cdef object _tuple_new = tuple.__new__  # a SlotRecord without running the namedtuple's Python ``__new__``
 
 
 cdef object _read_record(const uint8_t *base, Py_ssize_t off, object buf, Py_ssize_t capacity):
@@ -56,7 +57,7 @@ cdef object _read_record(const uint8_t *base, Py_ssize_t off, object buf, Py_ssi
     memcpy(&ts, base + off + 8, 8)
     cdef Py_ssize_t mlen = base[off + META_LEN_AT]
     meta = PyBytes_FromStringAndSize(<const char *>(base + off + META_AT), mlen) if mlen else b""
-    return _SlotRecord(seq, ts, spec, meta)
+    return _tuple_new(_SlotRecord, (seq, ts, spec, meta))
 
 
 cdef inline uint8_t *_map(object buf, Py_buffer *view, Py_ssize_t need) except NULL:
@@ -228,6 +229,7 @@ cdef class ConsumerCore:
     cdef readonly Py_ssize_t index
     cdef readonly object capacity
     cdef Py_ssize_t entry
+    cdef list _raw, _spec  # per slot: the spec bytes last read there, and their validated FrameSpec
 
     def __init__(self, buf, layout, Py_ssize_t index, capacity):
         _offsets(&self.o, buf, layout)
@@ -238,6 +240,26 @@ cdef class ConsumerCore:
         self.index = index
         self.capacity = capacity
         self.entry = self.o.consumers + self.o.consumer_size * index
+        self._raw = [None] * self.o.nslots
+        self._spec = [None] * self.o.nslots
+
+    cdef object _record(self, const uint8_t *base, Py_ssize_t slot):
+        """The slot's record. A slot's spec bytes are compared with the last ones read there (no bytes object,
+        no hash): a stream repeats one spec, and anything new goes through ``_read_record``'s validation."""
+        cdef Py_ssize_t off = self.o.records + RECORD_SIZE * slot
+        cdef uint64_t seq, ts
+        cdef Py_ssize_t mlen
+        raw = self._raw[slot]
+        if raw is None or memcmp(PyBytes_AS_STRING(raw), base + off + SPEC_AT, SPEC_LEN) != 0:
+            rec = _read_record(base, off, self.buf, self.capacity)
+            self._raw[slot] = PyBytes_FromStringAndSize(<const char *>(base + off + SPEC_AT), SPEC_LEN)
+            self._spec[slot] = rec[2]
+            return rec
+        memcpy(&seq, base + off, 8)
+        memcpy(&ts, base + off + 8, 8)
+        mlen = base[off + META_LEN_AT]
+        meta = PyBytes_FromStringAndSize(<const char *>(base + off + META_AT), mlen) if mlen else b""
+        return _tuple_new(_SlotRecord, (seq, ts, self._spec[slot], meta))
 
     def take(self, uint64_t after, bint newest):
         """Lease the newest frame after ``after`` (the oldest when ``newest`` is False) and read its record."""
@@ -261,16 +283,18 @@ cdef class ConsumerCore:
                 cl_store64(lease, seq)
                 cl_fence()  # our lease is visible before we re-read the stamp
                 if cl_load64(base + self.o.stamps + 8 * slot) == best:
-                    rec = _read_record(base, self.o.records + RECORD_SIZE * slot, self.buf, self.capacity)
-                    if rec.seq == seq:
+                    rec = self._record(base, slot)
+                    if rec[0] == seq:
                         return slot, rec
                 cl_store64(lease, 0)  # the producer reclaimed it between our read and our lease: look again
         finally:
             PyBuffer_Release(&v)
 
     def release(self, Py_ssize_t slot, uint64_t seq, bint fenced):
+        """Clear our lease of ``slot`` if it still holds ``seq``; returns the header flags, read after it."""
         cdef Py_buffer v
         cdef uint8_t *lease
+        cdef uint32_t f
         if not 0 <= slot < self.o.nslots:
             raise IndexError(f"cudalink: slot {slot} outside 0..{self.o.nslots - 1}")
         cdef uint8_t *base = _map(self.buf, &v, self.o.size)
@@ -279,8 +303,10 @@ cdef class ConsumerCore:
             if fenced:
                 cl_store32(base + self.o.fences + 4 * (slot * self.o.ncons + self.index), 1)
             cl_store64(lease, 0)
-            cl_fence()  # before the caller reads FLAG_PRODUCER_WAITING
+            cl_fence()  # the lease is clear before we read FLAG_PRODUCER_WAITING
+        f = cl_load32(base + OFF_FLAGS)
         PyBuffer_Release(&v)
+        return f
 
     def flags(self):
         cdef Py_buffer v

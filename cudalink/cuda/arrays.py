@@ -96,22 +96,62 @@ _torch_dtypes: dict[object, np.dtype[np.generic] | None] = {}
 _UNSET = np.dtype("V1")  # a sentinel no torch dtype maps to
 
 
+def _numpy_dtype(torch_dtype: object) -> np.dtype[np.generic] | None:
+    """numpy's dtype of a torch dtype's name, or None where numpy has none (bfloat16, fp8); learnt once."""
+    dtype: np.dtype[np.generic] | None = _torch_dtypes.get(torch_dtype, _UNSET)
+    if dtype is _UNSET:
+        try:
+            dtype = np.dtype(str(torch_dtype).removeprefix("torch."))
+        except TypeError:
+            dtype = None
+        _torch_dtypes[torch_dtype] = dtype
+    return dtype
+
+
 def _torch_info(t: TorchTensor) -> ArrayInfo | None:
     """A contiguous torch CUDA tensor described through its own C methods: no view object, no properties.
 
     Only for callers that need no stream ordering (``stream_ptr=-1``); anything unusual (a dtype numpy
     lacks, non-contiguous memory) returns None and takes the general path.
     """
-    dtype: np.dtype[np.generic] | None = _torch_dtypes.get(t.dtype, _UNSET)
-    if dtype is _UNSET:  # once per torch dtype: numpy's dtype of the same name, or None (bfloat16, fp8)
-        try:
-            dtype = np.dtype(str(t.dtype).removeprefix("torch."))
-        except TypeError:
-            dtype = None
-        _torch_dtypes[t.dtype] = dtype
+    dtype = _numpy_dtype(t.dtype)
     if dtype is None or not t.is_contiguous():
         return None
     return ArrayInfo(t.data_ptr(), tuple(t.shape), dtype, None, t.get_device(), False, t)
+
+
+class TorchSource(NamedTuple):
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype[np.generic]
+    device_id: int
+    stream: int  # torch's current stream on the tensor's device (1: the legacy default stream)
+
+
+def torch_source(obj: object) -> TorchSource | None:
+    """A contiguous torch CUDA tensor's pointer, layout and current stream, in one pass of C calls.
+
+    The send path's common case, read with the fewest torch calls (each parses its arguments in C++):
+    :func:`current_stream_of` plus :func:`describe_array` read the device twice and build more objects.
+    Anything else (not torch, not CUDA, strided, a dtype numpy lacks) returns None for the general path.
+    """
+    if type(obj).__module__ != "torch":
+        return None
+    t = cast(TorchTensor, obj)
+    try:
+        dev = t.get_device()
+        if dev < 0 or not t.is_contiguous():
+            return None
+        dtype = _numpy_dtype(t.dtype)
+        if dtype is None:
+            return None
+        raw = int(sys.modules["torch"]._C._cuda_getCurrentRawStream(dev))
+        return _new_source(TorchSource, (t.data_ptr(), tuple(t.shape), dtype, dev, raw or 1))
+    except Exception:
+        return None
+
+
+_new_source = tuple.__new__  # a NamedTuple without its Python-level ``__new__`` (called once per frame)
 
 
 def current_stream_of(obj: object) -> int | None:

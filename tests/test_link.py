@@ -245,7 +245,12 @@ def test_a_closed_receiver_unmaps_once_after_its_last_frame_dies_on_any_thread(
     assert att is not None and len(att.live) == 6
     closes: list[int] = []
     close = att.view.close
-    att.view.close = lambda: (closes.append(1), close())[1]  # type: ignore[method-assign]
+
+    def counted_close() -> None:
+        closes.append(1)
+        close()
+
+    att.view.close = counted_close  # type: ignore[method-assign]
     rx.close()
     assert not att.unmapped and closes == []  # six frames still hold the mapping
     views = [np.from_dlpack(f) for f in frames]

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 native = pytest.mark.skipif(_native.ring is None, reason=f"compiled ring not in use: {_native.missing.get('ring')}")
 SPEC = FrameSpec((4, 6), np.dtype("uint16"))
 #: a slot's spec changes under the consumer's per-slot spec cache (a reconfigure), and some cannot fit
-SPECS = (SPEC, FrameSpec((3, 5, 4), np.dtype("float32")), FrameSpec((1024, 1024), np.dtype("uint8")))
+SPECS = (SPEC, FrameSpec((3, 5, 4), np.dtype("float32")), FrameSpec((1024, 1025), np.dtype("uint8")))
 
 
 def test_compiled_core_is_built_where_a_compiler_exists() -> None:
@@ -78,6 +78,8 @@ _op = st.one_of(
     ),
     st.tuples(st.just("set_waiting"), st.integers(0, NCONS - 1), st.booleans()),
     st.tuples(st.just("flags"), st.integers(0, NCONS - 1)),
+    # a whole frame, so that slots come round with new specs and meta under the consumers' caches
+    st.tuples(st.just("frame"), st.integers(0, NCONS - 1), st.sampled_from(SPECS), st.binary(max_size=8)),
 )
 
 
@@ -88,6 +90,7 @@ class _Side:
         view = memoryview(self.buf)
         self.tx = producer(view, self.layout)
         self.rx = [consumer(view, self.layout, c, 1 << 20) for c in range(NCONS)]
+        self.seq = 100  # "frame" ops' seqs, above those the other ops draw
 
     def apply(self, op: tuple[Any, ...]) -> Any:
         kind, *args = op
@@ -115,6 +118,17 @@ class _Side:
                 return self.rx[args[0]].set_waiting(args[1])
             if kind == "flags":
                 return self.rx[args[0]].flags()
+            if kind == "frame":
+                c, spec, meta = args
+                self.seq += 1
+                slot = self.tx.claim(self.seq)
+                if slot is None:
+                    return None
+                self.tx.publish(slot, self.seq, 7, spec, meta)
+                got = self.rx[c].take(self.seq - 1, True)
+                if got is not None:
+                    self.rx[c].release(got[0], got[1].seq, False)
+                return got
         except Exception as exc:  # both must fail the same way, too
             return ("raised", type(exc).__name__)
         raise AssertionError(kind)

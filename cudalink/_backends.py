@@ -212,6 +212,8 @@ class CudaSlots:
         self.ready = [driver.new_ipc_event(self.stream) for _ in range(nslots)]
         self._ready_raw = [driver.raw(ev) for ev in self.ready]
         self._ptrs = [s.ptr for s in self.mem.slots]
+        self._want_spec: FrameSpec | None = None  # the spec ``_want`` was built for
+        self._want: arrays.SourceWant | None = None
         self._sources: list[object] = [None] * nslots  # what each slot's pending copy reads from
         self._join: RawEvent | None = None
         self._tls = threading.local()
@@ -248,21 +250,18 @@ class CudaSlots:
         """
         self._current()
         if stream is None and not fences:
-            fast = arrays.torch_source(src)
-            if fast is not None and fast[1] == spec.shape and fast[2] == spec.dtype and fast[3] == self.device:
-                # the common case, on torch's current stream: after the tensor's producer, nothing to order
+            want = self._want
+            if want is None or spec is not self._want_spec:  # built once per spec
+                want = self._want = arrays.source_want(spec, self.device)
+                self._want_spec = spec
+            fast = arrays.fast_source(src, want)
+            if fast is not None:
+                # the common case, on the framework's current stream: after the array's producer, nothing
+                # to order
                 if _trace.ON:
                     _trace.mark(_trace.SOURCE_READ)
                     _trace.mark(_trace.FENCES_WAITED)
-                self._settle(slot)
-                s = fast[4]
-                driver.memcpy_dtod(self._ptrs[slot], fast[0], spec.nbytes, s)
-                if _trace.ON:
-                    _trace.mark(_trace.COPY_QUEUED)
-                driver.record(self._ready_raw[slot], s)
-                if _trace.ON:
-                    _trace.mark(_trace.EVENT_RECORDED)
-                self._sources[slot] = src  # keep the source alive until the copy has run
+                self._copy(slot, spec, fast[0], 0, fast[1], src)
                 return
         if stream is not None:
             s = order = driver.stream_handle(stream)
@@ -287,19 +286,23 @@ class CudaSlots:
             driver.wait(s, ev)
         if _trace.ON:
             _trace.mark(_trace.FENCES_WAITED)
+        self._copy(slot, spec, info.ptr, pitch, s, info.owner)
+
+    def _copy(self, slot: int, spec: FrameSpec, src: int, pitch: int, s: int, owner: object) -> None:
+        """The tail both paths share: one copy into the slot, its ready event, the source kept alive."""
         self._settle(slot)
         dst = self._ptrs[slot]
         if pitch == 0:
-            driver.memcpy_dtod(dst, info.ptr, spec.nbytes, s)
+            driver.memcpy_dtod(dst, src, spec.nbytes, s)
         else:
             row = spec.byte_strides[0]
-            driver.memcpy_2d_dtod(dst, row, info.ptr, pitch, row, spec.shape[0], s)
+            driver.memcpy_2d_dtod(dst, row, src, pitch, row, spec.shape[0], s)
         if _trace.ON:
             _trace.mark(_trace.COPY_QUEUED)
         driver.record(self._ready_raw[slot], s)
         if _trace.ON:
             _trace.mark(_trace.EVENT_RECORDED)
-        self._sources[slot] = info.owner  # keep the source alive until the copy has run
+        self._sources[slot] = owner  # keep the source alive until the copy has run
 
     def _settle(self, slot: int) -> None:
         """Before re-arming a slot's event, the previous copy out of a user's array must have finished."""

@@ -86,7 +86,7 @@ class _Handler(ServerHandler):
                     ),
                     accepted=False,
                 )
-            s._ring.join(index, peer.pid or hello.pid, hello.token)
+            s._join_consumer(index, peer.pid or hello.pid, hello.token)
             self.conns[conn] = index
             self.snapshot = tuple(self.conns.items())
         fds = tuple(s._slots.fds())
@@ -152,7 +152,11 @@ class Sender:
         self._closed = False
         self._lock = threading.RLock()
         self._released = threading.Event()
-        self._release_events: dict[tuple[int, int, int], tuple[Event, RawEvent]] = {}
+        #: per (consumer index, slot): that consumer's imported release event, with the token of the consumer
+        #: it came from. Items are replaced whole (atomic under the GIL), so the control thread's leave never
+        #: races a send iterating a dict.
+        self._fence_events: list[tuple[int, Event, RawEvent] | None] = [None] * (slots * max_consumers)
+        self._tokens = [0] * max_consumers  # the token of the consumer at each index, written as it joins
         self._transport = transport or default_transport()
         self._slots = _backends.make_producer_slots(device, slots, cap, handles, self._transport.passes_fds)
         self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
@@ -247,6 +251,10 @@ class Sender:
         slot = self._ring.claim(self._seq + 1)
         if slot is not None or self.policy == "drop":
             return slot
+        return self._claim_waiting(timeout)
+
+    def _claim_waiting(self, timeout: float | None) -> int | None:
+        """policy='block' with every slot held: wait (bounded) for a consumer to release one."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, True)
@@ -280,24 +288,31 @@ class Sender:
         if not consumers:
             return []
         out = []
+        events = self._fence_events
+        nslots = self._layout.nslots
         for c in consumers:
-            key = (c, self._ring.token(c), slot)
-            got = self._release_events.get(key)
-            if got is None:
+            token = self._tokens[c]
+            got = events[c * nslots + slot]
+            if got is None or got[0] != token:  # first fence, or a new consumer in that place
                 raw, flag = wire.RELEASE.unpack_from(self._server.header, self._layout.release_handle(c, slot))
                 try:
                     ev = driver.import_event(bytes(raw), flag)
                 except LinkError:
                     continue  # that consumer is gone; nothing of its can still be queued on our memory
-                got = self._release_events[key] = (ev, driver.raw(ev))  # the Event owns the handle
-            if not driver.event_done(got[1]):
-                out.append(got[1])
+                got = events[c * nslots + slot] = (token, ev, driver.raw(ev))  # the Event owns the handle
+            if not driver.event_done(got[2]):
+                out.append(got[2])
         return out
+
+    def _join_consumer(self, index: int, pid: int, token: int) -> None:
+        self._tokens[index] = token  # before its first fence can exist: a cached event of another token is stale
+        self._ring.join(index, pid, token)
 
     def _forget_consumer(self, index: int) -> None:
         self._ring.leave(index)
-        for key in [k for k in self._release_events if k[0] == index]:
-            self._release_events.pop(key, None)
+        n = self._layout.nslots
+        for k in range(index * n, index * n + n):
+            self._fence_events[k] = None
 
     def send(
         self,
@@ -318,9 +333,12 @@ class Sender:
         if _trace.ON:
             _trace.mark(_trace.SEND_ENTERED)
         with self._lock:
-            self._check_open(meta)
+            if self._closed or meta:
+                self._check_open(meta)
             spec = self._spec
-            slot = self._claim(timeout)
+            slot = self._ring.claim(self._seq + 1)  # _claim(), its common case inlined
+            if slot is None and self.policy == "block":
+                slot = self._claim_waiting(timeout)
             if slot is None:
                 self._ring.count_drop()
                 return None
@@ -453,7 +471,7 @@ class Sender:
                     self._released.clear()
             finally:
                 self._server.close()
-                self._release_events.clear()
+                self._fence_events = [None] * len(self._fence_events)
                 self._slots.close(timeout)
 
     def __enter__(self) -> Sender:

@@ -292,3 +292,57 @@ def test_a_stale_key_makes_the_consumer_retry_not_fail(name: str) -> None:
             tx.send(np.arange(4, dtype=np.uint8))
             assert rx.recv(1).seq == 1
         timer.join()
+
+
+# -- how a consumer sleeps: in recv() on Linux, in poll() elsewhere ----------------------------------------
+
+
+@pytest.mark.parametrize("by_recv", [True, False])
+def test_a_sleeping_consumer_wakes_on_a_byte_on_eof_and_when_its_bound_passes(
+    monkeypatch: pytest.MonkeyPatch, by_recv: bool
+) -> None:
+    """Both ways of sleeping keep the wake-up contract: a frame byte wakes, the shutdown byte and EOF
+    mark the producer gone, a timeout returns no later than asked, and a drain never blocks."""
+    from cudalink.transport import control
+
+    if by_recv and not _platform.WAKE_BY_RECV:
+        pytest.skip("consumers sleep in recv() only on Linux")
+    monkeypatch.setattr(_platform, "WAKE_BY_RECV", by_recv)
+    a, b = socket.socketpair()
+    cs = control.ClientSocket(b)
+    assert cs._by_recv is by_recv
+    b.setblocking(by_recv)  # what the handshake leaves
+    try:
+        t0 = time.monotonic()
+        assert cs.drain() and time.monotonic() - t0 < 0.5  # nothing queued: returns at once
+        t0 = time.monotonic()
+        cs.wait_readable(0.12)
+        waited = time.monotonic() - t0
+        assert not cs.gone and 0.05 < waited < 1.0, waited
+        if by_recv:  # a long wait is cut into slices: recv() rechecks its deadline and the producer
+            monkeypatch.setattr(control, "_RECV_SLICE", 0.05)
+            t0 = time.monotonic()
+            cs.wait_readable(30.0)
+            assert time.monotonic() - t0 < 1.0
+            monkeypatch.setattr(control, "_RECV_SLICE", 30.0)
+        threading.Timer(0.2, a.send, (b"\x01",)).start()
+        t0 = time.monotonic()
+        cs.wait_readable(10.0)  # only the byte ends this sleep early
+        woke = time.monotonic() - t0
+        assert not cs.gone and 0.15 < woke < 2.0, woke
+        assert cs.drain()
+        a.send(b"\x01\x00")  # a frame, then the producer's shutdown byte
+        cs.wait_readable(1.0)
+        cs.drain()
+        assert cs.gone
+    finally:
+        a.close()
+        b.close()
+    c, d = socket.socketpair()
+    cs = control.ClientSocket(d)
+    d.setblocking(by_recv)
+    c.close()  # the producer died
+    cs.wait_readable(1.0)
+    cs.drain()
+    assert cs.gone
+    d.close()

@@ -43,6 +43,7 @@ def test_compiled_core_is_built_where_a_compiler_exists() -> None:
     if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("cl")):
         pytest.skip("no C compiler here: the pure-Python core is the expected one")
     assert _native.ring is not None, _native.missing
+    assert _native.exchange is not None, _native.missing
     assert (ROOT / "cudalink" / "_native").is_dir()
 
 
@@ -242,6 +243,72 @@ def test_compiled_and_pure_python_processes_share_a_link(
     assert got > 100 and mismatches == 0 and ordered, (got, mismatches, tail)
 
 
+# -- the DLPack C exchange reader (send's source read) --------------------------------------------------
+
+exchange = pytest.mark.skipif(
+    _native.exchange is None, reason=f"compiled exchange reader not in use: {_native.missing.get('exchange')}"
+)
+_DL = {"uint8": (1, 8), "int16": (0, 16), "float32": (2, 32), "float64": (2, 64), "complex64": (5, 64)}
+
+
+def _view(arr: np.ndarray) -> Any:
+    """cuda.core's StridedMemoryView of a host array: a type that publishes the C exchange table, no GPU needed."""
+    from cudalink.cuda import driver
+
+    return driver.view_class().from_dlpack(arr, stream_ptr=-1)
+
+
+@exchange
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    st.sampled_from(sorted(_DL)),
+    st.data(),
+)
+def test_exchange_reader_vouches_only_for_a_compact_array_of_the_exact_spec(
+    shape: list[int], dtype: str, data: st.DataObject
+) -> None:
+    """A pointer is returned exactly when the array is C-contiguous and its shape, dtype and device match."""
+    ex = _native.exchange
+    assert ex is not None
+    base = np.arange(int(np.prod(shape)) * 4, dtype=dtype).reshape([*shape[:-1], shape[-1] * 4])
+    step = data.draw(st.sampled_from([1, 2, 4]))
+    arr = base[..., ::step][..., : shape[-1]]  # strided unless step is 1 or the last axis has one element
+    if data.draw(st.booleans()) and arr.ndim > 1:
+        arr = arr.swapaxes(0, -1)
+    view = _view(arr)
+    code, bits = _DL[dtype]
+    got = ex.source(view, (tuple(arr.shape), code, bits, 1, 0))
+    from cudalink.cuda import arrays
+
+    want = arrays.SourceWant(tuple(arr.shape), code, bits, 1, 0, arr.dtype)  # what send() passes
+    assert ex.source(view, want) == got
+    if arr.flags.c_contiguous:
+        assert got == (arr.ctypes.data, 0)
+    else:
+        assert got is None
+    wrong = (
+        ((*arr.shape[:-1], arr.shape[-1] + 1), code, bits, 1, 0),  # another shape
+        (tuple(arr.shape), code, bits * 2, 1, 0),  # another width
+        (tuple(arr.shape), (code + 1) % 3, bits, 1, 0),  # another kind
+        (tuple(arr.shape), code, bits, 2, 0),  # the array is on the host, not CUDA
+        (tuple(arr.shape)[:-1], code, bits, 1, 0),  # fewer dimensions
+    )
+    for args in wrong:
+        assert ex.source(view, args) is None, args
+
+
+@exchange
+def test_exchange_reader_passes_over_types_without_a_table() -> None:
+    """numpy publishes no C exchange table: no pointer, and the general path reads it instead."""
+    ex = _native.exchange
+    assert ex is not None
+    arr = np.zeros((2, 3), np.float32)
+    assert not ex.has_api(arr) and ex.source(arr, ((2, 3), 2, 32, 1, 0)) is None
+    assert ex.source(object(), ((2, 3), 2, 32, 1, 0)) is None
+    assert ex.has_api(_view(arr))
+
+
 # -- the compiled driver calls, on a GPU ------------------------------------------------------------------
 
 
@@ -283,3 +350,38 @@ def test_compiled_driver_calls_copy_order_and_fail_like_the_python_ones() -> Non
     with pytest.raises(cudalink.LinkError, match=r"cudalink: cuMemcpyDtoDAsync failed with CUDA_ERROR_\w+"):
         driver.memcpy_dtod(0, src.data_ptr(), 16, s)
     driver.destroy_event(ev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reader", ["exchange", "torch calls"])
+def test_fast_source_reads_torch_tensors_as_torch_does(monkeypatch: pytest.MonkeyPatch, reader: str) -> None:
+    """send()'s source read, both ways: torch's pointer and current stream, or None for the general path."""
+    torch = pytest.importorskip("torch")
+    from cudalink.cuda import arrays
+
+    if reader == "torch calls":
+        monkeypatch.setattr(_native, "exchange", None)
+    elif _native.exchange is None:
+        pytest.skip(f"compiled exchange reader not in use: {_native.missing.get('exchange')}")
+    want = arrays.source_want(FrameSpec((48, 64, 4), np.dtype("uint8")), 0)
+    t = torch.zeros((48, 64, 4), dtype=torch.uint8, device="cuda")
+
+    def stream_now() -> int:
+        return int(torch.cuda.current_stream().cuda_stream) or 1
+
+    assert arrays.fast_source(t, want) == (t.data_ptr(), stream_now())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert arrays.fast_source(t, want) == (t.data_ptr(), int(side.cuda_stream))
+    part = torch.zeros((50, 64, 4), dtype=torch.uint8, device="cuda")[1:49]  # compact, at an offset
+    assert arrays.fast_source(part, want) == (part.data_ptr(), stream_now())
+    for other in (
+        torch.zeros((64, 48, 4), dtype=torch.uint8, device="cuda").transpose(0, 1),  # strided
+        torch.zeros((48, 64, 4), dtype=torch.int8, device="cuda"),  # another dtype
+        torch.zeros((48, 64, 3), dtype=torch.uint8, device="cuda"),  # another shape
+        torch.zeros((48, 64, 4), dtype=torch.uint8),  # host memory
+        np.zeros((48, 64, 4), np.uint8),
+    ):
+        assert arrays.fast_source(other, want) is None
+    if reader == "exchange":
+        print("torch publishes a DLPack C exchange table:", _native.exchange.has_api(t))  # type: ignore[union-attr]

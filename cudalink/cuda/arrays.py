@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
+from .. import _native
 from ..errors import FormatError
 from . import devices, driver
 
@@ -120,38 +121,61 @@ def _torch_info(t: TorchTensor) -> ArrayInfo | None:
     return ArrayInfo(t.data_ptr(), tuple(t.shape), dtype, None, t.get_device(), False, t)
 
 
-class TorchSource(NamedTuple):
-    ptr: int
+_KDLCUDA = 2
+_DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}  # numpy kind -> DLPack type code
+_dl_dtypes: dict[np.dtype[np.generic], tuple[int, int]] = {}
+
+
+def _dl_dtype(dtype: np.dtype[np.generic]) -> tuple[int, int]:
+    """DLPack's (code, bits) of a numpy dtype; (-1, 0), which nothing matches, where DLPack has none."""
+    got = _dl_dtypes.get(dtype)
+    if got is None:
+        code = _DL_CODES.get(dtype.kind, -1)
+        got = _dl_dtypes[dtype] = (code, dtype.itemsize * 8) if code >= 0 else (-1, 0)
+    return got
+
+
+class SourceWant(NamedTuple):
+    """What a send's source must be for the one-pass read, built once per frame spec and device."""
+
     shape: tuple[int, ...]
-    dtype: np.dtype[np.generic]
+    dl_code: int
+    dl_bits: int
+    dl_device_type: int
     device_id: int
-    stream: int  # torch's current stream on the tensor's device (1: the legacy default stream)
+    dtype: np.dtype[np.generic]
 
 
-def torch_source(obj: object) -> TorchSource | None:
-    """A contiguous torch CUDA tensor's pointer, layout and current stream, in one pass of C calls.
+def source_want(spec: FrameSpec, device_id: int) -> SourceWant:
+    return SourceWant(spec.shape, *_dl_dtype(spec.dtype), _KDLCUDA, device_id, spec.dtype)
 
-    The send path's common case, read with the fewest torch calls (each parses its arguments in C++):
-    :func:`current_stream_of` plus :func:`describe_array` read the device twice and build more objects.
-    Anything else (not torch, not CUDA, strided, a dtype numpy lacks) returns None for the general path.
+
+def fast_source(obj: object, want: SourceWant) -> tuple[int, int] | None:
+    """``(pointer, stream)`` of a compact CUDA array of exactly ``want``, read in one pass.
+
+    The stream is the one the array's framework queues work on now (1: the legacy default stream): a
+    copy queued there runs after the array's producer with nothing to order. Through DLPack's C exchange
+    API where the array's type publishes one (torch 2.10+, with the compiled core), else through torch's
+    own C methods. Anything else returns None: the general path reads it, orders it and words errors.
     """
+    ex = _native.exchange
+    if ex is not None:
+        got: tuple[int, int] | None = ex.source(obj, want)
+        if got is not None:
+            return got if got[1] else (got[0], 1)
     if type(obj).__module__ != "torch":
         return None
     t = cast(TorchTensor, obj)
-    try:
-        dev = t.get_device()
-        if dev < 0 or not t.is_contiguous():
+    dev = want[4]
+    try:  # each call parses its arguments in C++: the fewest that decide it
+        if t.get_device() != dev or not t.is_contiguous() or _numpy_dtype(t.dtype) != want[5]:
             return None
-        dtype = _numpy_dtype(t.dtype)
-        if dtype is None:
+        if tuple(t.shape) != want[0]:
             return None
         raw = int(sys.modules["torch"]._C._cuda_getCurrentRawStream(dev))
-        return _new_source(TorchSource, (t.data_ptr(), tuple(t.shape), dtype, dev, raw or 1))
+        return (t.data_ptr(), raw or 1)
     except Exception:
         return None
-
-
-_new_source = tuple.__new__  # a NamedTuple without its Python-level ``__new__`` (called once per frame)
 
 
 def current_stream_of(obj: object) -> int | None:

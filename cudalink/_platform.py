@@ -241,21 +241,6 @@ def no_delay(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-#: Linux: a sleeping consumer blocks in ``recv()`` itself, bounded by SO_RCVTIMEO, instead of in
-#: ``poll()``. On the H100 a bare blocking read woke 6-7 µs sooner than poll() (p50 48 vs 55 µs,
-#: ``benchmarks/wake_primitives.py``, three rounds). Elsewhere consumers poll (a non-blocking socket).
-WAKE_BY_RECV = IS_LINUX
-
-
-def recv_timeout(sock: socket.socket, seconds: float) -> None:
-    """Bound a blocking ``recv()`` on ``sock`` (SO_RCVTIMEO: a struct timeval, two C longs on Linux).
-
-    At least 1 ms: a zero timeval would mean "never time out".
-    """
-    sec, usec = divmod(max(int(seconds * 1e6), 1000), 1_000_000)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", sec, usec))
-
-
 # -- processes --------------------------------------------------------------------------------------------
 
 _STILL_ACTIVE = 259

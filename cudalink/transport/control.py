@@ -26,8 +26,7 @@ from .base import UNVERIFIED_UID, Client, Peer, ServerHandler
 from .wire import HELLO
 
 HANDSHAKE_TIMEOUT = 2.0
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # Windows has none; our sockets are non-blocking there
-_RECV_SLICE = 0.1  # the longest single sleep in a blocking recv(), in seconds
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # Windows has none; our sockets are non-blocking anyway
 
 
 class Gate:
@@ -328,19 +327,9 @@ class ClientSocket:
         self.gone = False
         self._key = key
         self._fds = hasattr(socket, "AF_UNIX") and sock.family == socket.AF_UNIX
-        #: sleep in a blocking recv() (Linux): the socket is then blocking and every other read passes
-        #: MSG_DONTWAIT; elsewhere it is non-blocking and sleeps are poll()s
-        self._by_recv = _platform.WAKE_BY_RECV and _DONTWAIT != 0
-        self._rcvtimeo = 0.0  # the SO_RCVTIMEO now set, in seconds
-        self._poll: select.poll | None = None
-        if not self._by_recv:
-            self._sleep_in_poll()
-
-    def _sleep_in_poll(self) -> None:
-        self._by_recv = False
-        if hasattr(select, "poll"):
-            self._poll = select.poll()
-            self._poll.register(self.sock, select.POLLIN)
+        self._poll = select.poll() if hasattr(select, "poll") else None
+        if self._poll is not None:
+            self._poll.register(sock, select.POLLIN)
 
     def _recv_exact(self, size: int) -> bytes:
         data = b""
@@ -373,7 +362,7 @@ class ClientSocket:
                     self.sock.settimeout(0.2)
                     data += self.sock.recv(4096)
                 break
-        self.sock.setblocking(self._by_recv)
+        self.sock.setblocking(False)
         return data, fds
 
     def fileno(self) -> int:
@@ -391,7 +380,7 @@ class ClientSocket:
             return False
         while True:
             try:
-                data = self.sock.recv(65536, _DONTWAIT)
+                data = self.sock.recv(65536)
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:
@@ -404,9 +393,6 @@ class ClientSocket:
     def wait_readable(self, timeout: float | None) -> None:
         if self.gone:
             return
-        if self._by_recv:
-            self._wait_in_recv(timeout)
-            return
         try:
             if self._poll is not None:
                 ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
@@ -415,23 +401,6 @@ class ClientSocket:
                 select.select([self.sock], [], [], timeout)
         except (OSError, ValueError):
             self.gone = True
-
-    def _wait_in_recv(self, timeout: float | None) -> None:
-        """Sleep in recv() itself: the wake-up byte is read as the sleep ends, and the kernel has no
-        poll table to walk. Sleeps come in slices of at most ``_RECV_SLICE``, so the caller rechecks its
-        deadline and the producer's liveness that often even when it asked for longer."""
-        t = _RECV_SLICE if timeout is None or timeout > _RECV_SLICE else max(timeout, 0.001)
-        try:
-            if t != self._rcvtimeo:  # a syscall only when the bound changes: not in a steady stream
-                _platform.recv_timeout(self.sock, t)
-                self._rcvtimeo = t
-            data = self.sock.recv(4096)
-        except (BlockingIOError, InterruptedError):  # the bound passed: nothing arrived
-            return
-        except (OSError, ValueError):
-            self.gone = True
-            return
-        self._seen(data)
 
     async def wait_async(self, timeout: float | None) -> None:
         """Return when readable (a wake-up, EOF) or after ``timeout``; the caller then drains.
@@ -447,9 +416,6 @@ class ClientSocket:
         try:
             loop.add_reader(fd, _resolve, fut)
         except NotImplementedError:
-            if self._by_recv:  # the loop reads the socket itself and needs it non-blocking: from now on
-                self.sock.setblocking(False)  # this connection sleeps the portable way
-                self._sleep_in_poll()
             await self._recv_async(loop, timeout)
             return
         try:

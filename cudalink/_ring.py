@@ -165,7 +165,16 @@ class PyProducerRing(_ProducerCold):
         return out
 
     def waiting(self, index: int) -> bool:
-        return bool(_get32(self.buf, self._waiting_off[index])[0])
+        """Is that consumer asleep with no wake-up on its way (wake it after a publish)?"""
+        return bool(_get32(self.buf, self._waiting_off[index])[0] & wire.WAIT_ON)
+
+    def wake_ahead(self, index: int) -> bool:
+        """Did that consumer ask to be woken ahead of the frame? Marks the wake-up as on its way."""
+        off = self._waiting_off[index]
+        if _get32(self.buf, off)[0] != wire.WAIT_AHEAD:
+            return False
+        _put32(self.buf, off, wire.WOKEN_AHEAD)
+        return True
 
 
 class PyConsumerRing:
@@ -229,10 +238,12 @@ class PyConsumerRing:
     def flags(self) -> int:
         return int(_get32(self.buf, wire.OFF_FLAGS)[0])
 
-    def set_waiting(self, on: bool) -> None:
-        """Announce (or withdraw) that we are about to sleep; re-check the stamps after announcing."""
-        _put32(self.buf, self._waiting_off, 1 if on else 0)
-        if on:
+    def set_waiting(self, state: int) -> None:
+        """Announce (``wire.WAIT_ON``/``WAIT_AHEAD``) or withdraw (0) that we sleep; re-check the stamps after."""
+        if not 0 <= state <= wire.WAIT_AHEAD:
+            raise ValueError(f"cudalink: waiting state {state} is not one of 0..3")
+        _put32(self.buf, self._waiting_off, state)
+        if state:
             full_fence()
 
     def count(self, received: int, skipped: int) -> None:
@@ -271,6 +282,7 @@ class ProducerRing(Protocol):
     def count_drop(self) -> None: ...
     def take_fences(self, slot: int) -> list[int]: ...
     def waiting(self, index: int) -> bool: ...
+    def wake_ahead(self, index: int) -> bool: ...
     def set_flag(self, flag: int, on: bool) -> None: ...
     def join(self, index: int, pid: int, token: int) -> None: ...
     def leave(self, index: int) -> None: ...
@@ -284,7 +296,7 @@ class ConsumerRing(Protocol):
     def take(self, after: int, newest: bool) -> tuple[int, wire.SlotRecord] | None: ...
     def release(self, slot: int, seq: int, fenced: bool) -> int: ...
     def flags(self) -> int: ...
-    def set_waiting(self, on: bool) -> None: ...
+    def set_waiting(self, state: int) -> None: ...
     def count(self, received: int, skipped: int) -> None: ...
 
 

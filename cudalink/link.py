@@ -7,7 +7,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -33,6 +33,8 @@ Policy = Literal["drop", "block"]
 WaitMode = Literal["spin", "block", "hybrid"]
 
 _default_transport: Transport | None = None
+_perf_ns = time.perf_counter_ns
+_AHEAD_SPIN_S = wire.AHEAD_SPIN_NS / 1e9
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
 
 
@@ -157,6 +159,10 @@ class Sender:
         #: races a send iterating a dict.
         self._fence_events: list[tuple[int, Event, RawEvent] | None] = [None] * (slots * max_consumers)
         self._tokens = [0] * max_consumers  # the token of the consumer at each index, written as it joins
+        #: wake sleepers when a send has claimed its slot, so their OS wake overlaps the copy; only while
+        #: sends finish soon after (a moving average, claim -> publish), since the woken consumer spins
+        self._ahead = True
+        self._send_ns = 0.0
         self._transport = transport or default_transport()
         self._slots = _backends.make_producer_slots(device, slots, cap, handles, self._transport.passes_fds)
         self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
@@ -342,7 +348,10 @@ class Sender:
             if slot is None:
                 self._ring.count_drop()
                 return None
+            t0 = _perf_ns()
             try:
+                if self._ahead:  # wake who asked for it now, before the copy: they spin for the publish
+                    self._wake(self._ring.wake_ahead, _trace.WAKING_AHEAD, _trace.AHEAD_SENT)
                 fences = self._fences(slot)
                 if _trace.ON:
                     _trace.mark(_trace.SLOT_CLAIMED)
@@ -350,7 +359,23 @@ class Sender:
             except BaseException:
                 self._ring.abort(slot)
                 raise
-            return self._publish(slot, spec, timestamp_ns, meta)
+            seq = self._publish(slot, spec, timestamp_ns, meta)
+            # one stalled send moves the average little (clamped, 1/16): waking ahead stops only when
+            # sends stay slow, as a 4K host memcpy does
+            dt = min(_perf_ns() - t0, 2 * wire.AHEAD_MAX_NS)
+            avg = self._send_ns = self._send_ns + (dt - self._send_ns) * 0.0625
+            self._ahead = avg < wire.AHEAD_MAX_NS
+            return seq
+
+    def _wake(self, wanted: Callable[[int], bool], waking: str, sent: str) -> None:
+        """One wake-up byte to each consumer whose place ``wanted`` says so (marked ``waking``/``sent``)."""
+        sleepers = [conn for conn, index in self._handler.snapshot if wanted(index)]
+        if sleepers:
+            if _trace.ON:
+                _trace.mark(waking)
+            self._server.wake(b"\x01", sleepers)
+            if _trace.ON:
+                _trace.mark(sent)
 
     def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
         self._seq += 1
@@ -359,14 +384,7 @@ class Sender:
         # visible before we read who sleeps (pairs with the consumer's set_waiting)
         if _trace.ON:
             _trace.mark(_trace.PUBLISHED)
-        waiting = ring.waiting
-        sleepers = [conn for conn, index in self._handler.snapshot if waiting(index)]
-        if sleepers:
-            if _trace.ON:
-                _trace.mark(_trace.WAKING)
-            self._server.wake(b"\x01", sleepers)
-            if _trace.ON:
-                _trace.mark(_trace.WAKE_SENT)
+        self._wake(ring.waiting, _trace.WAKING, _trace.WAKE_SENT)
         return self._seq
 
     @contextlib.contextmanager
@@ -587,6 +605,11 @@ class Receiver:
     ``wait`` picks how ``recv`` waits: ``"hybrid"`` (spin ``spin_us`` then sleep in the kernel; the
     spin is skipped while recent frames came far apart, so a slow stream costs no CPU), ``"block"``
     or ``"spin"``.
+
+    ``wake_ahead=True`` (default) asks a sleeping ``recv`` to be woken when the producer's ``send`` has
+    claimed a slot rather than after it publishes: the OS wake-up then overlaps the producer's copy, and
+    the woken receiver spins for what is left of the send (at most ``wire.AHEAD_SPIN_NS``, typically a
+    few microseconds). ``False`` sleeps until the frame is published and never spins after a wake.
     """
 
     def __init__(
@@ -597,6 +620,7 @@ class Receiver:
         latest: bool = True,
         wait: WaitMode = "hybrid",
         spin_us: float = 50.0,
+        wake_ahead: bool = True,
         transport: Transport | None = None,
         connect: bool = True,
     ) -> None:
@@ -607,6 +631,7 @@ class Receiver:
         self.latest = latest
         self.wait_mode: WaitMode = wait
         self.spin_s = spin_us / 1e6
+        self.wake_ahead = bool(wake_ahead)
         self._transport = transport or default_transport()
         self._att: _Attachment | None = None
         self._last = 0
@@ -670,12 +695,11 @@ class Receiver:
         if self._att is None:
             raise LinkError("cudalink: not attached")
         self._sticky_wake = True
-        self._att.ring.set_waiting(True)
+        self._att.ring.set_waiting(wire.WAIT_ON)
         return int(self._att.client.fileno())
 
     def _unwait(self, att: _Attachment) -> None:
-        if not self._sticky_wake:
-            att.ring.set_waiting(False)
+        att.ring.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)
 
     def _attach(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -725,7 +749,7 @@ class Receiver:
             raise
         self._att = _Attachment(client, fixed, welcome.index, view)
         if self._sticky_wake:
-            self._att.ring.set_waiting(True)
+            self._att.ring.set_waiting(wire.WAIT_ON)
         self._last = 0
         # frames published before we joined are not "skipped" by us
         self._floor = wire.read_u64(client.header, wire.OFF_PUBLISHED)
@@ -856,7 +880,8 @@ class Receiver:
             if not att.client.drain():
                 raise self._gone("closed or died")
             self._publish_counts(att)
-            att.ring.set_waiting(True)
+            ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
+            att.ring.set_waiting(wire.WAIT_AHEAD if ahead else wire.WAIT_ON)
             try:
                 frame = take(att)  # a frame published before our flag was visible
                 if frame is not None:
@@ -866,6 +891,8 @@ class Receiver:
                     _trace.mark(_trace.WOKEN)
             finally:
                 self._unwait(att)
+            if ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
+                spin_until = max(spin_until, time.monotonic() + _AHEAD_SPIN_S)
 
     def _arrived(self, frame: Frame, entered: float) -> Frame:
         """Learn how long frames keep us waiting: ``hybrid`` spins only while frames come within its spin."""
@@ -893,7 +920,7 @@ class Receiver:
             left = deadline - loop.time()
             if left <= 0:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
-            att.ring.set_waiting(True)
+            att.ring.set_waiting(wire.WAIT_ON)
             try:
                 frame = self._try_take(att)  # published before our flag was visible
                 if frame is not None:

@@ -66,6 +66,7 @@ def host_consumer(
     hold_s: float = 0.0,
     latest: bool = True,
     deadline_s: float = 60.0,
+    wait: str = "hybrid",
 ) -> None:
     """Receive until the producer goes away; verify every frame's checksum against its content."""
     got = mismatches = 0
@@ -73,7 +74,7 @@ def host_consumer(
     held: list[Any] = []
     end = time.monotonic() + deadline_s
     try:
-        with cudalink.Receiver(name, timeout=20.0, latest=latest) as rx:
+        with cudalink.Receiver(name, timeout=20.0, latest=latest, wait=wait) as rx:  # type: ignore[arg-type]
             while time.monotonic() < end:
                 try:
                     frame = rx.recv(timeout=5.0)

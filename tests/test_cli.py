@@ -223,10 +223,13 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     goal = next(g for g in report["goals"] if g["goal"].startswith("poll + np.from_dlpack"))
     assert goal["reference"] == paired["p50"] and "same consumer" in goal["reference_label"], goal
     modes = {w["mode"]: w for w in report["wait_modes"]}
-    assert set(modes) == {"spin", "hybrid", "block", "async"}
+    assert set(modes) == {"spin", "hybrid", "block", "block_noahead", "async"}
     for w in modes.values():
         assert w["status"] == "ok", w
         assert isinstance(w["handoff"]["p50"], float) and isinstance(w["handoff"]["p99"], float)
+        assert w["end_to_end"]["p50"] > 0  # send() entered -> recv returned: the same process's clock
+        assert w["consumer_cpu_us"] > 0
+    assert "wake_ahead=False" in modes["block_noahead"]["api"]
 
 
 def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:

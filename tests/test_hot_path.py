@@ -62,7 +62,9 @@ def test_trace_is_off_by_default(name: str) -> None:
 
 def test_bench_breakdown_cpu_reports_floors_and_every_stage(tmp_path: Path) -> None:
     out = tmp_path / "bd.json"
-    proc = run_cli("bench", "--breakdown", "--device", "cpu", "--frames", "80", "--json", str(out), timeout=150)
+    proc = run_cli(
+        "bench", "--breakdown", "--no-wake-ahead", "--device", "cpu", "--frames", "80", "--json", str(out), timeout=150
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "floors on cpu" in proc.stdout and "breakdown" in proc.stdout
     report = json.loads(out.read_text())
@@ -85,7 +87,8 @@ def test_bench_breakdown_cpu_reports_floors_and_every_stage(tmp_path: Path) -> N
     # returns from it (a busy 2-core box) can never make it negative
     assert stages[_trace.WOKEN]["p50"] > 0 and stages[_trace.WOKEN]["p99"] > 0
     assert stages[_trace.EVENT_RECORDED] is None  # the CPU backend has no ready events: nothing invented
-    totals = {t["span"]: t["us"] for t in bd["totals"]}
+    assert bd["wake_ahead"] is False and stages[_trace.WAKING_AHEAD] is None  # as asked: no wake-ups ahead
+    totals = {t["span"]: t["us"] for t in bd["totals"] if t["to"] != _trace.PUBLISHED or t["from"] != _trace.WOKEN}
     assert all(v and v["p50"] > 0 for v in totals.values()), totals
     assert bd["reserve_commit"]["p50"] > 0 and bd["reserve_commit_attached"]["p50"] > 0
 
@@ -200,3 +203,139 @@ def test_goals_judge_each_figure_against_its_floor(block: float, met: bool) -> N
     assert got["poll + np.from_dlpack + release p50"]["met"] is False  # 7 > 3 x 2
     assert got["fan-out p99 vs one consumer's p99"]["met"] is False  # 95 > 3 x 30
     assert got["reserve() + commit p50 (in process, no consumer)"]["met"] is True
+
+
+# -- waking ahead ------------------------------------------------------------------------------------------
+
+
+def _waiting_word(tx: cudalink.Sender, index: int = 0) -> int:
+    layout = wire.Layout(tx.slots, 16)
+    return int.from_bytes(tx._server.header[layout.consumer(index) + wire.CONSUMER_OFF_WAITING :][:4], "little")
+
+
+def _until(cond: object, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.0005)
+
+
+class _Catcher(threading.Thread):
+    """A receiver thread blocked in ``recv()``; what it got (or raised) lands in ``got``."""
+
+    def __init__(self, rx: cudalink.Receiver, n: int = 1) -> None:
+        super().__init__(daemon=True)
+        self.rx, self.n, self.got = rx, n, []  # type: list[object]
+
+    def run(self) -> None:
+        try:
+            for _ in range(self.n):
+                with self.rx.recv() as f:
+                    self.got.append((f.seq, np.from_dlpack(f).tolist()))
+        except Exception as exc:
+            self.got.append(exc)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_sleeping_receiver_is_woken_as_the_send_starts_only_if_it_asked(
+    pair: PairFactory, traced: object, ahead: bool
+) -> None:
+    """wake_ahead: the wake-up goes out once the slot is claimed (before the copy), and none after the publish."""
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"wait": "block", "wake_ahead": ahead})
+    with tx, rx:
+        t = _Catcher(rx)
+        t.start()
+        _until(lambda: _waiting_word(tx) == (wire.WAIT_AHEAD if ahead else wire.WAIT_ON))
+        _trace.take()
+        tx.send(np.full(4, 9, np.uint8))
+        t.join(5)
+        marks = [m for m, _ in _trace.take()]
+        assert t.got == [(1, [9, 9, 9, 9])]
+        published = marks.index(_trace.PUBLISHED)
+        if ahead:
+            assert marks.index(_trace.AHEAD_SENT) < marks.index(_trace.COPY_QUEUED) < published
+            assert _trace.WAKING not in marks  # the wake-up on its way covers the publish
+        else:
+            assert _trace.WAKING_AHEAD not in marks
+            assert published < marks.index(_trace.WAKE_SENT)
+        assert _waiting_word(tx) == wire.WAIT_OFF
+
+
+def test_a_send_that_fails_after_waking_ahead_loses_nothing(pair: PairFactory) -> None:
+    """The woken receiver spins, finds no frame, sleeps again (re-armed), and gets the next good one."""
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"wait": "block", "timeout": 10.0})
+    with tx, rx:
+        t = _Catcher(rx)
+        t.start()
+        _until(lambda: _waiting_word(tx) == wire.WAIT_AHEAD)
+        with pytest.raises(cudalink.FormatError, match="cudalink"):
+            tx.send(np.zeros(5, np.uint8))  # claimed (and woke the receiver), then refused
+        assert t.is_alive() and not t.got
+        _until(lambda: _waiting_word(tx) == wire.WAIT_AHEAD)  # it went back to sleep, asking again
+        tx.send(np.full(4, 7, np.uint8))
+        t.join(5)
+        assert t.got == [(1, [7, 7, 7, 7])]
+        assert rx.received == 1 and rx.skipped == 0
+
+
+def test_a_sender_whose_sends_stay_slow_stops_waking_ahead(pair: PairFactory, traced: object) -> None:
+    """A consumer woken ahead spins for the rest of the send: not worth it behind a long host memcpy."""
+    shape = (2048, 4096, 4)  # 32 MiB: a memcpy far beyond wire.AHEAD_MAX_NS on any machine
+    tx, rx = pair(DEFAULT, shape=shape, dtype="uint8", slots=2, rx={"wait": "block", "timeout": 10.0})
+    src = np.ones(shape, np.uint8)
+    with tx, rx:
+        t = _Catcher(rx, n=1)
+        t.start()
+        _until(lambda: _waiting_word(tx) == wire.WAIT_AHEAD)
+        _trace.take()
+        tx.send(src)  # the first send wakes ahead: it knows no better yet
+        t.join(10)
+        assert _trace.WAKING_AHEAD in [m for m, _ in _trace.take()]
+        for _ in range(11):  # a few slow sends, not one: a single stall must not switch it off
+            tx.send(src)
+        rx.recv().release()  # the newest of them: nothing unseen is left, so the next recv() sleeps
+        t = _Catcher(rx, n=1)
+        t.start()
+        _until(lambda: _waiting_word(tx) == wire.WAIT_AHEAD)
+        _trace.take()
+        tx.send(src)
+        t.join(10)
+        marks = [m for m, _ in _trace.take()]
+        assert _trace.WAKING_AHEAD not in marks and _trace.WAKE_SENT in marks
+        assert len(t.got) == 1 and not isinstance(t.got[0], Exception)
+
+
+def test_a_selector_user_is_never_woken_ahead(pair: PairFactory) -> None:
+    """After fileno(), a wake-up must mean a frame is there: recv() then sleeps with WAIT_ON only."""
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"wait": "block"})
+    with tx, rx:
+        rx.fileno()
+        t = _Catcher(rx)
+        t.start()
+        time.sleep(0.05)
+        assert _waiting_word(tx) == wire.WAIT_ON
+        tx.send(np.full(4, 1, np.uint8))
+        t.join(5)
+        assert t.got == [(1, [1, 1, 1, 1])]
+        assert _waiting_word(tx) == wire.WAIT_ON  # still set for the selector
+
+
+def test_frames_cross_processes_intact_when_woken_ahead(spawned: object, name: str, traced: object) -> None:
+    """A spawned block-mode consumer over the real SharedMemory transport: every frame, in order, intact."""
+    from . import _procs
+    from ._content import stamp
+
+    result = spawned.queue()  # type: ignore[attr-defined]
+    with cudalink.Sender(name, shape=(64, 64), dtype="uint16", slots=4) as tx:
+        spawned(_procs.host_consumer, name, 300, result, 0.0, False, wait="block")  # type: ignore[operator]
+        _until(lambda: tx.stats()["consumers"] == 1, 30.0)
+        ahead = 0
+        for seq in range(1, 301):
+            arr = (np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) + seq).astype(np.uint16)
+            _trace.take()
+            tx.send(arr, meta=stamp(arr, seq))
+            ahead += _trace.WAKING_AHEAD in [m for m, _ in _trace.take()]
+            time.sleep(0.002)
+    _pid, got, mismatches, tail, skipped, ordered = result.get(timeout=60)
+    assert (got, mismatches, skipped, ordered) == (300, 0, 0, True), tail
+    assert ahead >= 75, ahead  # the consumer sleeps between frames 2 ms apart: most sends woke it ahead

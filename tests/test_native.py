@@ -73,11 +73,12 @@ _op = st.one_of(
     st.tuples(st.just("drop")),
     st.tuples(st.just("fences"), st.integers(0, NSLOTS - 1)),
     st.tuples(st.just("waiting"), st.integers(0, NCONS - 1)),
+    st.tuples(st.just("wake_ahead"), st.integers(0, NCONS - 1)),
     st.tuples(st.just("take"), st.integers(0, NCONS - 1), st.integers(0, 40), st.booleans()),
     st.tuples(
         st.just("release"), st.integers(0, NCONS - 1), st.integers(0, NSLOTS - 1), st.integers(0, 40), st.booleans()
     ),
-    st.tuples(st.just("set_waiting"), st.integers(0, NCONS - 1), st.booleans()),
+    st.tuples(st.just("set_waiting"), st.integers(0, NCONS - 1), st.integers(-1, 4)),
     st.tuples(st.just("flags"), st.integers(0, NCONS - 1)),
     # a whole frame, so that slots come round with new specs and meta under the consumers' caches
     st.tuples(st.just("frame"), st.integers(0, NCONS - 1), st.sampled_from(SPECS), st.binary(max_size=8)),
@@ -109,6 +110,8 @@ class _Side:
                 return self.tx.take_fences(args[0])
             if kind == "waiting":
                 return self.tx.waiting(args[0])
+            if kind == "wake_ahead":
+                return self.tx.wake_ahead(args[0])
             if kind == "take":
                 c, after, newest = args
                 return self.rx[c].take(after, newest)
@@ -148,15 +151,19 @@ def test_compiled_ring_matches_the_python_ring_byte_for_byte(ops: list[tuple[Any
         assert c.buf == py.buf, (i, op, [k for k in range(len(py.buf)) if c.buf[k] != py.buf[k]][:8])
 
 
+def _side(impl: str) -> _Side:
+    """Both rings of one implementation over one header: ``"python"`` or ``"compiled"`` (skips if not built)."""
+    if impl == "python":
+        return _Side(_ring.PyProducerRing, _ring.PyConsumerRing)
+    if _native.ring is None:
+        pytest.skip("compiled ring not in use")
+    return _Side(_ring._NativeProducerRing, _native.ring.ConsumerCore)
+
+
 @pytest.mark.parametrize("impl", ["python", "compiled"])
 def test_a_slot_whose_spec_changes_is_read_with_its_new_spec(impl: str) -> None:
     """Consumers keep the last spec read in each slot; a reconfigure rewrites a slot with a new one."""
-    if impl == "compiled" and _native.ring is None:
-        pytest.skip("compiled ring not in use")
-    side = _Side(_ring.PyProducerRing, _ring.PyConsumerRing)
-    if impl == "compiled":
-        assert _native.ring is not None
-        side = _Side(_ring._NativeProducerRing, _native.ring.ConsumerCore)
+    side = _side(impl)
     rx = side.rx[0]
     seen = []
     for seq, spec in enumerate([SPECS[0], SPECS[0], SPECS[1], SPECS[0], SPECS[1]], start=1):
@@ -170,6 +177,25 @@ def test_a_slot_whose_spec_changes_is_read_with_its_new_spec(impl: str) -> None:
     assert [x[2] for x in seen] == [SPECS[0], SPECS[0], SPECS[1], SPECS[0], SPECS[1]]
     assert [x[3] for x in seen] == [b"m" * k for k in range(1, 6)]
     assert len({x[0] for x in seen}) < len(seen)  # slots came round: the cache was consulted
+
+
+@pytest.mark.parametrize("impl", ["python", "compiled"])
+def test_the_waiting_word_says_who_to_wake_and_when(impl: str) -> None:
+    """WAIT_ON: after the publish; WAIT_AHEAD: once ahead (then none after); WOKEN_AHEAD: no more."""
+    side = _side(impl)
+    tx, rx = side.tx, side.rx[1]
+    assert not tx.waiting(1) and not tx.wake_ahead(1)
+    rx.set_waiting(wire.WAIT_ON)
+    assert tx.waiting(1) and not tx.wake_ahead(1) and tx.waiting(1)
+    rx.set_waiting(wire.WAIT_AHEAD)
+    assert tx.waiting(1)  # a producer that does not wake ahead still wakes it after the publish
+    assert tx.wake_ahead(1)
+    assert not tx.waiting(1) and not tx.wake_ahead(1)  # woken once: no second wake-up of either kind
+    assert not tx.waiting(0) and not tx.waiting(2)  # the other consumers' words are untouched
+    rx.set_waiting(wire.WAIT_OFF)
+    assert not tx.waiting(1) and not tx.wake_ahead(1)
+    with pytest.raises(ValueError, match="cudalink: waiting state 4"):
+        rx.set_waiting(4)
 
 
 @native

@@ -217,9 +217,22 @@ cdef class ProducerCore:
         if not 0 <= index < self.o.ncons:
             raise IndexError(f"cudalink: consumer index {index} outside 0..{self.o.ncons - 1}")
         cdef uint8_t *base = _map(self.buf, &v, self.o.size)
-        cdef bint on = cl_load32(base + self.o.consumers + self.o.consumer_size * index + OFF_WAITING) != 0
+        cdef bint on = (cl_load32(base + self.o.consumers + self.o.consumer_size * index + OFF_WAITING) & 1) != 0
         PyBuffer_Release(&v)
         return on
+
+    def wake_ahead(self, Py_ssize_t index):
+        """Did that consumer ask to be woken ahead of the frame? Marks the wake-up as on its way."""
+        cdef Py_buffer v
+        if not 0 <= index < self.o.ncons:
+            raise IndexError(f"cudalink: consumer index {index} outside 0..{self.o.ncons - 1}")
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        cdef uint8_t *word = base + self.o.consumers + self.o.consumer_size * index + OFF_WAITING
+        cdef bint ahead = cl_load32(word) == 3  # wire.WAIT_AHEAD
+        if ahead:
+            cl_store32(word, 2)  # wire.WOKEN_AHEAD
+        PyBuffer_Release(&v)
+        return ahead
 
 
 cdef class ConsumerCore:
@@ -315,12 +328,14 @@ cdef class ConsumerCore:
         PyBuffer_Release(&v)
         return f
 
-    def set_waiting(self, bint on):
-        """Announce (or withdraw) that we are about to sleep; re-check the stamps after announcing."""
+    def set_waiting(self, long state):
+        """Announce (``wire.WAIT_ON``/``WAIT_AHEAD``) or withdraw (0) that we sleep; re-check the stamps after."""
         cdef Py_buffer v
+        if not 0 <= state <= 3:
+            raise ValueError(f"cudalink: waiting state {state} is not one of 0..3")
         cdef uint8_t *base = _map(self.buf, &v, self.o.size)
-        cl_store32(base + self.entry + OFF_WAITING, 1 if on else 0)
-        if on:
+        cl_store32(base + self.entry + OFF_WAITING, <uint32_t>state)
+        if state:
             cl_fence()
         PyBuffer_Release(&v)
 

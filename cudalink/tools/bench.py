@@ -72,6 +72,7 @@ class ConsumerResult(TypedDict):
     second: list[bool]  # poll mode: the paired floor ran first after this frame's wake
     floor: list[int]  # poll mode, host links: the paired view_read floor per frame (-1: not this frame)
     skipped: int
+    cpu_ns: int  # CPU time the consumer process used while receiving (user + system)
 
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ def _consume(job: ConsumerJob, out: mpq.Queue[ConsumerMsg], open_source: Callabl
     try:
         src = open_source()
         out.put(("ready", job.index, os.getpid()))
+        cpu0 = time.process_time_ns()
         if job.mode == "async":
             if not isinstance(src, LinkSource):
                 raise LinkError(f"cudalink: async mode receives through cudalink, not {job.peer}")
@@ -186,6 +188,7 @@ def _consume(job: ConsumerJob, out: mpq.Queue[ConsumerMsg], open_source: Callabl
             "second": second,
             "floor": floors,
             "skipped": int(src.skipped),
+            "cpu_ns": time.process_time_ns() - cpu0,
         }
         out.put(("result", job.index, result))
     except BaseException as exc:
@@ -253,6 +256,7 @@ class RunArgs(_RunArgs, total=False):
     k: int
     mode: str
     wait: WaitMode
+    ahead: bool
     latest: bool
 
 
@@ -287,6 +291,8 @@ class WaitEntry(TypedDict):
     status: str
     reason: str
     handoff: Summary | None
+    end_to_end: Summary | None  # send() entered -> recv returned
+    consumer_cpu_us: float | None  # the consumer's CPU time per frame
 
 
 class Goal(TypedDict):
@@ -379,6 +385,7 @@ class RunResult:
     results: list[ConsumerResult]
     drops: int
     warm: int
+    entered: dict[int, int] = field(default_factory=dict)  # seq -> monotonic ns when send() was entered
 
     def handoff(self) -> list[int]:
         """Publish (the producer's stamp, taken once the frame is in place) -> receive returned."""
@@ -388,12 +395,24 @@ class RunResult:
 
     def from_send_return(self) -> list[int]:
         """send() returned -> receive returned; negative when the consumer wins the race with that return."""
+        return self._arrived_since(self.sent)
+
+    def from_send_entry(self) -> list[int]:
+        """send() entered -> receive returned: end to end, whatever of the send the wake-up overlaps."""
+        return self._arrived_since(self.entered)
+
+    def _arrived_since(self, stamps: dict[int, int]) -> list[int]:
         return [
-            t - self.sent[s]
+            t - stamps[s]
             for r in self.results
             for s, t in zip(r["seq"], r["t"], strict=True)
-            if s > self.warm and s in self.sent
+            if s > self.warm and s in stamps
         ]
+
+    def consumer_cpu_us(self) -> float | None:
+        """Consumer CPU time per received frame (µs), all consumers pooled: what waiting costs."""
+        frames = sum(len(r["seq"]) for r in self.results)
+        return sum(r["cpu_ns"] for r in self.results) / frames / 1e3 if frames else None
 
     def send_costs(self) -> list[int]:
         return self.costs[self.warm :]
@@ -452,6 +471,7 @@ class Bench:
     debug: bool = False
     progress: Callable[[str, int, int], None] | None = None
     breakdown_only: bool = False  # ``--breakdown``: the floors and the stage breakdown, nothing else
+    wake_ahead: bool = True  # the breakdown consumer's ``Receiver(wake_ahead=...)``
     plan: Plan = field(init=False)
     _floors: dict[str, list[int]] | str | None = field(default=None, init=False)
     _breakdown: Breakdown | str | None = field(default=None, init=False)
@@ -537,6 +557,10 @@ class Bench:
                 "mode": "async" if mode == "async" else "recv",
             }
             steps.append((f"wait={mode} · cudalink", self._step(f"wait_{mode}", "cudalink", kw)))
+        # the same block run with the consumer sleeping until each publish: what waking ahead buys
+        kw = {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s, "wait": "block"}
+        kw["ahead"] = False
+        steps.append(("wait=block wake_ahead=False · cudalink", self._step("wait_block_noahead", "cudalink", kw)))
         if self.backend.is_cuda:
             for key, shape in (("copy_bw_1080p_f32", (1080, 1920, 4)), ("copy_bw_4k_f32", (2160, 3840, 4))):
                 steps.append((f"{key} · send vs D2D", self._bw_step(key, shape)))
@@ -570,7 +594,14 @@ class Bench:
         pl, b = self.plan, self.backend
         try:
             self._breakdown = _breakdown.run(
-                b.device, b.lib, pl.frame_shape, pl.latency_frames, pl.interval_s, pl.warm, wait="block"
+                b.device,
+                b.lib,
+                pl.frame_shape,
+                pl.latency_frames,
+                pl.interval_s,
+                pl.warm,
+                wait="block",
+                wake_ahead=self.wake_ahead,
             )
         except Exception as exc:
             if self.debug:
@@ -629,6 +660,7 @@ class Bench:
         k: int = 1,
         mode: str = "recv",
         wait: WaitMode = "hybrid",
+        ahead: bool = True,
         latest: bool = True,
         dtype: str = "uint8",
     ) -> RunResult:
@@ -644,6 +676,7 @@ class Bench:
                     name=prod.name,
                     mode=mode,
                     wait=wait,
+                    ahead=ahead,
                     latest=latest,
                     shape=shape,
                     dtype=dtype,
@@ -657,6 +690,7 @@ class Bench:
             self._collect(out, "ready", k, procs, 120.0)
             prod.wait_connected(k, 30.0)
             sent: dict[int, int] = {}
+            entered: dict[int, int] = {}
             costs: list[int] = []
             drops = 0
             mono = time.monotonic_ns
@@ -671,6 +705,7 @@ class Bench:
                     drops += 1
                 else:
                     sent[seq] = t1
+                    entered[seq] = t0
                     costs.append(t1 - t0)
                 if interval:
                     time.sleep(interval)
@@ -689,7 +724,7 @@ class Bench:
             prod.close()
             with contextlib.suppress(Exception):
                 out.close()
-        return RunResult(sent, costs, results, drops, self.plan.warm)
+        return RunResult(sent, costs, results, drops, self.plan.warm, entered)
 
     @staticmethod
     def _collect(
@@ -858,17 +893,26 @@ class Bench:
                 )
             rows.append(row)
         waits: list[WaitEntry] = []
-        for mode in ("spin", "hybrid", "block", "async"):
+        for mode in ("spin", "hybrid", "block", "block_noahead", "async"):
             run = self._get("handoff" if mode == "hybrid" else f"wait_{mode}", "cudalink")
+            api = f"Receiver(wait={mode!r}).recv()"
+            if mode == "async":
+                api = "await rx.recv_async()"
+            elif mode == "block_noahead":
+                api = "Receiver(wait='block', wake_ahead=False).recv()"
             entry: WaitEntry = {
                 "mode": mode,
-                "api": "await rx.recv_async()" if mode == "async" else f"Receiver(wait={mode!r}).recv()",
+                "api": api,
                 "status": "ok",
                 "reason": "",
                 "handoff": None,
+                "end_to_end": None,
+                "consumer_cpu_us": None,
             }
             if isinstance(run, RunResult):
                 entry["handoff"] = summarize(run.handoff())
+                entry["end_to_end"] = summarize(run.from_send_entry())
+                entry["consumer_cpu_us"] = run.consumer_cpu_us()
             else:
                 entry["status"], entry["reason"] = "error", run or "not run"
             waits.append(entry)
@@ -963,6 +1007,7 @@ def goals(report: GoalInputs, breakdown: Breakdown | str | None, extra: Extra, c
     floors = report["floors"] if isinstance(report["floors"], dict) else {}
     rows = {(r["id"], r["peer_name"]): r for r in report["rows"]}
     waits = {w["mode"]: w["handoff"] for w in report["wait_modes"]}
+    e2e = {w["mode"]: w.get("end_to_end") for w in report["wait_modes"]}
     reserve = breakdown.get("reserve_commit") if isinstance(breakdown, dict) else None
 
     def stat(summary: Summary | None, key: str = "p50") -> float | None:
@@ -980,6 +1025,13 @@ def goals(report: GoalInputs, breakdown: Breakdown | str | None, extra: Extra, c
     wake, spin = stat(floors.get("wake")), stat(floors.get("spin"))
     table: list[tuple[str, float | None, float | None, str, str]] = [
         ("handoff p50, wait='block', 2 ms cadence", stat(waits.get("block")), wake, "bare socketpair wake", "1.5x"),
+        (
+            "handoff p50, wait='block', wake_ahead=False",
+            stat(waits.get("block_noahead")),
+            wake,
+            "bare socketpair wake",
+            "1.5x",
+        ),
         ("handoff p50, wait='hybrid', 2 ms cadence", stat(waits.get("hybrid")), wake, "bare socketpair wake", "1.5x"),
         ("handoff p50, wait='spin'", stat(waits.get("spin")), spin, "bare spin", "+10us"),
         ("reserve() + commit p50 (in process, no consumer)", stat(reserve), 10.0, "10 us", "10us"),
@@ -987,6 +1039,13 @@ def goals(report: GoalInputs, breakdown: Breakdown | str | None, extra: Extra, c
     if cuda:
         send = side("send_cost", peer, "cudalink")
         table += [
+            (
+                "end to end p50, wait='block': send() entered -> recv returned",
+                stat(e2e.get("block")),
+                stat(e2e.get("block_noahead")),
+                "the same with wake_ahead=False",
+                "1x",
+            ),
             (
                 "recv + from_dlpack p50, cross-process",
                 side("recv_export", peer, "cudalink"),

@@ -33,10 +33,14 @@ if TYPE_CHECKING:
 
 #: each stage is named by the mark that ends it and lasts from the previous mark of the same frame, so
 #: a backend that skips a step (the CPU has no events) folds its time into the next stage, never loses it.
-#: The wake-up is the exception: the consumer may run before the producer returns from the write, so
-#: both the write and the OS wake are timed from the mark taken just before it (as the floor is).
+#: The wake-ups are the exception: the consumer may run before the producer returns from the write, so
+#: both the write and the OS wake are timed from the mark taken just before it (as the floor is). A
+#: consumer woken ahead (``Receiver(wake_ahead=True)``) wakes during the send; its lease is timed from
+#: the later of its wake and the publish, and the spin in between is a total below.
 STAGES: tuple[tuple[str, str, str], ...] = (
-    (_trace.SLOT_CLAIMED, "claim a slot, check release fences", "producer"),
+    (_trace.WAKING_AHEAD, "claim a slot, find consumers to wake ahead", "producer"),
+    (_trace.AHEAD_SENT, "write the wake-up ahead (syscall)", "producer"),
+    (_trace.SLOT_CLAIMED, "claim a slot (unless above), check release fences", "producer"),
     (_trace.SOURCE_READ, "read the source array (pointer, shape, stream)", "producer"),
     (_trace.FENCES_WAITED, "queue waits on pending release fences", "producer"),
     (_trace.COPY_QUEUED, "copy (GPU: queue cuMemcpyAsync; CPU: memcpy)", "producer"),
@@ -50,16 +54,43 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     (_trace.EXPORTED, "export (from_dlpack)", "consumer"),
     (_trace.RELEASED, "release (GPU fence, lease cleared)", "consumer"),
 )
-#: stages timed from a fixed mark rather than the previous one
-_FROM = {_trace.WAKE_SENT: _trace.WAKING, _trace.WOKEN: _trace.WAKING}
-#: the chain "previous mark" follows; WAKE_SENT hangs off WAKING and starts nothing
+#: stages timed from a fixed mark (the first of the candidates the frame has) rather than the previous one
+_FROM = {
+    _trace.AHEAD_SENT: (_trace.WAKING_AHEAD,),
+    _trace.WAKE_SENT: (_trace.WAKING,),
+    _trace.WOKEN: (_trace.WAKING_AHEAD, _trace.WAKING),
+}
+#: the chain "previous mark" follows; the writes hang off their marks and start nothing after them,
+#: except the wake-up ahead, which the producer's own work goes on from
 _CHAIN = [_trace.SEND_ENTERED, *(m for m, _, _ in STAGES if m != _trace.WAKE_SENT)]
 #: end-to-end spans over the same marks
 TOTALS: tuple[tuple[str, str, str], ...] = (
-    ("send(): entered -> wake-up written", _trace.SEND_ENTERED, _trace.WAKE_SENT),
+    ("send(): entered -> published", _trace.SEND_ENTERED, _trace.PUBLISHED),
     ("handoff: published -> recv() returns", _trace.PUBLISHED, _trace.FRAME_BUILT),
+    ("end to end: send() entered -> recv() returns", _trace.SEND_ENTERED, _trace.FRAME_BUILT),
+    ("woken ahead: woken -> published (the consumer spins)", _trace.WOKEN, _trace.PUBLISHED),
     ("consumer: woken -> exported -> released", _trace.WOKEN, _trace.RELEASED),
 )
+
+
+def stage_start(end: str, m: dict[str, int]) -> str | None:
+    """The mark a stage ending at ``end`` is timed from, in one frame's marks ``m``."""
+    fixed = _FROM.get(end)
+    if fixed is not None:
+        return next((c for c in fixed if c in m), None)
+    if end == _trace.LEASED and _trace.WOKEN in m and _trace.PUBLISHED in m:
+        return max((_trace.WOKEN, _trace.PUBLISHED), key=m.__getitem__)  # woken ahead: after the publish
+    earlier = [c for c in _CHAIN[: _CHAIN.index(end)] if c in m]
+    return earlier[-1] if earlier else None
+
+
+def total_span(a: str, b: str, m: dict[str, int]) -> int | None:
+    """One frame's span ``a`` -> ``b``; the spin of a consumer woken ahead only where it was."""
+    if a not in m or b not in m:
+        return None
+    if (a, b) == (_trace.WOKEN, _trace.PUBLISHED):
+        return max(0, m[b] - m[a]) if _trace.WAKING_AHEAD in m else None
+    return m[b] - m[a]
 
 
 class Stage(TypedDict):
@@ -78,6 +109,7 @@ class Breakdown(TypedDict):
 
     frames: int
     wait: str
+    wake_ahead: bool
     stages: list[Stage]
     totals: list[Total]
     reserve_commit: dict[str, float] | None
@@ -85,7 +117,9 @@ class Breakdown(TypedDict):
     ring_cycle: dict[str, dict[str, float] | None]
 
 
-def breakdown_consumer(name: str, device: int, lib: str, wait: WaitMode, out: mpq.Queue[BreakdownMsg]) -> None:
+def breakdown_consumer(
+    name: str, device: int, lib: str, wait: WaitMode, ahead: bool, out: mpq.Queue[BreakdownMsg]
+) -> None:
     """The traced consumer: recv, export, release; one list of marks per frame, sent back at the end."""
     from ..errors import ProducerGone
     from ..link import Receiver
@@ -98,7 +132,7 @@ def breakdown_consumer(name: str, device: int, lib: str, wait: WaitMode, out: mp
         if g is not None:
             g.context()
         export = g.mod.from_dlpack if g is not None else np.from_dlpack
-        rx = Receiver(name, wait=wait, timeout=30.0)
+        rx = Receiver(name, wait=wait, wake_ahead=ahead, timeout=30.0)
         out.put(("ready", os.getpid()))
         _trace.enable()
         mark = _trace.mark
@@ -177,6 +211,7 @@ def run(
     interval: float,
     warm: int,
     wait: WaitMode = "block",
+    wake_ahead: bool = True,
 ) -> Breakdown:
     """One traced run; returns ``{"stages": [...], "totals": [...], "reserve_commit": summary}``."""
     from ..errors import LinkError
@@ -195,7 +230,7 @@ def run(
     reserve_attached: list[int] = []
     with Sender(name, shape=shape, dtype="uint8", device=device if device >= 0 else "cpu") as tx:
         reserve = _reserve_costs(tx, max(frames // 4, 20))  # before any consumer: nobody to wake
-        p = ctx.Process(target=breakdown_consumer, args=(name, device, lib, wait, out), daemon=True)
+        p = ctx.Process(target=breakdown_consumer, args=(name, device, lib, wait, wake_ahead, out), daemon=True)
         p.start()
         try:
             msg = out.get(timeout=120)
@@ -232,24 +267,22 @@ def run(
     durations: dict[str, list[int]] = {m: [] for m, _, _ in STAGES}
     for m in both:
         for end, _, _ in STAGES:
-            start = _FROM.get(end)
-            if start is None and end in m:
-                earlier = [c for c in _CHAIN[: _CHAIN.index(end)] if c in m]
-                start = earlier[-1] if earlier else None
-            if start is not None and start in m and end in m:
+            start = stage_start(end, m) if end in m else None
+            if start is not None:
                 durations[end].append(m[end] - m[start])
     stages: list[Stage] = [
         {"stage": label, "side": side, "mark": m, "us": summarize(durations[m])} for m, label, side in STAGES
     ]
     totals: list[Total] = []
     for label, a, b in TOTALS:
-        vals = [m[b] - m[a] for m in both if a in m and b in m]
+        vals = [v for m in both if (v := total_span(a, b, m)) is not None]
         totals.append({"span": label, "from": a, "to": b, "us": summarize(vals)})
     with contextlib.suppress(Exception):
         out.close()
     return {
         "frames": len(both),
         "wait": wait,
+        "wake_ahead": wake_ahead,
         "stages": stages,
         "totals": totals,
         "reserve_commit": summarize(reserve[len(reserve) // 5 :]),  # the first fifth warms up

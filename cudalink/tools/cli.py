@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the floors and where one frame's time goes, stage by stage, across both processes",
     )
+    p.add_argument(
+        "--no-wake-ahead",
+        dest="wake_ahead",
+        action="store_false",
+        help="the breakdown's consumer sleeps until each frame is published (Receiver(wake_ahead=False))",
+    )
     p.set_defaults(func=cmd_bench)
     return parser
 

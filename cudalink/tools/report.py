@@ -68,15 +68,29 @@ def _bench_tables(report: BenchReport) -> list[RenderableType]:
             Text(note, style="red" if r["status"] == "error" else ""),
         )
     waits = Table(title=f"wait modes (issue 5) · handoff latency on {report['backend']}", title_justify="left")
-    for col in ("mode", "API", "p50", "p99", "samples"):
+    cols = (
+        "mode",
+        "API",
+        "published→returned p50",
+        "p99",
+        "send() entered→returned p50",
+        "p99",
+        "CPU/frame",
+        "samples",
+    )
+    for col in cols:
         waits.add_column(col, justify="left" if col in ("mode", "API") else "right")
     for w in report["wait_modes"]:
         h = w["handoff"] or {}
+        e = w.get("end_to_end") or {}
         waits.add_row(
             w["mode"],
             w["api"],
             _us(h.get("p50")),
             _us(h.get("p99")),
+            _us(e.get("p50")),
+            _us(e.get("p99")),
+            _us(w.get("consumer_cpu_us")),
             f"{int(h.get('n', 0))}" if w["status"] == "ok" else f"ERROR {w['reason']}",
         )
     out: list[RenderableType] = [table, waits]
@@ -118,7 +132,10 @@ def _breakdown_tables(report: BenchReport) -> list[RenderableType]:
     bd = report.get("breakdown")
     if isinstance(bd, dict):
         bt = Table(
-            title=f"breakdown · one frame, stage by stage · wait={bd['wait']!r} · {bd['frames']} frames",
+            title=(
+                f"breakdown · one frame, stage by stage · wait={bd['wait']!r} "
+                f"wake_ahead={bd.get('wake_ahead', False)} · {bd['frames']} frames"
+            ),
             title_justify="left",
         )
         for col in ("stage", "side", "p50", "p99"):
@@ -205,6 +222,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             debug=bool(getattr(args, "debug", False)),
             progress=on_step,
             breakdown_only=args.breakdown,
+            wake_ahead=args.wake_ahead,
         )
         report = bench.run()
     tables = _breakdown_tables(report)

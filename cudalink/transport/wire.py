@@ -60,11 +60,15 @@ Slot handles (``HANDLE``, static for the producer's life)::
 Consumer entry (``CONSUMER`` + per-slot release-event handles)::
 
     0 u32 state (0 free, 1 joined) | 4 u32 pid | 8 u64 token | 16 u64 received | 24 u64 skipped |
-    32 u64 joined_ns | 40 u64 last_recv_ns | 48 u32 waiting (1 while blocked: only then is it sent a wake-up) |
+    32 u64 joined_ns | 40 u64 last_recv_ns | 48 u32 waiting (non-zero while blocked: see below) |
     52 12s reserved | 64 + 72*i: 64s release-event handle, u64 flags
 
     ``waiting`` is the futex-style half of wake-ups: the consumer sets it, fences, re-checks the stamps, then
-    sleeps; the producer publishes, fences, and wakes only consumers whose flag is set.
+    sleeps; the producer publishes, fences, and wakes only consumers whose ``WAIT_ON`` bit is set.
+    ``WAIT_AHEAD`` (3) also asks to be woken *ahead*: as soon as ``send()`` has claimed a slot, so the OS
+    wake overlaps the copy; the producer swaps it to ``WOKEN_AHEAD`` (2, a wake-up is in flight: none is
+    sent after the publish) and the woken consumer spins up to ``AHEAD_SPIN_NS`` for the frame. The
+    producer wakes ahead only while its sends take under ``AHEAD_MAX_NS`` from claim to publish.
 
 Control messages (a Unix socket; each message is one ``send``)::
 
@@ -122,6 +126,14 @@ BACKEND_NAMES = {BACKEND_HOST: "host", BACKEND_CUDA_POOL: "cuda-pool", BACKEND_C
 FLAG_READY = 1
 FLAG_SHUTDOWN = 2
 FLAG_PRODUCER_WAITING = 4
+
+# a consumer entry's ``waiting`` word
+WAIT_OFF = 0
+WAIT_ON = 1  # sleeping: wake me once the frame is published
+WOKEN_AHEAD = 2  # written by the producer: a wake-up ahead of the frame is on its way
+WAIT_AHEAD = 3  # sleeping: wake me when a send starts (WAIT_ON | 2), I spin for the rest
+AHEAD_MAX_NS = 200_000  # a producer whose sends take longer (claim -> publish) does not wake ahead
+AHEAD_SPIN_NS = 300_000  # how long a consumer woken ahead spins for its frame before sleeping again
 
 FIXED = struct.Struct("<8sHHIQIIHHiQQQQQ16sQ")
 FIXED_SIZE = 256

@@ -34,6 +34,7 @@ class ConsumerJob:
     name: str  # link name, or shared-memory segment name
     mode: str = "recv"  # "recv" (blocking receive) | "poll" (take a waiting frame + export) | "async"
     wait: WaitMode = "hybrid"
+    ahead: bool = True  # Receiver(wake_ahead=...)
     latest: bool = True
     shape: tuple[int, ...] = ()
     dtype: str = "uint8"

@@ -25,7 +25,7 @@ class LinkSource:
         if self.lib is not None:
             self.lib.context()
         wait: WaitMode = "hybrid" if job.mode == "async" else job.wait
-        self.rx = Receiver(job.name, wait=wait, latest=job.latest, timeout=job.timeout)
+        self.rx = Receiver(job.name, wait=wait, wake_ahead=job.ahead, latest=job.latest, timeout=job.timeout)
 
     @property
     def skipped(self) -> int:

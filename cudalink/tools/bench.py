@@ -385,7 +385,7 @@ class RunResult:
     results: list[ConsumerResult]
     drops: int
     warm: int
-    entered: dict[int, int] = field(default_factory=dict)  # seq -> monotonic ns when send() was entered
+    entered: dict[int, int]  # seq -> monotonic ns when send() was entered
 
     def handoff(self) -> list[int]:
         """Publish (the producer's stamp, taken once the frame is in place) -> receive returned."""
@@ -558,8 +558,13 @@ class Bench:
             }
             steps.append((f"wait={mode} · cudalink", self._step(f"wait_{mode}", "cudalink", kw)))
         # the same block run with the consumer sleeping until each publish: what waking ahead buys
-        kw = {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s, "wait": "block"}
-        kw["ahead"] = False
+        kw = {
+            "shape": pl.frame_shape,
+            "n": pl.latency_frames,
+            "interval": pl.interval_s,
+            "wait": "block",
+            "ahead": False,
+        }
         steps.append(("wait=block wake_ahead=False · cudalink", self._step("wait_block_noahead", "cudalink", kw)))
         if self.backend.is_cuda:
             for key, shape in (("copy_bw_1080p_f32", (1080, 1920, 4)), ("copy_bw_4k_f32", (2160, 3840, 4))):

@@ -209,8 +209,8 @@ def test_goals_judge_each_figure_against_its_floor(block: float, met: bool) -> N
 
 
 def _waiting_word(tx: cudalink.Sender, index: int = 0) -> int:
-    layout = wire.Layout(tx.slots, 16)
-    return int.from_bytes(tx._server.header[layout.consumer(index) + wire.CONSUMER_OFF_WAITING :][:4], "little")
+    off = tx._layout.consumer(index) + wire.CONSUMER_OFF_WAITING  # the sender's own layout, not a rebuilt one
+    return int.from_bytes(tx._server.header[off : off + 4], "little")
 
 
 def _until(cond: object, timeout: float = 5.0) -> None:

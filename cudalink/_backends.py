@@ -248,7 +248,8 @@ class CudaSlots:
         consumer's release fence is still pending does it go on the link's stream instead, so that waiting
         for a slow consumer never stalls the caller's own stream.
         """
-        self._current()
+        if not getattr(self._tls, "ok", False):  # _current(), inlined: this runs once per frame
+            self._current()
         if stream is None and not fences:
             want = self._want
             if want is None or spec is not self._want_spec:  # built once per spec
@@ -307,7 +308,7 @@ class CudaSlots:
     def _settle(self, slot: int) -> None:
         """Before re-arming a slot's event, the previous copy out of a user's array must have finished."""
         if self._sources[slot] is not None:
-            if not self.ready[slot].is_done:
+            if not driver.event_done(self._ready_raw[slot]):  # a compiled query, not cuda.core's property
                 self.ready[slot].sync()
             self._sources[slot] = None
 

@@ -164,17 +164,36 @@ class PyProducerRing(_ProducerCold):
             _put32(self.buf, base + 4 * c, 0)
         return out
 
-    def waiting(self, index: int) -> bool:
-        """Is that consumer asleep with no wake-up on its way (wake it after a publish)?"""
-        return bool(_get32(self.buf, self._waiting_off[index])[0] & wire.WAIT_ON)
+    def _bits(self, among: int) -> list[int]:
+        if among < 0 or among >> self.layout.nconsumers:
+            raise IndexError(
+                f"cudalink: consumer mask {among:#x} names consumers outside 0..{self.layout.nconsumers - 1}"
+            )
+        out = []
+        while among:
+            low = among & -among
+            out.append(low.bit_length() - 1)
+            among ^= low
+        return out
 
-    def wake_ahead(self, index: int) -> bool:
-        """Did that consumer ask to be woken ahead of the frame? Marks the wake-up as on its way."""
-        off = self._waiting_off[index]
-        if _get32(self.buf, off)[0] != wire.WAIT_AHEAD:
-            return False
-        _put32(self.buf, off, wire.WOKEN_AHEAD)
-        return True
+    def sleepers(self, among: int) -> int:
+        """Of the consumers in ``among`` (bit i: consumer i), those asleep with no wake-up on its way:
+        wake them after a publish."""
+        buf, offs, out = self.buf, self._waiting_off, 0
+        for i in self._bits(among):
+            if _get32(buf, offs[i])[0] & wire.WAIT_ON:
+                out |= 1 << i
+        return out
+
+    def wake_ahead(self, among: int) -> int:
+        """Of the consumers in ``among``, those that asked to be woken ahead of the frame; each is marked
+        ``WOKEN_AHEAD`` (a wake-up is on its way), so it gets no second one after the publish."""
+        buf, offs, out = self.buf, self._waiting_off, 0
+        for i in self._bits(among):
+            if _get32(buf, offs[i])[0] == wire.WAIT_AHEAD:
+                _put32(buf, offs[i], wire.WOKEN_AHEAD)
+                out |= 1 << i
+        return out
 
 
 class PyConsumerRing:
@@ -241,7 +260,7 @@ class PyConsumerRing:
     def set_waiting(self, state: int) -> None:
         """Announce (``wire.WAIT_ON``/``WAIT_AHEAD``) or withdraw (0) that we sleep; re-check the stamps after."""
         if not 0 <= state <= wire.WAIT_AHEAD:
-            raise ValueError(f"cudalink: waiting state {state} is not one of 0..3")
+            raise ValueError(f"cudalink: waiting state {state} is not one of 0..{wire.WAIT_AHEAD}")
         _put32(self.buf, self._waiting_off, state)
         if state:
             full_fence()
@@ -281,8 +300,8 @@ class ProducerRing(Protocol):
     def publish(self, slot: int, seq: int, timestamp_ns: int | None, spec: FrameSpec, meta: bytes) -> int: ...
     def count_drop(self) -> None: ...
     def take_fences(self, slot: int) -> list[int]: ...
-    def waiting(self, index: int) -> bool: ...
-    def wake_ahead(self, index: int) -> bool: ...
+    def sleepers(self, among: int) -> int: ...
+    def wake_ahead(self, among: int) -> int: ...
     def set_flag(self, flag: int, on: bool) -> None: ...
     def join(self, index: int, pid: int, token: int) -> None: ...
     def leave(self, index: int) -> None: ...

@@ -7,7 +7,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -35,6 +35,7 @@ WaitMode = Literal["spin", "block", "hybrid"]
 _default_transport: Transport | None = None
 _perf_ns = time.perf_counter_ns
 _AHEAD_SPIN_S = wire.AHEAD_SPIN_NS / 1e9
+_AHEAD_CLAMP_NS = 2 * wire.AHEAD_MAX_NS  # one stalled send moves the moving average of send times little
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
 
 
@@ -54,7 +55,10 @@ class _Handler(ServerHandler):
     def __init__(self, sender: Sender) -> None:
         self.sender = sender
         self.conns: dict[int, int] = {}
-        self.snapshot: tuple[tuple[int, int], ...] = ()  # (conn, index) pairs, swapped whole for the hot path
+        #: for the hot path, swapped whole on each change: joined consumers' indexes as a bit mask, and
+        #: each index's connection
+        self.joined = 0
+        self.conn_at: dict[int, int] = {}
         self.lock = threading.Lock()
 
     def on_hello(self, conn: int, message: bytes, peer: Peer) -> Reply:
@@ -90,20 +94,25 @@ class _Handler(ServerHandler):
                 )
             s._join_consumer(index, peer.pid or hello.pid, hello.token)
             self.conns[conn] = index
-            self.snapshot = tuple(self.conns.items())
+            self._swap()
         fds = tuple(s._slots.fds())
         return Reply(wire.pack_welcome(wire.Welcome(index, s.generation, len(fds))), fds)
 
     def on_leave(self, conn: int) -> None:
         with self.lock:
             index = self.conns.pop(conn, None)
-            self.snapshot = tuple(self.conns.items())
+            self._swap()
             if index is not None:
                 self.sender._forget_consumer(index)
         self.sender._released.set()
 
     def on_hint(self) -> None:
         self.sender._released.set()
+
+    def _swap(self) -> None:
+        """Publish who is joined for the hot path: a new dict first, then the mask that names its keys."""
+        self.conn_at = {index: conn for conn, index in self.conns.items()}
+        self.joined = sum(1 << index for index in self.conns.values())
 
 
 class Sender:
@@ -162,7 +171,7 @@ class Sender:
         #: wake sleepers when a send has claimed its slot, so their OS wake overlaps the copy; only while
         #: sends finish soon after (a moving average, claim -> publish), since the woken consumer spins
         self._ahead = True
-        self._send_ns = 0.0
+        self._send_ns = 0
         self._transport = transport or default_transport()
         self._slots = _backends.make_producer_slots(device, slots, cap, handles, self._transport.passes_fds)
         self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
@@ -280,18 +289,16 @@ class Sender:
         finally:
             self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, False)
 
-    def _fences(self, slot: int) -> list[RawEvent]:
-        """Raw handles of the release events consumers left on ``slot`` that the GPU has not passed yet.
+    def _fences(self, slot: int, consumers: list[int]) -> list[RawEvent]:
+        """Raw handles of the release events ``consumers`` (``take_fences(slot)``) left on ``slot`` that the
+        GPU has not passed yet.
 
         Each event is imported once and kept.
 
         A fence whose event has completed orders nothing: in a steady stream the consumer's reads ended
         long before the slot comes round again, so a query replaces a stream wait.
         """
-        if self._host:  # host consumers never fence: their release is the CPU-side lease alone
-            return []
-        consumers = self._ring.take_fences(slot)
-        if not consumers:
+        if self._host or not consumers:  # host consumers never fence: their release is the lease alone
             return []
         out = []
         events = self._fence_events
@@ -348,34 +355,54 @@ class Sender:
             if slot is None:
                 self._ring.count_drop()
                 return None
+            # From here to the return this is one flat run of calls, each into compiled code where it was
+            # built: at a 2 ms cadence every step runs with cold caches, and each Python call level costs
+            # microseconds then. ``_publish`` is the same tail, for reserve().
             t0 = _perf_ns()
+            ring = self._ring
             try:
                 if self._ahead:  # wake who asked for it now, before the copy: they spin for the publish
-                    self._wake(self._ring.wake_ahead, _trace.WAKING_AHEAD, _trace.AHEAD_SENT)
-                fences = self._fences(slot)
+                    woke = ring.wake_ahead(self._handler.joined)
+                    if woke:
+                        self._wake(woke, _trace.WAKING_AHEAD, _trace.AHEAD_SENT)
+                fenced = ring.take_fences(slot)  # consumers that fenced it (a query each; usually none)
+                fences = self._fences(slot, fenced) if fenced else []
                 if _trace.ON:
                     _trace.mark(_trace.SLOT_CLAIMED)
                 self._slots.copy_in(slot, spec, array, stream, fences)
             except BaseException:
-                self._ring.abort(slot)
+                ring.abort(slot)
                 raise
-            seq = self._publish(slot, spec, timestamp_ns, meta)
+            seq = self._seq = self._seq + 1
+            ring.publish(slot, seq, timestamp_ns, spec, meta)  # ends with a full fence: see _publish
+            if _trace.ON:
+                _trace.mark(_trace.PUBLISHED)
+            asleep = ring.sleepers(self._handler.joined)
+            if asleep:
+                self._wake(asleep, _trace.WAKING, _trace.WAKE_SENT)
             # one stalled send moves the average little (clamped, 1/16): waking ahead stops only when
             # sends stay slow, as a 4K host memcpy does
-            dt = min(_perf_ns() - t0, 2 * wire.AHEAD_MAX_NS)
-            avg = self._send_ns = self._send_ns + (dt - self._send_ns) * 0.0625
+            dt = _perf_ns() - t0
+            dt = dt if dt < _AHEAD_CLAMP_NS else _AHEAD_CLAMP_NS
+            avg = self._send_ns = self._send_ns + ((dt - self._send_ns) >> 4)
             self._ahead = avg < wire.AHEAD_MAX_NS
             return seq
 
-    def _wake(self, wanted: Callable[[int], bool], waking: str, sent: str) -> None:
-        """One wake-up byte to each consumer whose place ``wanted`` says so (marked ``waking``/``sent``)."""
-        sleepers = [conn for conn, index in self._handler.snapshot if wanted(index)]
-        if sleepers:
-            if _trace.ON:
-                _trace.mark(waking)
-            self._server.wake(b"\x01", sleepers)
-            if _trace.ON:
-                _trace.mark(sent)
+    def _wake(self, mask: int, waking: str, sent: str) -> None:
+        """One wake-up byte to each joined consumer in ``mask`` (bit i: index i), marked ``waking``/``sent``."""
+        conn_at = self._handler.conn_at
+        conns = []
+        while mask:
+            low = mask & -mask
+            conn = conn_at.get(low.bit_length() - 1)  # None: it left since the mask was read
+            if conn is not None:
+                conns.append(conn)
+            mask ^= low
+        if _trace.ON:
+            _trace.mark(waking)
+        self._server.wake(b"\x01", conns)
+        if _trace.ON:
+            _trace.mark(sent)
 
     def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
         self._seq += 1
@@ -384,7 +411,9 @@ class Sender:
         # visible before we read who sleeps (pairs with the consumer's set_waiting)
         if _trace.ON:
             _trace.mark(_trace.PUBLISHED)
-        self._wake(ring.waiting, _trace.WAKING, _trace.WAKE_SENT)
+        asleep = ring.sleepers(self._handler.joined)
+        if asleep:
+            self._wake(asleep, _trace.WAKING, _trace.WAKE_SENT)
         return self._seq
 
     @contextlib.contextmanager
@@ -404,7 +433,7 @@ class Sender:
                 self._ring.count_drop()
                 raise LinkTimeout(f"cudalink: every slot of {self.name!r} is held by consumers; nothing to reserve")
             try:
-                fences = self._fences(slot)
+                fences = self._fences(slot, self._ring.take_fences(slot))
                 ts = time.time_ns()
                 frame = self._slots.writable_frame(slot, spec, self._seq + 1, ts, fences)
                 if fences:  # whoever writes the slot first waits for consumers still reading it (GPU-side)

@@ -388,3 +388,17 @@ def test_bench_breakdown_gpu_reports_driver_floors_and_event_stages(tmp_path: An
         assert stages[mark] is not None and stages[mark]["n"] >= 40, (mark, stages[mark])
     totals = {t["span"]: t["us"] for t in report["breakdown"]["totals"]}
     assert totals["end to end: send() entered -> recv() returns"]["p50"] > 0
+
+
+def test_bench_times_the_send_floor_between_the_sends() -> None:
+    """The handoff run's paired floor: one bare memcpy + record halfway between every two sends."""
+    from cudalink.tools.bench import Bench
+    from cudalink.tools.measure import Backend
+
+    bench = Bench(quick=True, backend=Backend(0, "torch"))
+    warm = bench.plan.warm
+    run = bench._run("cudalink", shape=(256, 256, 4), n=warm + 30, interval=0.002, send_floor=True)
+    assert len(run.send_floor) == 30 and all(t > 0 for t in run.send_floor)
+    assert len(run.send_costs()) == 30
+    plain = bench._run("cudalink", shape=(256, 256, 4), n=warm + 5, interval=0.002)
+    assert plain.send_floor == []  # asked for by the handoff run only

@@ -205,6 +205,29 @@ def test_goals_judge_each_figure_against_its_floor(block: float, met: bool) -> N
     assert got["reserve() + commit p50 (in process, no consumer)"]["met"] is True
 
 
+@pytest.mark.parametrize(("paired", "met"), [(20.0, True), (19.0, False)])
+def test_the_send_goal_is_judged_against_both_floors(paired: float, met: bool) -> None:
+    """send() against the driver calls in a loop of their own, and against the same calls timed between
+    the sends (the same cache state): two rows, each with its own floor, neither standing in for the other."""
+    from cudalink.tools.bench import goals
+
+    send = {"id": "send_cost", "peer_name": "torch-mp", "status": "ok", "cudalink": _summary(40.0)}
+    report = {
+        "floors": {"wake": _summary(10.0), "spin": _summary(1.0), "memcpy_record": _summary(10.0)},
+        "wait_modes": [],
+        "rows": [{**send, "peer": _summary(50.0)}],
+    }
+    got = {g["goal"]: g for g in goals(report, None, {"send_floor_paired": _summary(paired)}, cuda=True)}
+    alone = got["send() p50, 1080p uint8, a consumer attached"]
+    between = got["send() p50 vs the same driver calls timed between the sends"]
+    assert alone["reference"] == 10.0 and alone["met"] is False  # 40 > 2 x 10
+    assert between["reference"] == paired and between["met"] is met
+    assert between["ratio"] == pytest.approx(40.0 / paired)
+    assert got["send() p50 vs torch.multiprocessing put"]["met"] is True  # 40 <= 50
+    unmeasured = {g["goal"]: g for g in goals(report, None, {}, cuda=True)}
+    assert unmeasured["send() p50 vs the same driver calls timed between the sends"]["met"] is None
+
+
 # -- waking ahead ------------------------------------------------------------------------------------------
 
 

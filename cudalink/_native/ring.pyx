@@ -38,6 +38,8 @@ cdef Py_ssize_t META_MAX = wire.META_MAX
 cdef Py_ssize_t OFF_PUBLISHED = wire.OFF_PUBLISHED, OFF_FLAGS = wire.OFF_FLAGS, RECORD_SIZE = wire.RECORD_SIZE
 cdef Py_ssize_t OFF_WAITING = wire.CONSUMER_OFF_WAITING, OFF_RECEIVED = wire.CONSUMER_OFF_RECEIVED
 cdef Py_ssize_t OFF_LAST_RECV = wire.CONSUMER_OFF_LAST_RECV
+cdef uint32_t WAIT_ON = wire.WAIT_ON, WOKEN_AHEAD = wire.WOKEN_AHEAD, WAIT_AHEAD = wire.WAIT_AHEAD
+cdef uint32_t WAIT_MAX = wire.WAIT_AHEAD
 cdef object _time_ns = time.time_ns
 cdef object _unpack_record = wire.unpack_record
 cdef object _spec_bytes = wire.spec_bytes
@@ -212,27 +214,43 @@ cdef class ProducerCore:
         PyBuffer_Release(&v)
         return out
 
-    def waiting(self, Py_ssize_t index):
-        cdef Py_buffer v
-        if not 0 <= index < self.o.ncons:
-            raise IndexError(f"cudalink: consumer index {index} outside 0..{self.o.ncons - 1}")
-        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
-        cdef bint on = (cl_load32(base + self.o.consumers + self.o.consumer_size * index + OFF_WAITING) & 1) != 0
-        PyBuffer_Release(&v)
-        return on
+    cdef int _check_among(self, uint64_t among) except -1:
+        if self.o.ncons < 64 and among >> self.o.ncons:
+            raise IndexError(
+                f"cudalink: consumer mask {among:#x} names consumers outside 0..{self.o.ncons - 1}"
+            )
+        return 0
 
-    def wake_ahead(self, Py_ssize_t index):
-        """Did that consumer ask to be woken ahead of the frame? Marks the wake-up as on its way."""
+    def sleepers(self, uint64_t among):
+        """Of the consumers in ``among`` (bit i: consumer i), those asleep with no wake-up on its way."""
         cdef Py_buffer v
-        if not 0 <= index < self.o.ncons:
-            raise IndexError(f"cudalink: consumer index {index} outside 0..{self.o.ncons - 1}")
+        cdef uint64_t out = 0
+        cdef Py_ssize_t i
+        self._check_among(among)
         cdef uint8_t *base = _map(self.buf, &v, self.o.size)
-        cdef uint8_t *word = base + self.o.consumers + self.o.consumer_size * index + OFF_WAITING
-        cdef bint ahead = cl_load32(word) == 3  # wire.WAIT_AHEAD
-        if ahead:
-            cl_store32(word, 2)  # wire.WOKEN_AHEAD
+        cdef uint8_t *words = base + self.o.consumers + OFF_WAITING
+        for i in range(self.o.ncons):
+            if (among >> i) & 1 and cl_load32(words + self.o.consumer_size * i) & WAIT_ON:
+                out |= (<uint64_t>1) << i
         PyBuffer_Release(&v)
-        return ahead
+        return out
+
+    def wake_ahead(self, uint64_t among):
+        """Of the consumers in ``among``, those that asked to be woken ahead; each is marked ``WOKEN_AHEAD``."""
+        cdef Py_buffer v
+        cdef uint64_t out = 0
+        cdef Py_ssize_t i
+        cdef uint8_t *word
+        self._check_among(among)
+        cdef uint8_t *base = _map(self.buf, &v, self.o.size)
+        for i in range(self.o.ncons):
+            if (among >> i) & 1:
+                word = base + self.o.consumers + self.o.consumer_size * i + OFF_WAITING
+                if cl_load32(word) == WAIT_AHEAD:
+                    cl_store32(word, WOKEN_AHEAD)
+                    out |= (<uint64_t>1) << i
+        PyBuffer_Release(&v)
+        return out
 
 
 cdef class ConsumerCore:
@@ -331,8 +349,8 @@ cdef class ConsumerCore:
     def set_waiting(self, long state):
         """Announce (``wire.WAIT_ON``/``WAIT_AHEAD``) or withdraw (0) that we sleep; re-check the stamps after."""
         cdef Py_buffer v
-        if not 0 <= state <= 3:
-            raise ValueError(f"cudalink: waiting state {state} is not one of 0..3")
+        if not 0 <= state <= WAIT_MAX:
+            raise ValueError(f"cudalink: waiting state {state} is not one of 0..{WAIT_MAX}")
         cdef uint8_t *base = _map(self.buf, &v, self.o.size)
         cl_store32(base + self.entry + OFF_WAITING, <uint32_t>state)
         if state:

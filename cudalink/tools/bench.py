@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
     from ..link import WaitMode
     from .breakdown import Breakdown
+    from .floors import CopyRecordFloor
     from .peers import Channel, Producer, QueueItem, Source
 
 _F = TypeVar("_F")
@@ -258,6 +259,7 @@ class RunArgs(_RunArgs, total=False):
     wait: WaitMode
     ahead: bool
     latest: bool
+    send_floor: bool
 
 
 # -- the report (the bench's JSON) -------------------------------------------------------------------------
@@ -312,6 +314,7 @@ Extra = TypedDict(
         "release": Summary | None,
         "recv_export_release": Summary | None,
         "view_read_paired": Summary | None,  # host links: the view_read floor, in the consumer, alternate frames
+        "send_floor_paired": Summary | None,  # CUDA: memcpy + record in the producer, halfway between sends
         "small_fps_cudalink": float | None,
         "small_fps_torch-mp": float | None,
     },
@@ -386,6 +389,8 @@ class RunResult:
     drops: int
     warm: int
     entered: dict[int, int]  # seq -> monotonic ns when send() was entered
+    #: the bare cuMemcpyDtoDAsync + cuEventRecord timed halfway between sends (``send_floor=True``), ns
+    send_floor: list[int]
 
     def handoff(self) -> list[int]:
         """Publish (the producer's stamp, taken once the frame is in place) -> receive returned."""
@@ -519,7 +524,10 @@ class Bench:
         if self.breakdown_only:
             return steps
         runs: list[tuple[str, RunArgs]] = [
-            ("handoff", {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s}),
+            (
+                "handoff",
+                {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s, "send_floor": True},
+            ),
             (
                 "recv_export",
                 {"shape": pl.frame_shape, "n": pl.latency_frames, "interval": pl.interval_s, "mode": "poll"},
@@ -668,8 +676,15 @@ class Bench:
         ahead: bool = True,
         latest: bool = True,
         dtype: str = "uint8",
+        send_floor: bool = False,
     ) -> RunResult:
         src = self._source(shape, dtype)
+        paired: CopyRecordFloor | None = None
+        if send_floor and peer == "cudalink" and self.backend.is_cuda and interval:
+            from .floors import CopyRecordFloor
+
+            paired = CopyRecordFloor(self.backend.device, self.backend.lib, shape)
+        floor: list[int] = []
         out: mpq.Queue[ConsumerMsg] = self._ctx.Queue()
         prod = self._producer(peer, shape, dtype, k)
         procs: list[SpawnProcess] = []
@@ -712,7 +727,11 @@ class Bench:
                     sent[seq] = t1
                     entered[seq] = t0
                     costs.append(t1 - t0)
-                if interval:
+                if paired is not None:  # the floor halfway between two sends: the same sleep before each
+                    time.sleep(interval / 2)
+                    floor.append(sum(paired()))
+                    time.sleep(interval / 2)
+                elif interval:
                     time.sleep(interval)
             prod.finish()
             # queue peers have no back-pressure: at max rate a slow consumer still drains a backlog after
@@ -727,9 +746,11 @@ class Bench:
                     p.terminate()
                     p.join(timeout=2.0)
             prod.close()
+            if paired is not None:
+                paired.close()
             with contextlib.suppress(Exception):
                 out.close()
-        return RunResult(sent, costs, results, drops, self.plan.warm, entered)
+        return RunResult(sent, costs, results, drops, self.plan.warm, entered, floor[self.plan.warm :])
 
     @staticmethod
     def _collect(
@@ -984,6 +1005,9 @@ class Bench:
             out["recv_export_release"] = summarize(run.recv_release_costs())
             if run.paired_floor():
                 out["view_read_paired"] = summarize(run.paired_floor())
+        run = self._get("handoff", "cudalink")
+        if isinstance(run, RunResult) and run.send_floor:
+            out["send_floor_paired"] = summarize(run.send_floor)
         small = self._get("small_throughput", "cudalink")
         if isinstance(small, RunResult):
             out["small_fps_cudalink"] = small.fps()
@@ -1069,7 +1093,14 @@ def goals(report: GoalInputs, breakdown: Breakdown | str | None, extra: Extra, c
                 "send() p50, 1080p uint8, a consumer attached",
                 send,
                 stat(floors.get("memcpy_record")),
-                "cuMemcpyAsync + cuEventRecord",
+                "cuMemcpyAsync + cuEventRecord, a loop of their own",
+                "2x",
+            ),
+            (
+                "send() p50 vs the same driver calls timed between the sends",
+                send,
+                stat(extra.get("send_floor_paired")),
+                "cuMemcpyAsync + cuEventRecord, halfway between sends",
                 "2x",
             ),
             ("send() p50 vs torch.multiprocessing put", send, side("send_cost", peer, "peer"), "Queue.put", "1x"),

@@ -15,7 +15,9 @@ producer does: the consumer's caches then start as cold as they do under cudalin
   parent, then ``torch.from_dlpack`` (or cupy's) of a view built once; right after a wake.
 - ``record_ipc_event`` (GPU): ``cuEventRecord`` of the child's own IPC event, right after a wake.
 - ``memcpy`` + ``record`` (GPU, parent): ``cuMemcpyDtoDAsync`` of one bench frame and ``cuEventRecord``
-  of an IPC event, at the cadence.
+  of an IPC event, at the cadence, in a loop of their own (:class:`CopyRecordFloor`). The bench's
+  handoff run also times the same pair *between* its sends (``send_floor``): the same process, the
+  same sleep before each, so both start from the same cache state.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ if TYPE_CHECKING:
     import multiprocessing.queues as mpq
     from multiprocessing.connection import Connection
     from multiprocessing.context import SpawnContext
-
-    from ..cuda.objects import Event, Stream
 
     #: what a floor child tells the parent: it is ready (its pid), its samples, or why it failed
     FloorMsg = (
@@ -197,7 +197,7 @@ def measure(
             ev = driver.new_ipc_event(s)
             keep += [s, ev]
             ev_handle = driver.event_handle(ev)
-            out.update(_producer_ops(backend_device, lib, shape, frames, interval, ev, s))
+            out.update(_producer_ops(backend_device, lib, shape, frames, interval))
         for kind in ("wake", "spin"):
             kind_run = ("gpu" if backend_device >= 0 else "cpu") if kind == "wake" else "spin"
             got = _run_child(ctx, seg, name, kind_run, shape, backend_device, lib, ev_handle, frames, interval)
@@ -263,30 +263,49 @@ def _run_child(
         ours.close()
 
 
-def _producer_ops(
-    device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float, ev: Event, stream: Stream
-) -> dict[str, list[int]]:
-    """The producer's driver floor, at the cadence: one frame's ``cuMemcpyDtoDAsync`` and an IPC event record."""
-    from .measure import GpuLib
+class CopyRecordFloor:
+    """One frame's bare ``cuMemcpyDtoDAsync`` and ``cuEventRecord`` of an IPC event, through cuda.bindings.
 
-    g = GpuLib(lib, device)
-    n = int(math.prod(shape))
-    src, dst = g.empty((n,), "uint8"), g.empty((n,), "uint8")
-    g.sync()
-    drv = driver.bindings()
-    s = driver.cu_stream(driver.stream_handle(stream))
-    sp, dp = g.ptr(src), g.ptr(dst)
-    mono = time.monotonic_ns
+    Built once; each call queues one pair on its own stream and returns the time the two calls took.
+    The bench also calls it *paired* with its sends, between them: a send and its floor then start
+    from the same cache state (the process's own other work, the same sleep before each).
+    """
+
+    def __init__(self, device: int, lib: str, shape: tuple[int, ...]) -> None:
+        from .measure import GpuLib
+
+        g = GpuLib(lib, device)
+        self.stream = devices.device(device).create_stream()
+        self.event = driver.new_ipc_event(self.stream)
+        self.n = int(math.prod(shape))
+        self._bufs = (g.empty((self.n,), "uint8"), g.empty((self.n,), "uint8"))  # kept alive while we copy
+        g.sync()
+        self._drv = driver.bindings()
+        self._s = driver.cu_stream(driver.stream_handle(self.stream))
+        self._src, self._dst = g.ptr(self._bufs[0]), g.ptr(self._bufs[1])
+
+    def __call__(self) -> tuple[int, int]:
+        """(ns in the copy call, ns in the record call)."""
+        drv, mono = self._drv, time.monotonic_ns
+        t0 = mono()
+        drv.cuMemcpyDtoDAsync(self._dst, self._src, self.n, self._s)
+        t1 = mono()
+        drv.cuEventRecord(self.event.handle, self._s)
+        return t1 - t0, mono() - t1
+
+    def close(self) -> None:
+        self.stream.sync()
+
+
+def _producer_ops(device: int, lib: str, shape: tuple[int, ...], frames: int, interval: float) -> dict[str, list[int]]:
+    """The producer's driver floor, at the cadence, in a loop of its own."""
+    op = CopyRecordFloor(device, lib, shape)
     copy: list[int] = []
     rec: list[int] = []
     for _ in range(frames):
-        t0 = mono()
-        drv.cuMemcpyDtoDAsync(dp, sp, n, s)
-        t1 = mono()
-        drv.cuEventRecord(ev.handle, s)
-        t2 = mono()
-        copy.append(t1 - t0)
-        rec.append(t2 - t1)
+        a, b = op()
+        copy.append(a)
+        rec.append(b)
         time.sleep(interval)
-    stream.sync()
+    op.close()
     return {"memcpy": copy, "record": rec, "memcpy_record": [a + b for a, b in zip(copy, rec, strict=True)]}

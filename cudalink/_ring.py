@@ -46,6 +46,16 @@ def full_fence() -> None:
     _release()
 
 
+def mask_bits(mask: int) -> list[int]:
+    """The consumer indexes a mask names (bit i: index i), lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
 class _ProducerCold:
     """What runs once per consumer or per flag change: one implementation for both rings."""
 
@@ -169,12 +179,7 @@ class PyProducerRing(_ProducerCold):
             raise IndexError(
                 f"cudalink: consumer mask {among:#x} names consumers outside 0..{self.layout.nconsumers - 1}"
             )
-        out = []
-        while among:
-            low = among & -among
-            out.append(low.bit_length() - 1)
-            among ^= low
-        return out
+        return mask_bits(among)
 
     def sleepers(self, among: int) -> int:
         """Of the consumers in ``among`` (bit i: consumer i), those asleep with no wake-up on its way:

@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from . import _backends, _platform, _trace
-from ._ring import consumer_ring, producer_ring
+from ._ring import consumer_ring, mask_bits, producer_ring
 from .cuda import driver
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
 from .frames.frame import Frame, _Hold
@@ -392,12 +392,10 @@ class Sender:
         """One wake-up byte to each joined consumer in ``mask`` (bit i: index i), marked ``waking``/``sent``."""
         conn_at = self._handler.conn_at
         conns = []
-        while mask:
-            low = mask & -mask
-            conn = conn_at.get(low.bit_length() - 1)  # None: it left since the mask was read
+        for index in mask_bits(mask):
+            conn = conn_at.get(index)  # None: it left since the mask was read
             if conn is not None:
                 conns.append(conn)
-            mask ^= low
         if _trace.ON:
             _trace.mark(waking)
         self._server.wake(b"\x01", conns)

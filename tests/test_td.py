@@ -709,3 +709,29 @@ def test_status_outside_a_cook_falls_back_to_a_script_error() -> None:
     rx.cook(op)  # replaces its own message, leaves others alone
     assert op.script_errors[0] == "someone else's error" and len(op.script_errors) == 2
     rx.close()
+
+
+def test_cupy_streams_come_from_from_external_where_cupy_has_it() -> None:
+    """cupy 14 deprecates ``ExternalStream``: the raw stream goes through ``Stream.from_external`` there."""
+    from types import ModuleType, SimpleNamespace
+
+    from cudalink.td.arraylib import cupy_stream
+
+    seen: list[tuple[str, int]] = []
+
+    class NewStream:
+        @staticmethod
+        def from_external(obj: Any) -> str:
+            seen.append(("from_external", obj.__cuda_stream__()[1]))
+            return "wrapped"
+
+    def external(ptr: int) -> str:
+        seen.append(("ExternalStream", ptr))
+        return "legacy"
+
+    new, old = ModuleType("cupy"), ModuleType("cupy")
+    new.cuda = SimpleNamespace(Stream=NewStream, ExternalStream=external)  # type: ignore[attr-defined]
+    old.cuda = SimpleNamespace(Stream=object, ExternalStream=external)  # type: ignore[attr-defined]
+    assert cupy_stream(new, 0x1234) == "wrapped"
+    assert cupy_stream(old, 0x5678) == "legacy"
+    assert seen == [("from_external", 0x1234), ("ExternalStream", 0x5678)]

@@ -248,6 +248,7 @@ def test_td_memory_back_into_a_script_top_by_pointer(torch: Any, dtype: str, com
     np.testing.assert_array_equal(op.texture, to_host(torch, tex))
 
 
+@pytest.mark.filterwarnings("error:ExternalStream is deprecated:DeprecationWarning")  # cupy 14 names a successor
 @pytest.mark.parametrize("backend", ["cupy", "torch"])
 def test_gpu_conversions_in_process(torch: Any, backend: str) -> None:
     pytest.importorskip(backend)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Protocol, cast, overload
 
@@ -161,6 +162,29 @@ def rearranged(
     return out
 
 
+class _RawStream:
+    """A raw CUstream value in the ``__cuda_stream__`` protocol, for ``cupy.cuda.Stream.from_external``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(cp: ModuleType, ptr: int) -> AbstractContextManager[object]:
+    """A cupy stream object for the raw stream ``ptr`` on the current device (cupy does not own it).
+
+    cupy 14 deprecates ``ExternalStream`` for ``Stream.from_external``, which takes the
+    ``__cuda_stream__`` protocol; older cupy has only the former.
+    """
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    made = cp.cuda.ExternalStream(ptr) if from_external is None else from_external(_RawStream(ptr))
+    return cast("AbstractContextManager[object]", made)
+
+
 class ArrayLib:
     """torch or cupy on CUDA device ``ordinal``: the few GPU array operations cudalink needs of either.
 
@@ -259,7 +283,7 @@ class ArrayLib:
         dev = self.ordinal
         if not self.is_torch:
             cp = self.mod
-            with cp.cuda.Device(dev), cp.cuda.ExternalStream(stream):
+            with cp.cuda.Device(dev), cupy_stream(cp, stream):
                 arr: CupyArray = cp.from_dlpack(src)
                 out: GpuArray = rearranged(cp, arr, flip=flip, channels=channels, dtype=dtype)
             return out

@@ -230,6 +230,13 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         assert w["end_to_end"]["p50"] > 0  # send() entered -> recv returned: the same process's clock
         assert w["consumer_cpu_us"] > 0
     assert "wake_ahead=False" in modes["block_noahead"]["api"]
+    # the fan-out goal's one-consumer reference ran in turns with the fan-out runs, at their cadence
+    single = report["extra"]["fanout_single"]
+    plan = report["plan"]
+    assert single["n"] >= plan["fanout_frames"], single  # every turn's frames after its warm-up, pooled
+    assert rows[("fanout", "shm")]["cudalink"]["n"] >= plan["fanout_frames"] * plan["fanout_consumers"]
+    goal = next(g for g in report["goals"] if g["goal"].startswith("fan-out p99"))
+    assert goal["reference"] == single["p99"] and "in turns with the fan-out" in goal["reference_label"], goal
 
 
 def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:

@@ -205,6 +205,56 @@ def test_goals_judge_each_figure_against_its_floor(block: float, met: bool) -> N
     assert got["reserve() + commit p50 (in process, no consumer)"]["met"] is True
 
 
+@pytest.mark.parametrize(("single", "met"), [(40.0, True), (39.0, False)])
+def test_the_fanout_goal_takes_the_one_consumer_runs_taken_in_turns_with_it(single: float, met: bool) -> None:
+    """Its reference is one consumer at the fan-out's cadence, in turns with it; the hybrid wait-mode run (taken
+    minutes apart) stands in only where those runs are missing."""
+    from cudalink.tools.bench import goals
+
+    report = {
+        "floors": {"wake": _summary(10.0), "spin": _summary(1.0)},
+        "wait_modes": [{"mode": "hybrid", "handoff": _summary(12.0, 30.0)}],
+        "rows": [{"id": "fanout", "peer_name": "shm", "status": "ok", "cudalink": _summary(20.0, 120.0), "peer": None}],
+    }
+    paired = {g["goal"]: g for g in goals(report, None, {"fanout_single": _summary(15.0, single)}, cuda=False)}
+    fan = paired["fan-out p99 vs one consumer's p99"]
+    assert fan["reference"] == single and fan["met"] is met and "in turns" in fan["reference_label"]
+    alone = {g["goal"]: g for g in goals(report, None, {}, cuda=False)}["fan-out p99 vs one consumer's p99"]
+    assert alone["reference"] == 30.0 and alone["met"] is False  # 120 > 3 x 30
+
+
+def _consumer(seqs: list[int], base: int) -> dict[str, object]:
+    return {
+        "seq": seqs,
+        "t": [base + 10 * s for s in seqs],
+        "wall": [base + 10 * s + 3 for s in seqs],
+        "pub": [base + 10 * s for s in seqs],
+        **{k: [] for k in ("cost", "rcost", "dcost", "second", "floor")},
+        "skipped": 1,
+        "cpu_ns": 100,
+    }
+
+
+def test_runs_taken_in_turns_pool_into_one_run() -> None:
+    from cudalink.tools.bench import RunResult
+
+    def run(base: int, last: int, k: int) -> RunResult:
+        seqs = list(range(1, last + 1))
+        sent = {s: base + 10 * s - 1 for s in seqs}
+        results = [_consumer(seqs, base + i) for i in range(k)]
+        return RunResult(sent, [7] * last, results, 1, 2, dict(sent), [])  # type: ignore[arg-type]
+
+    a, b = run(1000, 5, 2), run(9000, 4, 2)
+    got = RunResult.pooled([a, b])
+    assert got.warm == 0 and got.drops == 2
+    seqs = got.results[0]["seq"]
+    assert len(seqs) == len(set(seqs)) == 3 + 2  # warm-up frames (seq <= 2) of each run dropped, none collide
+    assert sorted(got.handoff()) == sorted(a.handoff() + b.handoff())  # 3 ns each, for every kept frame
+    assert sorted(got.from_send_return()) == sorted(a.from_send_return() + b.from_send_return())
+    assert len(got.send_costs()) == 3 + 2
+    assert got.results[1]["skipped"] == 2 and got.results[1]["cpu_ns"] == 200
+
+
 @pytest.mark.parametrize(("paired", "met"), [(20.0, True), (19.0, False)])
 def test_the_send_goal_is_judged_against_both_floors(paired: float, met: bool) -> None:
     """send() against the driver calls in a loop of their own, and against the same calls timed between

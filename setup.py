@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 NATIVE = "cudalink/_native"
-MODULES = ("ring", "driver", "exchange")
+MODULES = ("ring", "driver", "exchange", "dlpack")
 
 
 def _say(text: str) -> None:

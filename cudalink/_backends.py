@@ -22,6 +22,7 @@ from .transport import wire
 from .transport.base import Client, Region
 
 if TYPE_CHECKING:
+    from ._native.dlpack import Exporter
     from .cuda.driver import RawEvent
     from .cuda.objects import Event, Stream
 
@@ -65,6 +66,7 @@ class SlotParts(NamedTuple):
     owner: object  # what a frame's hold keeps alive: the mapping
     sync: FrameSync | None  # CUDA: waits on the slot's ready event
     host: HostViews | None  # host: the slot viewed as ``spec``
+    export: Exporter | None  # the slot's DLPack capsule maker (compiled core), else None
 
 
 class ConsumerView(Protocol):
@@ -369,7 +371,8 @@ class HostView:
         arr = np.ndarray(spec.shape, spec.dtype, self.region.buf, offset, spec.strides)
         ro = arr.view()
         ro.flags.writeable = False
-        return SlotParts(spec, self.region.address + offset, self.region, None, (arr, ro))
+        ptr = self.region.address + offset
+        return SlotParts(spec, ptr, self.region, None, (arr, ro), arrays.dlpack_exporter(ptr, spec, -1))
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         return False
@@ -441,7 +444,7 @@ class CudaView:
         if got is None:
             got = self._import(slot, handle)
         ptr, owner, sync = got
-        return SlotParts(spec, ptr, owner, sync, None)
+        return SlotParts(spec, ptr, owner, sync, None, arrays.dlpack_exporter(ptr, spec, self.device))
 
     def fence(self, slot: int, streams: list[int]) -> bool:
         """Record this slot's release event after the work the consumer queued on every stream it used."""

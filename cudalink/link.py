@@ -824,6 +824,7 @@ class Receiver:
             parts[3],
             att.generation,
             parts[4],
+            parts[5],
         )
         if _trace.ON:
             _trace.mark(_trace.FRAME_BUILT)

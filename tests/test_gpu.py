@@ -5,6 +5,7 @@ Run on a GPU machine with ``python -m pytest -m gpu``; skipped everywhere else.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import cudalink
+from cudalink import _native
 from cudalink.frames.frame import Frame
 
 from . import _content
@@ -242,6 +244,31 @@ def test_in_process_cuda_link_roundtrip(pair: PairFactory) -> None:
             tx.send(torch.zeros(4, 4, device="cuda"))
         tx.send(x * 2)  # the link is still usable after bad input
         assert torch.equal(torch.from_dlpack(rx.recv(timeout=5)), x * 2)
+
+
+def test_received_cuda_frames_export_through_the_compiled_core_and_hold_the_slot(pair: PairFactory) -> None:
+    """torch and cupy get the slot itself through the slot's exporter (the compiled core, where built);
+    an export keeps the frame's lease after release() until it dies."""
+    torch = _torch()
+    cp = pytest.importorskip("cupy")
+    tx, rx = pair(DEFAULT, shape=(6, 10), dtype="float32", device=0, slots=1, rx={"timeout": 5.0})
+    with tx, rx:
+        x = torch.arange(60, dtype=torch.float32, device="cuda").reshape(6, 10)
+        tx.send(x)
+        f = rx.recv(timeout=5)
+        assert (f._export is not None) is (_native.dlpack is not None)
+        t = torch.from_dlpack(f)
+        c = cp.from_dlpack(f)
+        assert t.data_ptr() == f.ptr == c.data.ptr and t.is_cuda and t.device.index == 0
+        assert torch.equal(t, x) and bool(cp.all(c == cp.arange(60, dtype=cp.float32).reshape(6, 10)))
+        f.release()
+        gc.collect()
+        assert tx.send(x + 1) is None  # the exports hold the only slot
+        del t, c
+        gc.collect()
+        assert tx.send(x + 2) is not None
+        with rx.recv(timeout=5) as g:
+            assert torch.equal(torch.from_dlpack(g), x + 2)
 
 
 def _gpu_chaos(spawned: Spawned, name: str, cycles: int) -> dict[str, float]:

@@ -44,6 +44,7 @@ def test_compiled_core_is_built_where_a_compiler_exists() -> None:
         pytest.skip("no C compiler here: the pure-Python core is the expected one")
     assert _native.ring is not None, _native.missing
     assert _native.exchange is not None, _native.missing
+    assert _native.dlpack is not None, _native.missing
     assert (ROOT / "cudalink" / "_native").is_dir()
 
 
@@ -423,3 +424,102 @@ def test_fast_source_reads_torch_tensors_as_torch_does(monkeypatch: pytest.Monke
         assert arrays.fast_source(other, want) is None
     if reader == "exchange":
         print("torch publishes a DLPack C exchange table:", _native.exchange.has_api(t))  # type: ignore[union-attr]
+
+
+# -- the compiled DLPack exporter ---------------------------------------------------------------------------
+
+compiled_dlpack = pytest.mark.skipif(
+    _native.dlpack is None, reason=f"compiled DLPack exporter not in use: {_native.missing.get('dlpack')}"
+)
+
+
+class _Hold:
+    """Stands in for a frame's hold: what a capsule must keep alive, and let go of exactly once."""
+
+
+class _Exports:
+    def __init__(self, capsule: Any) -> None:
+        self.capsule = capsule
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self.capsule(kw.get("max_version"))
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+@compiled_dlpack
+@pytest.mark.parametrize(("versioned", "readonly"), [(True, True), (True, False), (False, False)])
+def test_compiled_exporter_describes_the_slot_and_holds_it_until_the_consumer_lets_go(
+    versioned: bool, readonly: bool
+) -> None:
+    import weakref
+
+    from cudalink.cuda import arrays
+
+    base = np.arange(6 * 10, dtype=np.float32).reshape(6, 10)
+    strided = base[::2, 1::3]  # strides the exporter must state in elements, not bytes
+    spec = FrameSpec(strided.shape, strided.dtype, strided.strides)
+    exporter = arrays.dlpack_exporter(strided.ctypes.data, spec, -1)
+    assert exporter is not None
+    hold = _Hold()
+    gone = weakref.ref(hold)
+    got = np.from_dlpack(_Exports(lambda mv, h=hold: exporter.capsule(h, readonly, versioned and mv is not None)))
+    assert got.shape == strided.shape and got.strides == strided.strides and got.dtype == np.float32
+    np.testing.assert_array_equal(got, strided)
+    if versioned:  # only a versioned capsule can say read-only (numpy decides for a legacy one)
+        assert got.flags.writeable is not readonly
+    del hold
+    assert gone() is not None  # the array keeps the hold
+    del got
+    assert gone() is None  # and lets go of it once, with the array
+    hold = _Hold()
+    gone = weakref.ref(hold)
+    unused = exporter.capsule(hold, False, versioned)
+    del hold
+    assert gone() is not None
+    del unused  # a capsule nobody consumed frees its tensor and lets go too
+    assert gone() is None
+
+
+@compiled_dlpack
+def test_compiled_exporter_refuses_what_dlpack_cannot_describe() -> None:
+    from cudalink.cuda import arrays
+
+    with pytest.raises(ValueError, match=r"cudalink: a DLPack export takes 1\.\.8 dims"):
+        _native.dlpack.Exporter(0, 1, 0, (), (), 1, 8)
+    with pytest.raises(ValueError, match=r"cudalink: a DLPack export takes 1\.\.8 dims"):
+        _native.dlpack.Exporter(0, 1, 0, (2, 2), (1,), 1, 8)
+    with pytest.raises(ValueError, match="cudalink: DLPack type code"):
+        _native.dlpack.Exporter(0, 1, 0, (2,), (1,), 1, 0)
+    from cudalink.frames.spec import MAX_NDIM
+
+    widest = FrameSpec((1,) * MAX_NDIM, np.dtype("uint8"))  # the compiled bound follows the spec's
+    assert arrays.dlpack_exporter(0, widest, -1) is not None
+
+
+@pytest.mark.parametrize("transport_name", ["memory", "default"])
+def test_received_host_frames_export_through_the_compiled_core_where_built(transport_name: str) -> None:
+    """The link hands each received frame its slot's exporter (None in the pure-Python core): same data,
+    same read-only rule, same lease."""
+    import gc
+
+    from cudalink.transport import MemoryTransport
+
+    transport = MemoryTransport() if transport_name == "memory" else None
+    name = f"exp-{os.getpid()}-{transport_name}"
+    with (
+        cudalink.Sender(name, shape=(3, 4), dtype="uint16", slots=1, device="cpu", transport=transport) as tx,
+        cudalink.Receiver(name, timeout=5, transport=transport) as rx,
+    ):
+        tx.send(np.full((3, 4), 7, np.uint16))
+        frame = rx.recv()
+        assert (frame._export is not None) is (_native.dlpack is not None)
+        view = np.from_dlpack(frame)
+        assert not view.flags.writeable and view.shape == (3, 4) and view[2, 3] == 7
+        frame.release()
+        gc.collect()
+        assert tx.send(np.full((3, 4), 8, np.uint16)) is None  # the view holds the only slot
+        del view
+        gc.collect()
+        assert tx.send(np.full((3, 4), 9, np.uint16)) is not None

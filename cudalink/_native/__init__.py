@@ -1,6 +1,6 @@
 """The compiled core, where it was built: ``ring`` (the per-frame ring operations), ``driver``
-(direct CUDA driver calls, entry points from cuda.bindings' ``cuGetProcAddress``) and ``exchange``
-(reading a source array through DLPack's C exchange API).
+(direct CUDA driver calls, entry points from cuda.bindings' ``cuGetProcAddress``), ``exchange``
+(reading a source array through DLPack's C exchange API) and ``dlpack`` (a received frame's capsule).
 
 Each is an optional extension: ``pip install .`` builds them where a C compiler (and, for ``driver``,
 ``cuda.h``) exists, and the pure-Python implementations stand in everywhere else, a TouchDesigner
@@ -34,6 +34,7 @@ def _load(name: str) -> ModuleType | None:
 
 ring = _load("ring")
 exchange = _load("exchange")  # no CUDA needed: it only reads what a framework's C table reports
+dlpack = _load("dlpack")  # no CUDA needed: it only describes memory
 driver: ModuleType | None = None  # loaded by cudalink.cuda.driver with the CUDA packages, never on a CPU-only import
 
 
@@ -45,9 +46,9 @@ def load_driver() -> ModuleType | None:
 
 
 def status() -> dict[str, str]:
-    """``{"ring": "compiled" | "python (why)", "driver": ..., "exchange": ...}`` for ``info`` and the bench."""
+    """``{"ring": "compiled" | "python (why)", "driver": ..., ...}`` for ``info`` and the bench."""
     out = {}
-    for name, mod in (("ring", ring), ("driver", driver), ("exchange", exchange)):
+    for name, mod in (("ring", ring), ("driver", driver), ("exchange", exchange), ("dlpack", dlpack)):
         if mod is not None:
             out[name] = "compiled"
         elif name in missing:

@@ -1,7 +1,8 @@
-/* The DLPack structs the C exchange API passes, declared by ABI (DLPack 1.x, dlpack.h).
+/* The DLPack structs cudalink reads and writes, declared by ABI (DLPack 1.x, dlpack.h).
  *
- * Only what ``exchange.pyx`` reads: a DLTensor filled by the producer, and the function table a
- * framework publishes on its array type as ``__dlpack_c_exchange_api__``. */
+ * What ``exchange.pyx`` reads (a DLTensor filled by the producer, and the function table a framework
+ * publishes on its array type as ``__dlpack_c_exchange_api__``) and the two managed tensors
+ * ``dlpack.pyx`` hands out in capsules. */
 #ifndef CUDALINK_DLPACK_ABI_H
 #define CUDALINK_DLPACK_ABI_H
 
@@ -35,6 +36,23 @@ typedef struct {
     cl_CurrentWorkStream_t current_work_stream;
 } cl_DLPackExchangeAPI;
 
+/* "dltensor": DLPack 0.x, for consumers that pass no max_version (JAX) */
+typedef struct cl_DLManagedTensor {
+    cl_DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct cl_DLManagedTensor *self);
+} cl_DLManagedTensor;
+
+/* "dltensor_versioned": DLPack 1.x, which can say read-only */
+typedef struct cl_DLManagedTensorVersioned {
+    cl_DLPackVersion version;
+    void *manager_ctx;
+    void (*deleter)(struct cl_DLManagedTensorVersioned *self);
+    uint64_t flags;
+    cl_DLTensor dl_tensor;
+} cl_DLManagedTensorVersioned;
+
+#define CL_DLPACK_FLAG_READ_ONLY 1ULL
 #define CL_DLPACK_MAJOR 1
 #define CL_KDLCPU 1
 #define CL_KDLCUDA 2

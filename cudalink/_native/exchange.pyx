@@ -14,32 +14,13 @@ from cpython.exc cimport PyErr_Clear
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 
-cdef extern from "dlpack_abi.h":
-    ctypedef struct cl_DLDevice:
-        int32_t device_type
-        int32_t device_id
-    ctypedef struct cl_DLDataType:
-        uint8_t code
-        uint8_t bits
-        unsigned short lanes
-    ctypedef struct cl_DLTensor:
-        void *data
-        cl_DLDevice device
-        int32_t ndim
-        cl_DLDataType dtype
-        int64_t *shape
-        int64_t *strides
-        unsigned long long byte_offset
-    ctypedef struct cl_DLPackVersion:
-        unsigned int major
-        unsigned int minor
-    ctypedef int (*cl_DLTensorFromPyObject_t)(void *py_object, cl_DLTensor *out)
-    ctypedef int (*cl_CurrentWorkStream_t)(int32_t device_type, int32_t device_id, void **out_stream)
-    ctypedef struct cl_DLPackExchangeAPI:
-        cl_DLPackVersion version
-        cl_DLTensorFromPyObject_t dltensor_from_py_object_no_sync
-        cl_CurrentWorkStream_t current_work_stream
-    int CL_DLPACK_MAJOR, CL_KDLCPU, CL_KDLCUDA
+from cudalink._native.dlpack_abi cimport (
+    CL_DLPACK_MAJOR,
+    CL_KDLCPU,
+    CL_KDLCUDA,
+    cl_DLPackExchangeAPI,
+    cl_DLTensor,
+)
 
 #: type -> its exchange table's address, or 0 where it has none we can use (looked up once per type)
 cdef dict _apis = {}

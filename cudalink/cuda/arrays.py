@@ -14,6 +14,7 @@ from ..errors import FormatError
 from . import devices, driver
 
 if TYPE_CHECKING:  # the CUDA glue imports nothing of cudalink's above errors and _native (no import cycle)
+    from .._native.dlpack import Exporter
     from ..frames.spec import FrameSpec
     from .objects import StridedView
 
@@ -121,6 +122,7 @@ def _torch_info(t: TorchTensor) -> ArrayInfo | None:
     return ArrayInfo(t.data_ptr(), tuple(t.shape), dtype, None, t.get_device(), False, t)
 
 
+_KDLCPU = 1
 _KDLCUDA = 2
 _DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}  # numpy kind -> DLPack type code
 _dl_dtypes: dict[np.dtype[np.generic], tuple[int, int]] = {}
@@ -133,6 +135,19 @@ def _dl_dtype(dtype: np.dtype[np.generic]) -> tuple[int, int]:
         code = _DL_CODES.get(dtype.kind, -1)
         got = _dl_dtypes[dtype] = (code, dtype.itemsize * 8) if code >= 0 else (-1, 0)
     return got
+
+
+def dlpack_exporter(ptr: int, spec: FrameSpec, device_id: int) -> Exporter | None:
+    """The compiled capsule maker for memory at ``ptr`` viewed as ``spec`` (host for ``device_id`` < 0),
+    made once per slot and spec; None without the compiled core or for a dtype DLPack cannot name."""
+    mod = _native.dlpack
+    code, bits = _dl_dtype(spec.dtype)
+    if mod is None or code < 0:
+        return None
+    strides = tuple(s // spec.itemsize for s in spec.byte_strides)
+    where = (_KDLCUDA, device_id) if device_id >= 0 else (_KDLCPU, 0)
+    exporter: Exporter = mod.Exporter(ptr, *where, spec.shape, strides, code, bits)
+    return exporter
 
 
 class SourceWant(NamedTuple):

@@ -24,6 +24,7 @@ from .spec import FrameSpec, PixelFormat, RowOrigin
 if TYPE_CHECKING:
     from typing_extensions import CapsuleType
 
+    from .._native.dlpack import Exporter
     from ..cuda.objects import StridedView
 
 __all__ = ["DLDeviceType", "Frame", "FrameSync", "HostViews"]
@@ -117,6 +118,7 @@ class Frame:
         "__weakref__",
         "_cai_exported",
         "_device_id",
+        "_export",
         "_hold",
         "_host",
         "_is_cuda",
@@ -159,6 +161,7 @@ class Frame:
         self._released = False
         self._cai_exported = False
         self._view: StridedView | None = None
+        self._export: Exporter | None = None
         self.generation = generation
 
     @classmethod
@@ -173,8 +176,12 @@ class Frame:
         sync: FrameSync | None,
         generation: int,
         host: HostViews | None = None,
+        export: Exporter | None = None,
     ) -> Frame:
-        """The per-frame constructor of the receive path: trusted, already-converted values, no checks."""
+        """The per-frame constructor of the receive path: trusted, already-converted values, no checks.
+
+        ``export`` makes this slot's DLPack capsules in one C call (the compiled core), where it was built.
+        """
         self = object.__new__(cls)
         self._spec = spec
         self._is_cuda = device_id >= 0
@@ -189,6 +196,7 @@ class Frame:
         self._released = False
         self._cai_exported = False
         self._view = None
+        self._export = export
         self.generation = generation
         return self
 
@@ -357,6 +365,10 @@ class Frame:
             hold = self._hold
             if hold is None:
                 raise BufferError("cudalink: this frame was released; cannot export it")
+            export = self._export
+            if export is not None and not copy:  # one C call; only a versioned capsule can say read-only
+                versioned = max_version is not None and max_version[0] >= 1
+                return export.capsule(hold, versioned and not self._writable, versioned)
             host = self._host
             if host is not None and not copy:
                 # a legacy capsule cannot say read-only: exported writable, as below
@@ -387,6 +399,9 @@ class Frame:
                 self._sync.wait(s)
             if s not in hold.streams:
                 hold.streams.append(s)
+        export = self._export
+        if export is not None:  # one C call, exported writable as the view below is
+            return export.capsule(hold, False, max_version is not None and max_version[0] >= 1)
         return self._cuda_view().__dlpack__(stream=None, max_version=max_version)
 
     def _cuda_view(self) -> StridedView:

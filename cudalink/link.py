@@ -750,6 +750,8 @@ class Receiver:
     def _try_attach(self, deadline: float) -> None:
         client = self._transport.connect(self.name)
         try:
+            if wire.header_pending(client.header):
+                raise NoProducer("producer is starting")
             fixed = wire.read_fixed(client.header)
             if not fixed.flags & wire.FLAG_READY or fixed.flags & wire.FLAG_SHUTDOWN:
                 raise NoProducer("producer is starting or stopping")

@@ -78,6 +78,21 @@ def test_block_policy_waits_then_times_out(pair: PairFactory, transport: Transpo
         assert tx.send(np.ones((4, 4), np.uint16)) is not None
 
 
+def test_a_receiver_waits_out_a_producer_still_writing_its_header() -> None:
+    """A segment that exists but has no header yet (its producer is between creating it and writing it) is a
+    producer starting: recv() waits for it, and times out saying so, instead of calling it foreign."""
+    from cudalink.transport import MemoryTransport
+
+    t = MemoryTransport()
+    layout = cudalink.transport.wire.Layout(2, 1)
+    server = t.serve("starting", layout.size, 0)
+    try:
+        with pytest.raises(cudalink.LinkTimeout, match="producer is starting"):
+            cudalink.Receiver("starting", timeout=0.2, transport=t)
+    finally:
+        server.close()
+
+
 def test_views_keep_the_lease(pair: PairFactory, transport: Transport) -> None:
     tx, rx = pair(transport, slots=1)
     with tx, rx:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,6 +59,39 @@ def test_fixed_header_roundtrip(nslots: int, ncons: int, backend: int, gen: int,
     )
     wire.write_fixed(buf, f)
     assert wire.read_fixed(buf) == f
+
+
+class _Recording(bytearray):
+    """A header buffer that keeps a copy of itself as it was before each item store (``pack_into`` writes
+    through the buffer protocol, unseen)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.before: list[bytes] = []
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.before.append(bytes(self))
+        super().__setitem__(key, value)
+
+
+def test_the_header_magic_is_written_last_so_a_half_written_header_reads_as_pending() -> None:
+    """A consumer can map the segment while its producer is still writing the header: until the magic is in,
+    the header is pending (the consumer waits), and once it is in, everything else already is."""
+    layout = wire.Layout(4, 2)
+    assert wire.header_pending(bytearray(layout.size))
+    f = _fixed(header_size=layout.size, nslots=4, nconsumers=2, capacity=64, data_size=4 * 4096)
+    buf = _Recording(layout.size)
+    wire.write_fixed(buf, f)
+    assert not wire.header_pending(buf) and wire.read_fixed(buf) == f
+    assert len(buf.before) == 1  # one store after the packed header: the magic
+    last = bytearray(buf.before[0])
+    assert wire.header_pending(last)  # just before the magic went in: pending ...
+    last[: len(wire.MAGIC)] = wire.MAGIC
+    assert wire.read_fixed(last) == f  # ... with every other field already written
+    foreign = bytearray(b"NOTOURS!" + bytes(layout.size - 8))
+    assert not wire.header_pending(foreign)  # another program's data is an error, not a wait
+    with pytest.raises(cudalink.ProtocolError, match="not a cudalink segment"):
+        wire.read_fixed(foreign)
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])

@@ -289,11 +289,18 @@ class Fixed:
         return Layout(self.nslots, self.nconsumers)
 
 
+def header_pending(buf: ReadBuf) -> bool:
+    """A segment whose producer has not finished its header yet: no magic at all (see :func:`write_fixed`)."""
+    return not any(bytes(buf[: len(MAGIC)]))
+
+
 def write_fixed(buf: Buf, f: Fixed) -> None:
+    """The whole fixed header, its magic last: a consumer that maps the segment while the producer is still
+    writing sees either no magic (:func:`header_pending`: wait) or a complete header, never half of one."""
     FIXED.pack_into(
         buf,
         0,
-        MAGIC,
+        bytes(len(MAGIC)),
         LAYOUT_VERSION,
         f.backend,
         f.header_size,
@@ -311,6 +318,7 @@ def write_fixed(buf: Buf, f: Fixed) -> None:
         f.device_uuid,
         f.data_size,
     )
+    buf[: len(MAGIC)] = MAGIC
 
 
 def read_fixed(buf: ReadBuf, segment_size: int | None = None) -> Fixed:

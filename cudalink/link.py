@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from numpy.typing import DTypeLike
 
-from . import _backends, _platform, _trace
+from . import _backends, _native, _platform, _trace
 from ._ring import consumer_ring, mask_bits, producer_ring
 from .cuda import driver
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
@@ -794,6 +794,8 @@ class Receiver:
     # -- receiving ------------------------------------------------------------------------------------------
 
     def _try_take(self, att: _Attachment) -> Frame | None:
+        """Lease the next frame and build it, or None. The per-frame path: where the compiled core is
+        built, its twin ``_native.ring.receive`` (with ``_native.ring.Lease`` for ``_Lease``) runs instead."""
         last = self._last
         got = att.ring.take(last, self.latest)
         if got is None:
@@ -1007,3 +1009,9 @@ class Receiver:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+#: the Python reference of the per-frame take, kept by name for the tests that compare the two
+py_try_take = Receiver._try_take
+if _native.ring is not None:  # the compiled twin of Receiver._try_take, step for step (see _native/ring.pyx)
+    Receiver._try_take = _native.ring.receive  # type: ignore[method-assign]

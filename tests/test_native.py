@@ -523,3 +523,118 @@ def test_received_host_frames_export_through_the_compiled_core_where_built(trans
         del view
         gc.collect()
         assert tx.send(np.full((3, 4), 9, np.uint16)) is not None
+
+
+# -- the Receiver's per-frame take: compiled (_native.ring.receive + Lease) against the Python one --------
+
+#: what a consumer does between sends: poll, export a held frame, release one, drop an export
+_rx_op = st.one_of(
+    st.tuples(st.just("send"), st.integers(1, 3)),
+    st.tuples(st.just("poll"), st.just(0)),
+    st.tuples(st.just("export"), st.integers(0, 5)),
+    st.tuples(st.just("release"), st.integers(0, 5)),
+    st.tuples(st.just("drop"), st.integers(0, 5)),
+)
+
+
+def _receiver_side(name: str, impl: str, latest: bool) -> tuple[Any, Any]:
+    import types
+
+    from cudalink import link
+    from cudalink.transport import MemoryTransport
+
+    transport = MemoryTransport()
+    tx = cudalink.Sender(name, shape=(3, 4), dtype="uint16", slots=3, device="cpu", policy="drop", transport=transport)
+    rx = cudalink.Receiver(name, timeout=5, latest=latest, transport=transport)
+    if impl == "python":  # this receiver only: the other one keeps the class's (compiled) take
+        rx._try_take = types.MethodType(link.py_try_take, rx)  # type: ignore[method-assign]
+    return tx, rx
+
+
+def _lease_cells(tx: Any) -> list[int]:
+    layout = tx._layout
+    return [wire.read_u64(tx._server.header, layout.lease(s, 0)) for s in range(layout.nslots)]
+
+
+@native
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_rx_op, max_size=40), st.booleans())
+def test_compiled_receive_matches_the_python_one(ops: list[tuple[str, int]], latest: bool) -> None:
+    """The same sends, polls, exports and releases on two links, one received through each take: the same
+    frames (seq, data, meta), counters, and lease cells after every step."""
+    from cudalink import link
+
+    assert link.Receiver._try_take is _native.ring.receive  # type: ignore[union-attr]
+    sides = [_receiver_side(f"rxd-{os.getpid()}-{impl}", impl, latest) for impl in ("python", "compiled")]
+    held: list[list[Any]] = [[], []]
+    exports: list[list[Any]] = [[], []]
+    try:
+        seq = 0
+        for kind, arg in ops:
+            seen = []
+            for i, (tx, rx) in enumerate(sides):
+                if kind == "send":
+                    out = [tx.send(np.full((3, 4), seq + k, np.uint16), meta=bytes([k])) for k in range(arg)]
+                elif kind == "poll":
+                    f = rx.poll()
+                    out = None if f is None else (f.seq, int(np.from_dlpack(f)[0, 0]), f.meta)
+                    if f is not None:
+                        held[i].append(f)
+                    del f  # holds die by reference count alone: no gc.collect() between steps
+                elif kind == "export" and held[i]:
+                    exports[i].append(np.from_dlpack(held[i][arg % len(held[i])]))
+                    out = len(exports[i])
+                elif kind == "release" and held[i]:
+                    held[i].pop(arg % len(held[i])).release()
+                    out = len(held[i])
+                elif kind == "drop" and exports[i]:
+                    exports[i].pop(arg % len(exports[i]))
+                    out = len(exports[i])
+                else:
+                    out = None
+                seen.append((out, rx.received, rx.skipped, _lease_cells(tx)))
+            assert seen[0] == seen[1], (kind, arg, seen)
+            if kind == "send":
+                seq += arg
+    finally:
+        held, exports = [[], []], [[], []]
+        for tx, rx in sides:
+            rx.close()
+            tx.close()
+
+
+@native
+def test_compiled_holds_release_their_slot_once_and_a_failed_slot_view_leaks_no_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frames carry the compiled Lease; ending it twice releases once; a slot view that fails mid-take
+    leaves the slot unleased and the error visible."""
+    from cudalink.transport import MemoryTransport
+
+    transport = MemoryTransport()
+    name = f"rxl-{os.getpid()}"
+    with (
+        cudalink.Sender(name, shape=(3, 4), dtype="uint16", slots=2, device="cpu", transport=transport) as tx,
+        cudalink.Receiver(name, timeout=5, transport=transport) as rx,
+    ):
+        tx.send(np.zeros((3, 4), np.uint16))
+        frame = rx.recv()
+        hold = frame._hold
+        assert type(hold) is _native.ring.Lease  # type: ignore[union-attr]
+        assert (hold.slot, hold.seq) == (0, 1) and _lease_cells(tx)[0] == 1
+        hold.end()
+        assert _lease_cells(tx) == [0, 0] and not rx._att.live  # type: ignore[union-attr]
+        hold.end()  # a second end is a no-op: the next frame's lease on the same slot survives it
+        frame.release()
+        att = rx._att
+        assert att is not None
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("slot view failed")
+
+        att.parts = [None] * len(att.parts)
+        monkeypatch.setattr(att.view, "slot", broken)
+        tx.send(np.ones((3, 4), np.uint16))
+        with pytest.raises(RuntimeError, match="slot view failed"):
+            rx.poll()
+        assert _lease_cells(tx) == [0, 0] and not att.live

@@ -1,3 +1,6 @@
+from typing import Any
+
+from cudalink.frames.frame import Frame
 from cudalink.frames.spec import FrameSpec
 from cudalink.transport.wire import Buf, Layout, SlotRecord
 
@@ -24,3 +27,17 @@ class ConsumerCore:
     def flags(self) -> int: ...
     def set_waiting(self, state: int) -> None: ...
     def count(self, received: int, skipped: int) -> None: ...
+
+class Lease:
+    """A received frame's hold (the compiled twin of ``cudalink.link._Lease``)."""
+
+    owner: object
+    ptr: int
+    streams: list[int]
+    @property
+    def slot(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    def end(self) -> None: ...
+
+def receive(rx: Any, att: Any) -> Frame | None: ...

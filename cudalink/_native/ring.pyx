@@ -10,6 +10,7 @@ segment the transport has closed raises ``ValueError`` here exactly as ``struct.
 instead of touching unmapped memory.
 """
 
+cimport cython
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
@@ -17,6 +18,7 @@ from libc.string cimport memcmp, memcpy
 
 import time
 
+from cudalink import _trace
 from cudalink.errors import ProtocolError
 from cudalink.transport import wire
 
@@ -294,6 +296,9 @@ cdef class ConsumerCore:
 
     def take(self, uint64_t after, bint newest):
         """Lease the newest frame after ``after`` (the oldest when ``newest`` is False) and read its record."""
+        return self._take(after, newest)
+
+    cdef object _take(self, uint64_t after, bint newest):
         cdef Py_buffer v
         cdef uint64_t lo = 2 * after, best, st, seq
         cdef Py_ssize_t i, slot
@@ -323,6 +328,9 @@ cdef class ConsumerCore:
 
     def release(self, Py_ssize_t slot, uint64_t seq, bint fenced):
         """Clear our lease of ``slot`` if it still holds ``seq``; returns the header flags, read after it."""
+        return self._release(slot, seq, fenced)
+
+    cdef long long _release(self, Py_ssize_t slot, uint64_t seq, bint fenced) except -1:
         cdef Py_buffer v
         cdef uint8_t *lease
         cdef uint32_t f
@@ -365,3 +373,113 @@ cdef class ConsumerCore:
         memcpy(base + self.entry + OFF_RECEIVED + 8, &skipped, 8)
         memcpy(base + self.entry + OFF_LAST_RECV, &now, 8)
         PyBuffer_Release(&v)
+
+
+# ==================================================== a received frame: the twin of link.Receiver._try_take
+
+cdef object _received = None  # Frame._received, looked up at first use (cudalink.frames imports this package)
+cdef long long PRODUCER_WAITING = wire.FLAG_PRODUCER_WAITING
+cdef object _LEASED = _trace.LEASED, _FRAME_BUILT = _trace.FRAME_BUILT
+
+
+@cython.final
+@cython.no_gc_clear  # its death is the frame's release: the cycle collector must never clear it first
+cdef class Lease:
+    """A received frame's hold (the twin of ``link._Lease``): when the frame and its exports die, the
+    lease on its slot ends.
+
+    A frame never exported to a stream (every host frame) releases here, in C, straight on the compiled
+    ring; one with GPU reads to fence goes through ``_Attachment.release``, which records the fence.
+    """
+
+    cdef public object owner
+    cdef public object ptr
+    cdef public list streams
+    cdef object att
+    cdef ConsumerCore core  # att.ring where it is the compiled ring, else None
+    cdef readonly Py_ssize_t slot
+    cdef readonly uint64_t seq
+
+    def end(self):
+        self._end()
+
+    cdef int _end(self) except -1:
+        att = self.att
+        if att is None:
+            return 0
+        self.att = None
+        if self.streams or self.core is None:
+            att.release(self.slot, self.seq, self.streams)
+            return 0
+        if self.core._release(self.slot, self.seq, False) & PRODUCER_WAITING:
+            try:
+                att.client.hint()
+            except Exception:
+                pass
+        live = att.live
+        live.discard(self.seq)
+        if att.detached and not live:  # detach() saw a frame still live: the last one unmaps
+            att._unmap()
+        return 0
+
+    def __dealloc__(self):
+        try:
+            self._end()
+        except Exception:  # a finalizer must never raise
+            pass
+
+
+cdef Lease _lease(object att, object core, Py_ssize_t slot, uint64_t seq, object owner, object ptr):
+    cdef Lease h = Lease.__new__(Lease)
+    h.owner = owner
+    h.ptr = ptr
+    h.streams = []
+    h.att = att
+    h.core = core
+    h.slot = slot
+    h.seq = seq
+    return h
+
+
+def receive(rx, att):
+    """``Receiver._try_take`` compiled: lease the next frame and build it, or None. Same steps, same order."""
+    global _received
+    ring = att.ring
+    core = ring if type(ring) is ConsumerCore else None
+    last = rx._last
+    got = (<ConsumerCore>core)._take(last, rx.latest) if core is not None else ring.take(last, rx.latest)
+    if got is None:
+        return None
+    slot = <Py_ssize_t>(<tuple>got)[0]
+    cdef tuple rec = <tuple>(<tuple>got)[1]
+    seq = rec[0]
+    if _trace.ON:
+        _trace.mark(_LEASED)
+    floor = rx._floor
+    if last > floor:
+        floor = last
+    if seq > floor + 1:
+        rx.skipped += seq - floor - 1
+    rx._last = seq
+    rx.received += 1
+    att.live.add(seq)
+    spec = rec[2]
+    cdef list per_slot = att.parts
+    parts = per_slot[slot]
+    if parts is None or (<tuple>parts)[0] is not spec:  # the ring caches specs: identity is the common case
+        try:
+            parts = per_slot[slot] = att.view.slot(slot, att.handles[slot], spec)
+        except BaseException:
+            _lease(att, core, slot, seq, None, 0)._end()
+            raise
+    cdef tuple p = <tuple>parts
+    if _received is None:
+        from cudalink.frames.frame import Frame
+
+        _received = Frame._received
+    frame = _received(
+        spec, _lease(att, core, slot, seq, p[2], p[1]), att.device, seq, rec[1], rec[3], p[3], att.generation, p[4], p[5]
+    )
+    if _trace.ON:
+        _trace.mark(_FRAME_BUILT)
+    return frame

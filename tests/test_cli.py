@@ -180,6 +180,30 @@ def test_monitor_missing_link_is_one_line() -> None:
     assert "no link named" in proc.stderr
 
 
+@pytest.mark.parametrize("magic", [b"\0" * 8, b"NOTOURS!"], ids=["pending", "foreign"])
+def test_monitor_tells_a_starting_producer_from_a_foreign_segment(magic: bytes) -> None:
+    """A header whose magic is still zero is a producer mid-start (it writes the magic last): say so, and
+    keep "not a cudalink segment" for a segment someone else wrote."""
+    from multiprocessing import shared_memory
+
+    from cudalink import _platform
+    from cudalink.tools.monitor import read_snapshot
+
+    name = f"starting-{os.getpid()}-{magic[0]}"
+    seg = shared_memory.SharedMemory(name=_platform.segment_name(name), create=True, size=4096)
+    try:
+        seg.buf[:8] = magic
+        with pytest.raises(cudalink.LinkError) as err:
+            read_snapshot(name)
+        if magic == b"\0" * 8:
+            assert "is starting" in str(err.value) and not isinstance(err.value, cudalink.ProtocolError)
+        else:
+            assert isinstance(err.value, cudalink.ProtocolError) and "not a cudalink segment" in str(err.value)
+    finally:
+        seg.close()
+        seg.unlink()
+
+
 def test_monitor_bad_name_is_one_line() -> None:
     assert_one_line_error(run_cli("monitor", "../etc", "--once"))
 

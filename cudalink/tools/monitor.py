@@ -77,6 +77,8 @@ def read_snapshot(name: str) -> Snapshot:
     """Decode a link's header through a read-only mapping; never connects to the producer."""
     buf, close = _map_readonly(name)
     try:
+        if wire.header_pending(buf):  # the producer maps its segment before it writes the header (magic last)
+            raise LinkError(f"cudalink: link {name!r} is starting: its producer has not written its header yet")
         fixed = wire.read_fixed(buf, len(buf))
         layout = fixed.layout
         now_ns, mono = time.time_ns(), time.monotonic()

@@ -29,7 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, cast
 
 import numpy as np
 
@@ -83,6 +83,10 @@ if TYPE_CHECKING:
         | tuple[Literal["result"], int, ConsumerResult]
         | tuple[Literal["error"], int, str]
     )
+
+
+#: a ConsumerResult's per-frame series besides ``seq``, each one value per received frame where it is taken
+_SERIES = ("t", "wall", "pub", "cost", "rcost", "dcost", "second", "floor")
 
 
 def _kept(xs: list[_F], keep: list[int]) -> list[_F]:
@@ -407,45 +411,21 @@ class RunResult:
         dropped, and its seqs moved past the previous run's so that none collide."""
         sent: dict[int, int] = {}
         entered: dict[int, int] = {}
-        per: dict[int, list[ConsumerResult]] = {}  # consumer index -> its part of each run
+        per: dict[int, dict[str, Any]] = {}  # consumer index -> its pooled result
         base = 0
         for run in runs:
             sent.update({base + s: t for s, t in run.sent.items() if s > run.warm})
             entered.update({base + s: t for s, t in run.entered.items() if s > run.warm})
             for i, r in enumerate(run.results):
                 keep = [j for j, s in enumerate(r["seq"]) if s > run.warm]
-                per.setdefault(i, []).append(
-                    {
-                        "seq": [base + r["seq"][j] for j in keep],
-                        "t": _kept(r["t"], keep),
-                        "wall": _kept(r["wall"], keep),
-                        "pub": _kept(r["pub"], keep),
-                        "cost": _kept(r["cost"], keep),
-                        "rcost": _kept(r["rcost"], keep),
-                        "dcost": _kept(r["dcost"], keep),
-                        "second": _kept(r["second"], keep),
-                        "floor": _kept(r["floor"], keep),
-                        "skipped": r["skipped"],
-                        "cpu_ns": r["cpu_ns"],
-                    }
-                )
+                out = per.setdefault(i, {"seq": [], **{k: [] for k in _SERIES}, "skipped": 0, "cpu_ns": 0})
+                out["seq"] += [base + r["seq"][j] for j in keep]
+                for k in _SERIES:
+                    out[k] += _kept(r[k], keep)  # type: ignore[literal-required]
+                out["skipped"] += r["skipped"]
+                out["cpu_ns"] += r["cpu_ns"]
             base += max([*run.sent, *(s for r in run.results for s in r["seq"])], default=0)
-        results: list[ConsumerResult] = [
-            {
-                "seq": [x for p in parts for x in p["seq"]],
-                "t": [x for p in parts for x in p["t"]],
-                "wall": [x for p in parts for x in p["wall"]],
-                "pub": [x for p in parts for x in p["pub"]],
-                "cost": [x for p in parts for x in p["cost"]],
-                "rcost": [x for p in parts for x in p["rcost"]],
-                "dcost": [x for p in parts for x in p["dcost"]],
-                "second": [x for p in parts for x in p["second"]],
-                "floor": [x for p in parts for x in p["floor"]],
-                "skipped": sum(p["skipped"] for p in parts),
-                "cpu_ns": sum(p["cpu_ns"] for p in parts),
-            }
-            for _, parts in sorted(per.items())
-        ]
+        results = [cast("ConsumerResult", out) for _, out in sorted(per.items())]
         costs = [c for run in runs for c in run.costs[run.warm :]]
         floor = [f for run in runs for f in run.send_floor]
         return cls(sent, costs, results, sum(run.drops for run in runs), 0, entered, floor)

@@ -254,6 +254,18 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         assert w["end_to_end"]["p50"] > 0  # send() entered -> recv returned: the same process's clock
         assert w["consumer_cpu_us"] > 0
     assert "wake_ahead=False" in modes["block_noahead"]["api"]
+    # the sleeping modes' floor: a bare wake a beat after each of their frames, in the same two processes
+    goals = {g["goal"]: g for g in report["goals"]}
+    for mode, goal in (
+        ("hybrid", "handoff p50, wait='hybrid', 2 ms cadence"),
+        ("block", "handoff p50, wait='block', 2 ms cadence"),
+        ("block_noahead", "handoff p50, wait='block', wake_ahead=False"),
+    ):
+        beat, handoff = modes[mode]["wake_paired"], modes[mode]["handoff"]
+        assert beat["n"] >= 0.9 * handoff["n"] and beat["p50"] > 0, (mode, beat, handoff)
+        assert goals[goal]["reference"] == beat["p50"], goals[goal]
+        assert "same two processes" in goals[goal]["reference_label"], goals[goal]
+    assert modes["spin"]["wake_paired"] is None and modes["async"]["wake_paired"] is None
     # the fan-out goal's one-consumer reference ran in turns with the fan-out runs, at their cadence
     single = report["extra"]["fanout_single"]
     plan = report["plan"]

@@ -230,6 +230,7 @@ def _consumer(seqs: list[int], base: int) -> dict[str, object]:
         "wall": [base + 10 * s + 3 for s in seqs],
         "pub": [base + 10 * s for s in seqs],
         **{k: [] for k in ("cost", "rcost", "dcost", "second", "floor")},
+        "wake": [100 + s if s % 2 else -1 for s in seqs],  # the paired wake floor, on odd frames only
         "skipped": 1,
         "cpu_ns": 100,
     }
@@ -253,6 +254,53 @@ def test_runs_taken_in_turns_pool_into_one_run() -> None:
     assert sorted(got.from_send_return()) == sorted(a.from_send_return() + b.from_send_return())
     assert len(got.send_costs()) == 3 + 2
     assert got.results[1]["skipped"] == 2 and got.results[1]["cpu_ns"] == 200
+    assert sorted(got.wake_floor()) == sorted(a.wake_floor() + b.wake_floor()) == [103, 103, 103, 103, 105, 105]
+
+
+@pytest.mark.parametrize(("beat", "met"), [(40.0, True), (39.0, False)])
+def test_the_sleeping_modes_are_judged_against_the_wake_taken_in_their_own_run(beat: float, met: bool) -> None:
+    """A sleeping mode's reference is the bare wake a beat after each of its frames, in the same two processes;
+    the floor step's wake (taken a minute apart) stands in only where the run took none."""
+    from cudalink.tools.bench import goals
+
+    report = {
+        "floors": {"wake": _summary(10.0), "spin": _summary(1.0)},
+        "wait_modes": [
+            {"mode": "block", "handoff": _summary(60.0), "wake_paired": _summary(beat)},
+            {"mode": "block_noahead", "handoff": _summary(60.0), "wake_paired": None},
+            {"mode": "hybrid", "handoff": _summary(60.0), "wake_paired": _summary(30.0)},
+        ],
+        "rows": [],
+    }
+    got = {g["goal"]: g for g in goals(report, None, {}, cuda=False)}
+    block = got["handoff p50, wait='block', 2 ms cadence"]
+    assert block["reference"] == beat and block["met"] is met and "same two processes" in block["reference_label"]
+    alone = got["handoff p50, wait='block', wake_ahead=False"]
+    assert alone["reference"] == 10.0 and alone["met"] is False and "same" not in alone["reference_label"]
+    assert got["handoff p50, wait='hybrid', 2 ms cadence"]["ratio"] == pytest.approx(2.0)
+
+
+def test_the_paired_wake_times_only_its_own_frames_beat() -> None:
+    """A consumer that fell behind must not take a later frame's beat (every later beat would then be read
+    late, and the run drift a beat out of phase), and a beat already waiting when it looks is no wake."""
+    import socket
+
+    from cudalink.tools.bench import _BEAT, _BareWake
+
+    ours, theirs = socket.socketpair()
+    conn = type("Conn", (), {"fileno": theirs.fileno, "close": theirs.close})()
+    wake = _BareWake(conn)  # type: ignore[arg-type]
+    try:
+        now = time.monotonic_ns()
+        ours.sendall(_BEAT.pack(3, now) + _BEAT.pack(5, now))
+        assert wake.after(4) == -1  # 3 is stale (its frame was skipped); 5 belongs to a later frame: left
+        assert wake.after(5) == -1  # waiting before we looked: no wake to time
+        threading.Timer(0.05, lambda: ours.sendall(_BEAT.pack(6, time.monotonic_ns()))).start()
+        assert 0 < wake.after(6) < 5e9  # blocked, then woken by its own beat
+        ours.close()
+        assert wake.after(7) == -1  # the producer left
+    finally:
+        wake.close()
 
 
 @pytest.mark.parametrize(("paired", "met"), [(20.0, True), (19.0, False)])

@@ -24,6 +24,9 @@ import multiprocessing.queues as mpq
 import os
 import platform
 import queue as queue_mod
+import select
+import socket
+import struct
 import sys
 import time
 import traceback
@@ -72,6 +75,7 @@ class ConsumerResult(TypedDict):
     dcost: list[int]  # deleting the export
     second: list[bool]  # poll mode: the paired floor ran first after this frame's wake
     floor: list[int]  # poll mode, host links: the paired view_read floor per frame (-1: not this frame)
+    wake: list[int]  # recv mode, ``wake_floor``: the bare wake a beat after this frame, ns (-1: not a wake)
     skipped: int
     cpu_ns: int  # CPU time the consumer process used while receiving (user + system)
 
@@ -86,7 +90,10 @@ if TYPE_CHECKING:
 
 
 #: a ConsumerResult's per-frame series besides ``seq``, each one value per received frame where it is taken
-_SERIES = ("t", "wall", "pub", "cost", "rcost", "dcost", "second", "floor")
+_SERIES = ("t", "wall", "pub", "cost", "rcost", "dcost", "second", "floor", "wake")
+
+#: the paired wake floor's message, written a beat after each send: that frame's seq, and when it was written
+_BEAT = struct.Struct("<qq")
 
 
 def _kept(xs: list[_F], keep: list[int]) -> list[_F]:
@@ -106,23 +113,67 @@ def _queue(chan: Channel) -> mpq.Queue[QueueItem]:
     return chan
 
 
-def bench_consumer(job: ConsumerJob, chan: Channel, out: mpq.Queue[ConsumerMsg]) -> None:
+def bench_consumer(
+    job: ConsumerJob, chan: Channel, out: mpq.Queue[ConsumerMsg], beats: Connection | None = None
+) -> None:
     """One consumer of one bench run: per frame, its seq, publish and arrival times, and (poll) take cost.
 
     Arrival is recorded twice: ``time.time_ns`` to compare with the producer's publish stamp (the
     frame's own ``timestamp_ns`` for cudalink, one carried in the message for peers), and
-    ``time.monotonic_ns`` to compare with the moment the producer's send call returned.
+    ``time.monotonic_ns`` to compare with the moment the producer's send call returned. ``beats``: the
+    socket of the paired wake floor (``Bench._run(wake_floor=True)``).
     """
     _child_init()
-    if job.peer == "cudalink":
-        _consume(job, out, lambda: LinkSource(job))
-    elif job.peer == "shm":
-        _consume(job, out, lambda: ShmSource(job, _pipe(chan)))
-    else:
-        _consume(job, out, lambda: QueueSource(job, _queue(chan)))
+    wake = _BareWake(beats) if beats is not None else None
+    try:
+        if job.peer == "cudalink":
+            _consume(job, out, lambda: LinkSource(job), wake)
+        elif job.peer == "shm":
+            _consume(job, out, lambda: ShmSource(job, _pipe(chan)), wake)
+        else:
+            _consume(job, out, lambda: QueueSource(job, _queue(chan)), wake)
+    finally:
+        if wake is not None:
+            wake.close()
 
 
-def _consume(job: ConsumerJob, out: mpq.Queue[ConsumerMsg], open_source: Callable[[], Source[_F]]) -> None:
+class _BareWake:
+    """The wake floor paired with a run: a beat after each frame the producer writes one message on a bare
+    socketpair, and this consumer, blocked in a bare read as the floor step's child is, times it.
+
+    Both figures then come from the same two processes at the same cadence, in the same minutes: on a
+    shared 2-vCPU VM the floor step's wake, taken a minute apart, moved 2x between runs.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn  # owns the fd; the socket below is a view of it
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+
+    def after(self, seq: int) -> int:
+        """Block for frame ``seq``'s beat: ns from its write to here, or -1 when it was no wake (it was
+        already waiting, or the producer left). A later frame's beat is left for that frame."""
+        sock, fd = self._sock, self._sock.fileno()
+        while True:
+            waited = not select.select([fd], [], [], 0)[0]
+            data = sock.recv(_BEAT.size, socket.MSG_PEEK)
+            t = time.monotonic_ns()
+            if len(data) < _BEAT.size:
+                return -1
+            got, sent = _BEAT.unpack(data)
+            if got > seq:  # we are behind (this frame was late): not its beat, and keep that frame's
+                return -1
+            sock.recv(_BEAT.size)
+            if got == seq:
+                return t - sent if waited else -1
+
+    def close(self) -> None:
+        self._sock.close()
+        self._conn.close()
+
+
+def _consume(
+    job: ConsumerJob, out: mpq.Queue[ConsumerMsg], open_source: Callable[[], Source[_F]], wake: _BareWake | None
+) -> None:
     src: Source[_F] | None = None
     seqs: list[int] = []
     times: list[int] = []
@@ -133,6 +184,7 @@ def _consume(job: ConsumerJob, out: mpq.Queue[ConsumerMsg], open_source: Callabl
     rcosts: list[int] = []  # poll mode: frame.release()
     second: list[bool] = []  # poll mode: the paired floor ran first after this frame's wake
     floors: list[int] = []  # poll mode, host links: the paired view_read floor per frame (-1: not this frame)
+    wakes: list[int] = []  # recv mode, a paired wake floor: the bare wake a beat after each frame
     try:
         src = open_source()
         out.put(("ready", job.index, os.getpid()))
@@ -187,6 +239,8 @@ def _consume(job: ConsumerJob, out: mpq.Queue[ConsumerMsg], open_source: Callabl
                 pubs.append(pub)
                 src.done(obj)
                 del obj
+                if wake is not None:
+                    wakes.append(wake.after(seq))
         result: ConsumerResult = {
             "seq": seqs,
             "t": times,
@@ -197,6 +251,7 @@ def _consume(job: ConsumerJob, out: mpq.Queue[ConsumerMsg], open_source: Callabl
             "dcost": dcosts,
             "second": second,
             "floor": floors,
+            "wake": wakes,
             "skipped": int(src.skipped),
             "cpu_ns": time.process_time_ns() - cpu0,
         }
@@ -272,6 +327,7 @@ class RunArgs(_RunArgs, total=False):
     ahead: bool
     latest: bool
     send_floor: bool
+    wake_floor: bool
 
 
 # -- the report (the bench's JSON) -------------------------------------------------------------------------
@@ -306,6 +362,7 @@ class WaitEntry(TypedDict):
     reason: str
     handoff: Summary | None
     end_to_end: Summary | None  # send() entered -> recv returned
+    wake_paired: Summary | None  # the bare wake in the same two processes, a beat after each frame
     consumer_cpu_us: float | None  # the consumer's CPU time per frame
 
 
@@ -480,6 +537,10 @@ class RunResult:
             for a, b, c in zip(self._first(r, "cost"), self._first(r, "dcost"), self._first(r, "rcost"), strict=True)
         ]
 
+    def wake_floor(self) -> list[int]:
+        """``wake_floor=True`` runs: the bare socketpair wake a beat after each frame, same two processes."""
+        return [w for r in self.results for s, w in zip(r["seq"], r["wake"], strict=False) if s > self.warm and w >= 0]
+
     def paired_floor(self) -> list[int]:
         """Poll mode, host links: the view_read floor timed in the consumer itself, on alternate frames."""
         return [f for r in self.results for s, f in zip(r["seq"], r["floor"], strict=False) if s > self.warm and f >= 0]
@@ -595,7 +656,8 @@ class Bench:
                 turns = (metric, peer) == ("fanout", "cudalink")
                 step = self._fanout_step(kw) if turns else self._step(metric, peer, kw)
                 steps.append((f"{metric} · {peer}", step))
-        modes: tuple[Literal["spin", "block", "async"], ...] = ("spin", "block", "async")
+        # the sleeping modes are judged against a bare wake a beat after each of their frames (``wake_floor``)
+        modes: tuple[Literal["spin", "hybrid", "block", "async"], ...] = ("spin", "hybrid", "block", "async")
         for mode in modes:
             kw = {
                 "shape": pl.frame_shape,
@@ -603,6 +665,7 @@ class Bench:
                 "interval": pl.interval_s,
                 "wait": "hybrid" if mode == "async" else mode,
                 "mode": "async" if mode == "async" else "recv",
+                "wake_floor": mode in ("hybrid", "block"),
             }
             steps.append((f"wait={mode} · cudalink", self._step(f"wait_{mode}", "cudalink", kw)))
         # the same block run with the consumer sleeping until each publish: what waking ahead buys
@@ -612,6 +675,7 @@ class Bench:
             "interval": pl.interval_s,
             "wait": "block",
             "ahead": False,
+            "wake_floor": True,
         }
         steps.append(("wait=block wake_ahead=False · cudalink", self._step("wait_block_noahead", "cudalink", kw)))
         if self.backend.is_cuda:
@@ -740,6 +804,7 @@ class Bench:
         latest: bool = True,
         dtype: str = "uint8",
         send_floor: bool = False,
+        wake_floor: bool = False,
     ) -> RunResult:
         src = self._source(shape, dtype)
         paired: CopyRecordFloor | None = None
@@ -747,6 +812,9 @@ class Bench:
             from .floors import CopyRecordFloor
 
             paired = CopyRecordFloor(self.backend.device, self.backend.lib, shape)
+        beats: tuple[Connection, Connection] | None = None
+        if wake_floor and k == 1 and interval and not _platform.IS_WINDOWS:  # a socketpair there, not a pipe
+            beats = self._ctx.Pipe(duplex=True)
         floor: list[int] = []
         out: mpq.Queue[ConsumerMsg] = self._ctx.Queue()
         prod = self._producer(peer, shape, dtype, k)
@@ -767,9 +835,11 @@ class Bench:
                     lib=self.backend.lib,
                     **prod.job_fields(),
                 )
-                p = self._ctx.Process(target=bench_consumer, args=(job, prod.chan(i), out), daemon=True)
+                args = (job, prod.chan(i), out, beats[1] if beats else None)
+                p = self._ctx.Process(target=bench_consumer, args=args, daemon=True)
                 p.start()
                 procs.append(p)
+            beat = self._beat(beats[0], src) if beats else None
             self._collect(out, "ready", k, procs, 120.0)
             prod.wait_connected(k, 30.0)
             sent: dict[int, int] = {}
@@ -794,6 +864,11 @@ class Bench:
                     time.sleep(interval / 2)
                     floor.append(sum(paired()))
                     time.sleep(interval / 2)
+                elif beat is not None:  # the bare wake a beat after the send: the consumer sleeps as long before each
+                    time.sleep(interval)
+                    if seq is not None:
+                        beat(seq)
+                    time.sleep(interval)
                 elif interval:
                     time.sleep(interval)
             prod.finish()
@@ -811,9 +886,25 @@ class Bench:
             prod.close()
             if paired is not None:
                 paired.close()
+            for conn in beats or ():
+                conn.close()
             with contextlib.suppress(Exception):
                 out.close()
         return RunResult(sent, costs, results, drops, self.plan.warm, entered, floor[self.plan.warm :])
+
+    def _beat(self, conn: Connection, src: object) -> Callable[[int], None]:
+        """The producer's half of the paired wake floor: what the floor step's parent does before each wake
+        (on the CPU backend a host producer's copy of the frame, so the write starts from the same cache
+        state), then one bare write."""
+        fd, pack, mono = conn.fileno(), _BEAT.pack, time.monotonic_ns
+        pair = (np.empty_like(src), src) if isinstance(src, np.ndarray) else None
+
+        def beat(seq: int) -> None:
+            if pair is not None:
+                np.copyto(*pair)
+            os.write(fd, pack(seq, mono()))
+
+        return beat
 
     @staticmethod
     def _collect(
@@ -983,7 +1074,7 @@ class Bench:
             rows.append(row)
         waits: list[WaitEntry] = []
         for mode in ("spin", "hybrid", "block", "block_noahead", "async"):
-            run = self._get("handoff" if mode == "hybrid" else f"wait_{mode}", "cudalink")
+            run = self._get(f"wait_{mode}", "cudalink")
             api = f"Receiver(wait={mode!r}).recv()"
             if mode == "async":
                 api = "await rx.recv_async()"
@@ -996,11 +1087,13 @@ class Bench:
                 "reason": "",
                 "handoff": None,
                 "end_to_end": None,
+                "wake_paired": None,
                 "consumer_cpu_us": None,
             }
             if isinstance(run, RunResult):
                 entry["handoff"] = summarize(run.handoff())
                 entry["end_to_end"] = summarize(run.from_send_entry())
+                entry["wake_paired"] = summarize(run.wake_floor())
                 entry["consumer_cpu_us"] = run.consumer_cpu_us()
             else:
                 entry["status"], entry["reason"] = "error", run or "not run"
@@ -1102,6 +1195,7 @@ def goals(report: GoalInputs, breakdown: Breakdown | str | None, extra: Extra, c
     floors = report["floors"] if isinstance(report["floors"], dict) else {}
     rows = {(r["id"], r["peer_name"]): r for r in report["rows"]}
     waits = {w["mode"]: w["handoff"] for w in report["wait_modes"]}
+    beats = {w["mode"]: w.get("wake_paired") for w in report["wait_modes"]}
     e2e = {w["mode"]: w.get("end_to_end") for w in report["wait_modes"]}
     reserve = breakdown.get("reserve_commit") if isinstance(breakdown, dict) else None
 
@@ -1116,18 +1210,25 @@ def goals(report: GoalInputs, breakdown: Breakdown | str | None, extra: Extra, c
         c, d = side(key, "d2d", "cudalink"), side(key, "d2d", "peer")
         return None if c is None or d is None else d / c
 
+    def wake(mode: str) -> tuple[float | None, str]:
+        """A sleeping mode's reference: the bare wake a beat after each of its frames where its run took
+        one (the same processes, the same minutes), else the floor step's."""
+        beat = beats.get(mode)
+        if beat:
+            return stat(beat), "bare socketpair wake, same two processes, a beat after each frame"
+        return stat(floors.get("wake")), "bare socketpair wake"
+
     peer = "torch-mp" if cuda else "shm"
-    wake, spin = stat(floors.get("wake")), stat(floors.get("spin"))
+    spin = stat(floors.get("spin"))
+    sleeping = (
+        ("handoff p50, wait='block', 2 ms cadence", "block"),
+        ("handoff p50, wait='block', wake_ahead=False", "block_noahead"),
+        ("handoff p50, wait='hybrid', 2 ms cadence", "hybrid"),
+    )
     table: list[tuple[str, float | None, float | None, str, str]] = [
-        ("handoff p50, wait='block', 2 ms cadence", stat(waits.get("block")), wake, "bare socketpair wake", "1.5x"),
-        (
-            "handoff p50, wait='block', wake_ahead=False",
-            stat(waits.get("block_noahead")),
-            wake,
-            "bare socketpair wake",
-            "1.5x",
-        ),
-        ("handoff p50, wait='hybrid', 2 ms cadence", stat(waits.get("hybrid")), wake, "bare socketpair wake", "1.5x"),
+        (goal, stat(waits.get(mode)), *wake(mode), "1.5x") for goal, mode in sleeping
+    ]
+    table += [
         ("handoff p50, wait='spin'", stat(waits.get("spin")), spin, "bare spin", "+10us"),
         ("reserve() + commit p50 (in process, no consumer)", stat(reserve), 10.0, "10 us", "10us"),
     ]

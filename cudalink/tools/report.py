@@ -75,6 +75,8 @@ def _bench_tables(report: BenchReport) -> list[RenderableType]:
         "p99",
         "send() entered→returned p50",
         "p99",
+        "bare wake a beat later p50",
+        "ratio",
         "CPU/frame",
         "samples",
     )
@@ -83,6 +85,7 @@ def _bench_tables(report: BenchReport) -> list[RenderableType]:
     for w in report["wait_modes"]:
         h = w["handoff"] or {}
         e = w.get("end_to_end") or {}
+        b = w.get("wake_paired") or {}
         waits.add_row(
             w["mode"],
             w["api"],
@@ -90,6 +93,8 @@ def _bench_tables(report: BenchReport) -> list[RenderableType]:
             _us(h.get("p99")),
             _us(e.get("p50")),
             _us(e.get("p99")),
+            _us(b.get("p50")),
+            f"{h['p50'] / b['p50']:.2f}x" if h.get("p50") and b.get("p50") else "—",  # goal: <= 1.5x
             _us(w.get("consumer_cpu_us")),
             f"{int(h.get('n', 0))}" if w["status"] == "ok" else f"ERROR {w['reason']}",
         )

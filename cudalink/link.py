@@ -377,15 +377,16 @@ class Sender:
             ring.publish(slot, seq, timestamp_ns, spec, meta)  # ends with a full fence: see _publish
             if _trace.ON:
                 _trace.mark(_trace.PUBLISHED)
-            asleep = ring.sleepers(self._handler.joined)
-            if asleep:
-                self._wake(asleep, _trace.WAKING, _trace.WAKE_SENT)
             # one stalled send moves the average little (clamped, 1/16): waking ahead stops only when
             # sends stay slow, as a 4K host memcpy does
             dt = _perf_ns() - t0
             dt = dt if dt < _AHEAD_CLAMP_NS else _AHEAD_CLAMP_NS
             avg = self._send_ns = self._send_ns + ((dt - self._send_ns) >> 4)
             self._ahead = avg < wire.AHEAD_MAX_NS
+            # the wake-up last: a consumer it wakes usually runs on this core, once we stop running
+            asleep = ring.sleepers(self._handler.joined)
+            if asleep:
+                self._wake(asleep, _trace.WAKING, _trace.WAKE_SENT)
             return seq
 
     def _wake(self, mask: int, waking: str, sent: str) -> None:
@@ -913,16 +914,23 @@ class Receiver:
                 raise self._gone("closed or died")
             self._publish_counts(att)
             ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
-            att.ring.set_waiting(wire.WAIT_AHEAD if ahead else wire.WAIT_ON)
+            ring = att.ring
+            ring.set_waiting(wire.WAIT_AHEAD if ahead else wire.WAIT_ON)
             try:
                 frame = take(att)  # a frame published before our flag was visible
-                if frame is not None:
-                    return self._arrived(frame, entered)
-                att.client.wait_readable(deadline - now)
-                if _trace.ON:
-                    _trace.mark(_trace.WOKEN)
+                if frame is None:
+                    att.client.wait_readable(deadline - now)
+                    if _trace.ON:
+                        _trace.mark(_trace.WOKEN)
             finally:
-                self._unwait(att)
+                ring.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)  # _unwait, inlined
+            # Woken: take the frame the wake-up announces straight away, before any bookkeeping. This
+            # process usually runs on the producer's core (a socket wake-up asks the kernel for that) and
+            # after its memcpy every cache line is cold: each Python step here costs microseconds.
+            if frame is None:
+                frame = take(att)
+            if frame is not None:
+                return self._arrived(frame, entered)
             if ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
                 spin_until = max(spin_until, time.monotonic() + _AHEAD_SPIN_S)
 

@@ -854,6 +854,8 @@ class Bench:
                     break
                 seq = prod.send(src)
                 t1 = mono()
+                if beat is not None:  # asleep at once, as after a beat: the consumer often waits for this core
+                    time.sleep(interval)
                 if seq is None:
                     drops += 1
                 else:
@@ -865,7 +867,6 @@ class Bench:
                     floor.append(sum(paired()))
                     time.sleep(interval / 2)
                 elif beat is not None:  # the bare wake a beat after the send: the consumer sleeps as long before each
-                    time.sleep(interval)
                     if seq is not None:
                         beat(seq)
                     time.sleep(interval)

@@ -46,7 +46,7 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     (_trace.COPY_QUEUED, "copy (GPU: queue cuMemcpyAsync; CPU: memcpy)", "producer"),
     (_trace.EVENT_RECORDED, "record the slot's ready event", "producer"),
     (_trace.PUBLISHED, "publish: record, stamp, fence", "producer"),
-    (_trace.WAKING, "find the sleeping consumers", "producer"),
+    (_trace.WAKING, "update the send-time average, find the sleeping consumers", "producer"),
     (_trace.WAKE_SENT, "write the wake-up byte (syscall)", "producer"),
     (_trace.WOKEN, "OS wake: wake-up written -> consumer running", "both"),
     (_trace.LEASED, "find and lease the slot", "consumer"),

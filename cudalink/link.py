@@ -59,6 +59,9 @@ class _Handler(ServerHandler):
         #: each index's connection
         self.joined = 0
         self.conn_at: dict[int, int] = {}
+        #: a wake-up's connections by the mask of consumers it wakes, filled as masks come: a stream of
+        #: frames wakes the same few masks, and a dict hit is the cheapest step on a cold-cache path
+        self.conns_of: dict[int, list[int]] = {}
         self.lock = threading.Lock()
 
     def on_hello(self, conn: int, message: bytes, peer: Peer) -> Reply:
@@ -112,6 +115,7 @@ class _Handler(ServerHandler):
     def _swap(self) -> None:
         """Publish who is joined for the hot path: a new dict first, then the mask that names its keys."""
         self.conn_at = {index: conn for conn, index in self.conns.items()}
+        self.conns_of = {}  # after conn_at: a sender that sees this dict fills it from the new conn_at
         self.joined = sum(1 << index for index in self.conns.values())
 
 
@@ -391,12 +395,13 @@ class Sender:
 
     def _wake(self, mask: int, waking: str, sent: str) -> None:
         """One wake-up byte to each joined consumer in ``mask`` (bit i: index i), marked ``waking``/``sent``."""
-        conn_at = self._handler.conn_at
-        conns = []
-        for index in mask_bits(mask):
-            conn = conn_at.get(index)  # None: it left since the mask was read
-            if conn is not None:
-                conns.append(conn)
+        handler = self._handler
+        conns_of = handler.conns_of  # the dicts are swapped whole on a join or leave: read each once
+        conns = conns_of.get(mask)
+        if conns is None:
+            conn_at = handler.conn_at
+            # None: it left since the mask was read
+            conns = conns_of[mask] = [c for c in map(conn_at.get, mask_bits(mask)) if c is not None]
         if _trace.ON:
             _trace.mark(waking)
         self._server.wake(b"\x01", conns)
@@ -583,6 +588,8 @@ class _Attachment:
         #: seqs of frames still held. ``set.add``/``discard`` are single atomic operations under the GIL, so
         #: a frame takes no lock; the lock guards only detaching and unmapping.
         self.live: set[int] = set()
+        #: what the compiled sleep polls: the control socket's fd (-1: it calls ``client.wait_readable``)
+        self.fd = -1 if _platform.IS_WINDOWS else client.fileno()
         self.detached = False
         self.unmapped = False
         self.lock = threading.Lock()
@@ -835,6 +842,29 @@ class Receiver:
             _trace.mark(_trace.FRAME_BUILT)
         return frame
 
+    def _sleep_take(self, att: _Attachment, timeout: float, waiting: int, after: int) -> Frame | None:
+        """Flag ``waiting`` in the ring, sleep until a wake-up (or ``timeout``), flag ``after``, and take
+        the frame the wake-up announces straight away, before any bookkeeping: or None.
+
+        A woken receiver usually runs on the producer's core (a socket wake-up asks the kernel for that)
+        once the producer sleeps, and after its memcpy every cache line is cold: each Python step here
+        costs microseconds. Where the compiled core is built, its twin ``_native.ring.sleep_receive``
+        runs instead, and sleeps in one ``poll()`` on ``att.fd``.
+        """
+        ring = att.ring
+        ring.set_waiting(waiting)
+        try:
+            frame = self._try_take(att)  # a frame published before our flag was visible
+            if frame is None:
+                att.client.wait_readable(timeout)
+                if _trace.ON:
+                    _trace.mark(_trace.WOKEN)
+        finally:
+            ring.set_waiting(after)
+        if frame is None:
+            frame = self._try_take(att)
+        return frame
+
     def _publish_counts(self, att: _Attachment) -> None:
         """Tell monitors what we received. Done off the latency path: before sleeping, and while idle."""
         if att.counted != self.received:
@@ -914,21 +944,12 @@ class Receiver:
                 raise self._gone("closed or died")
             self._publish_counts(att)
             ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
-            ring = att.ring
-            ring.set_waiting(wire.WAIT_AHEAD if ahead else wire.WAIT_ON)
-            try:
-                frame = take(att)  # a frame published before our flag was visible
-                if frame is None:
-                    att.client.wait_readable(deadline - now)
-                    if _trace.ON:
-                        _trace.mark(_trace.WOKEN)
-            finally:
-                ring.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)  # _unwait, inlined
-            # Woken: take the frame the wake-up announces straight away, before any bookkeeping. This
-            # process usually runs on the producer's core (a socket wake-up asks the kernel for that) and
-            # after its memcpy every cache line is cold: each Python step here costs microseconds.
-            if frame is None:
-                frame = take(att)
+            frame = self._sleep_take(
+                att,
+                deadline - now,
+                wire.WAIT_AHEAD if ahead else wire.WAIT_ON,
+                wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF,
+            )
             if frame is not None:
                 return self._arrived(frame, entered)
             if ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
@@ -1019,7 +1040,9 @@ class Receiver:
             self.close()
 
 
-#: the Python reference of the per-frame take, kept by name for the tests that compare the two
+#: the Python references of the per-frame take and sleep, kept by name for the tests that compare the two
 py_try_take = Receiver._try_take
-if _native.ring is not None:  # the compiled twin of Receiver._try_take, step for step (see _native/ring.pyx)
+py_sleep_take = Receiver._sleep_take
+if _native.ring is not None:  # the compiled twins, step for step (see _native/ring.pyx)
     Receiver._try_take = _native.ring.receive  # type: ignore[method-assign]
+    Receiver._sleep_take = _native.ring.sleep_receive  # type: ignore[method-assign]

@@ -298,3 +298,45 @@ def test_reserve_refuses_oversized_meta_before_taking_a_slot(pair: PairFactory, 
             np.from_dlpack(w)[...] = 2
         f = rx.recv(1)
         assert f.meta == b"ok" and np.from_dlpack(f)[0, 0] == 2
+
+
+def test_a_receiver_in_a_left_ones_place_is_woken(pair: PairFactory, transport: Transport, name: str) -> None:
+    """The producer caches which connections a wake-up goes to: a receiver that joins at the index a
+    departed one held must get its own wake-ups, not sleep out its timeout."""
+    import time
+
+    tx, first = pair(transport, rx={"wait": "block", "timeout": 30.0})
+
+    def sleeper(rx: cudalink.Receiver, out: list[tuple[int, float]]) -> threading.Thread:
+        def run() -> None:
+            t0 = time.monotonic()
+            f = rx.recv()
+            out.append((f.seq, time.monotonic() - t0))
+            f.release()
+
+        return threading.Thread(target=run)
+
+    with tx:
+        tx.send(np.full((4, 4), 1, np.uint16))
+        first.recv().release()  # attached
+        index = first._att.ring.index if first._att else -1
+        for turn in range(2):
+            rx = first if turn == 0 else cudalink.Receiver(name, transport=transport, wait="block", timeout=30.0)
+            with rx:
+                if rx is not first:
+                    tx.send(np.full((4, 4), 2, np.uint16))
+                    rx.recv().release()  # attached, in the place the first one left
+                    assert rx._att is not None and rx._att.ring.index == index
+                got: list[tuple[int, float]] = []
+                t = sleeper(rx, got)
+                t.start()
+                deadline = time.monotonic() + 10
+                while not tx._ring.sleepers(tx._handler.joined) and time.monotonic() < deadline:
+                    time.sleep(0.001)  # asleep in recv() now
+                seq = tx.send(np.full((4, 4), 3, np.uint16))
+                t.join()
+                assert got and got[0][0] == seq
+                assert got[0][1] < 10  # woken by the send, not by its 30 s timeout
+            deadline = time.monotonic() + 10
+            while tx._handler.joined and time.monotonic() < deadline:
+                time.sleep(0.001)  # the producer saw it leave

@@ -638,3 +638,123 @@ def test_compiled_holds_release_their_slot_once_and_a_failed_slot_view_leaks_no_
         with pytest.raises(RuntimeError, match="slot view failed"):
             rx.poll()
         assert _lease_cells(tx) == [0, 0] and not att.live
+
+
+# -- the Receiver's sleep: compiled (_native.ring.sleep_receive, one poll) against the Python one ----------
+
+
+def _sleep_side(name: str, impl: str) -> tuple[Any, Any]:
+    import types
+
+    from cudalink import link
+    from cudalink.transport import SharedMemoryTransport
+
+    transport = SharedMemoryTransport()
+    tx = cudalink.Sender(name, shape=(3, 4), dtype="uint16", slots=3, device="cpu", transport=transport)
+    rx = cudalink.Receiver(name, timeout=5, wait="block", transport=transport)
+    if impl == "python":  # this receiver only: the other one keeps the class's compiled take and sleep
+        rx._try_take = types.MethodType(link.py_try_take, rx)  # type: ignore[method-assign]
+        rx._sleep_take = types.MethodType(link.py_sleep_take, rx)  # type: ignore[method-assign]
+    return tx, rx
+
+
+def _waiting(tx: Any, index: int) -> int:
+    return wire.read_u32(tx._server.header, tx._layout.consumer(index) + wire.CONSUMER_OFF_WAITING)
+
+
+@pytest.mark.parametrize("impl", ["python", pytest.param("compiled", marks=native)])
+@pytest.mark.parametrize("no_fd", [False, True])
+def test_the_sleep_takes_what_its_wake_up_announces_and_leaves_the_waiting_word_as_asked(
+    impl: str, no_fd: bool
+) -> None:
+    """A frame already there is taken without sleeping; none there sleeps until ``timeout``; a frame sent
+    while asleep wakes it, the producer having seen the word it asked for; the word is ``after`` every
+    time. ``no_fd``: a client with no pollable fd sleeps in ``client.wait_readable``."""
+    import threading
+    import time
+
+    from cudalink import link
+
+    if impl == "compiled":
+        assert link.Receiver._sleep_take is _native.ring.sleep_receive  # type: ignore[union-attr]
+    tx, rx = _sleep_side(f"rxs-{os.getpid()}-{impl}-{no_fd}", impl)
+    with tx, rx:
+        tx.send(np.full((3, 4), 1, np.uint16))
+        first = rx.recv()  # attached now
+        first.release()
+        att = rx._att
+        if no_fd:
+            att.fd = -1
+        index = att.ring.index
+        tx.send(np.full((3, 4), 2, np.uint16))
+        t0 = time.monotonic()
+        f = rx._sleep_take(att, 30.0, wire.WAIT_ON, wire.WAIT_OFF)
+        assert f is not None and f.seq == 2 and int(np.from_dlpack(f)[0, 0]) == 2
+        assert time.monotonic() - t0 < 10  # it did not sleep out its 30 s
+        assert _waiting(tx, index) == wire.WAIT_OFF
+        f.release()
+        del f
+
+        t0 = time.monotonic()
+        assert rx._sleep_take(att, 0.05, wire.WAIT_AHEAD, wire.WAIT_ON) is None
+        assert time.monotonic() - t0 >= 0.04
+        assert _waiting(tx, index) == wire.WAIT_ON  # ``after``: what a receiver with a fileno() keeps
+        assert att.client.drain()  # no wake-up was sent: the word said WAIT_ON only after the sleep
+
+        seen: list[int] = []
+
+        def send_once_asleep() -> None:
+            deadline = time.monotonic() + 10
+            while _waiting(tx, index) != wire.WAIT_ON and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen.append(_waiting(tx, index))
+            tx.send(np.full((3, 4), 3, np.uint16))
+
+        rx._att.ring.set_waiting(wire.WAIT_OFF)
+        t = threading.Thread(target=send_once_asleep)
+        t.start()
+        t0 = time.monotonic()
+        f = rx._sleep_take(att, 30.0, wire.WAIT_ON, wire.WAIT_OFF)
+        t.join()
+        assert seen == [wire.WAIT_ON]
+        assert f is not None and f.seq == 3 and int(np.from_dlpack(f)[0, 0]) == 3
+        assert time.monotonic() - t0 < 10  # woken, not timed out
+        assert _waiting(tx, index) == wire.WAIT_OFF
+        f.release()
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="needs signal.setitimer")
+@pytest.mark.parametrize("impl", ["python", pytest.param("compiled", marks=native)])
+def test_a_signal_handlers_error_ends_the_sleep_and_withdraws_the_waiting_word(impl: str) -> None:
+    """Ctrl-C in a blocked recv(): the compiled poll returns EINTR, the handler runs and its exception
+    comes out of the sleep at once, as it does from ``select.poll``; the word is ``after`` either way."""
+    import signal
+    import time
+
+    tx, rx = _sleep_side(f"rxi-{os.getpid()}-{impl}", impl)
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        with tx, rx:
+            tx.send(np.full((3, 4), 1, np.uint16))
+            rx.recv().release()
+            att = rx._att
+            t0 = time.monotonic()
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(Interrupted):
+                rx._sleep_take(att, 30.0, wire.WAIT_ON, wire.WAIT_OFF)
+            assert time.monotonic() - t0 < 10
+            assert _waiting(tx, att.ring.index) == wire.WAIT_OFF
+            with pytest.raises(Interrupted):
+                signal.setitimer(signal.ITIMER_REAL, 0.1)
+                rx.recv(30.0)  # the whole recv(), not only its sleep
+            assert _waiting(tx, att.ring.index) == wire.WAIT_OFF
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -228,11 +228,10 @@ def _consume(
                 floors.append(-1 if floor_ns is None else floor_ns)
         else:
             while True:
-                got = src.take()
-                t, wall = time.monotonic_ns(), time.time_ns()
-                if got is None:
+                took = src.take()
+                if took is None:
                     break
-                seq, obj, pub = got
+                seq, obj, pub, t, wall = took
                 seqs.append(seq)
                 times.append(t)
                 walls.append(wall)

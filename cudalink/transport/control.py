@@ -113,7 +113,7 @@ class ControlLoop:
 
     def wake(self, byte: bytes, conns: list[int] | None = None) -> None:
         joined = self._joined
-        for sock in self._joined_list if conns is None else [joined.get(c) for c in conns]:
+        for sock in self._joined_list if conns is None else map(joined.get, conns):
             if sock is None:
                 continue
             try:

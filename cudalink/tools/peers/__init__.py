@@ -58,8 +58,12 @@ class Source(Protocol[FrameT]):
     @property
     def skipped(self) -> int: ...
 
-    def take(self) -> tuple[int, FrameT, int] | None:
-        """(seq, frame, publish time), blocking; None once the producer is gone."""
+    def take(self) -> tuple[int, FrameT, int, int, int] | None:
+        """(seq, frame, publish time, monotonic ns, wall ns), blocking; None once the producer is gone.
+
+        The two clocks are read as soon as the frame is usable, before anything else (even reading its
+        seq): the handoff ends where the receive call returns, not after the bench's own bookkeeping.
+        """
 
     def ready(self, timeout: float) -> bool: ...
 

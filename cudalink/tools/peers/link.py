@@ -31,12 +31,13 @@ class LinkSource:
     def skipped(self) -> int:
         return self.rx.skipped
 
-    def take(self) -> tuple[int, Frame, int] | None:
+    def take(self) -> tuple[int, Frame, int, int, int] | None:
         try:
             f = self.rx.recv()
         except ProducerGone:
             return None
-        return f.seq, f, f.timestamp_ns
+        t, wall = time.monotonic_ns(), time.time_ns()
+        return f.seq, f, f.timestamp_ns, t, wall
 
     def ready(self, timeout: float) -> bool:
         return bool(select.select([self.rx.fileno()], [], [], timeout)[0])

@@ -36,9 +36,10 @@ class QueueSource:
             devices.device(job.device)
         self.skipped = 0
 
-    def take(self) -> tuple[int, object, int] | None:
+    def take(self) -> tuple[int, object, int, int, int] | None:
         item = self.q.get(timeout=self.timeout)
-        return None if item is None else (int(item[0]), item[1], int(item[2]))
+        t, wall = time.monotonic_ns(), time.time_ns()
+        return None if item is None else (int(item[0]), item[1], int(item[2]), t, wall)
 
     def ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -49,7 +50,8 @@ class QueueSource:
         return True
 
     def take_now(self) -> tuple[int, object, int] | Literal[False] | None:
-        return self.take()
+        got = self.take()
+        return None if got is None else got[:3]
 
     def export(self, obj: object) -> object:
         return obj  # already a tensor / a Buffer

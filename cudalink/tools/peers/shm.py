@@ -48,17 +48,20 @@ class ShmSource:
             return seq, dev, pub
         return seq, view, pub
 
-    def take(self) -> tuple[int, object, int] | None:
+    def take(self) -> tuple[int, object, int, int, int] | None:
         try:
-            return self._get(self.conn.recv_bytes())
+            got = self._get(self.conn.recv_bytes())  # on a GPU run: copied to this process's GPU, synced
         except EOFError:
             return None
+        t, wall = time.monotonic_ns(), time.time_ns()
+        return None if got is None else (*got, t, wall)
 
     def ready(self, timeout: float) -> bool:
         return bool(self.conn.poll(timeout))
 
     def take_now(self) -> tuple[int, object, int] | Literal[False] | None:
-        return self.take()
+        got = self.take()
+        return None if got is None else got[:3]
 
     def export(self, obj: object) -> object:
         return obj if self.lib is not None else np.asarray(obj)

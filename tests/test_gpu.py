@@ -409,10 +409,12 @@ def test_bench_breakdown_gpu_reports_driver_floors_and_event_stages(tmp_path: An
     stages = {s["mark"]: s["us"] for s in report["breakdown"]["stages"]}
     for mark in (_trace.COPY_QUEUED, _trace.EVENT_RECORDED, _trace.WOKEN, _trace.EXPORTED, _trace.RELEASED):
         assert stages[mark] is not None and stages[mark]["p50"] > 0, mark
-    # a GPU send queues its copy in well under wire.AHEAD_MAX_NS: the sleeping consumer is woken ahead
+    # a GPU send queues its copy in well under wire.AHEAD_MAX_NS: the sleeping consumer is woken ahead.
+    # Not every frame: the producer stops waking ahead while its sends run slow (their moving average
+    # over wire.AHEAD_MAX_NS), as they did for 17 of 50 frames in one H100 lease whose sends ran 2x slow
     assert report["breakdown"]["wake_ahead"] is True
     for mark in (_trace.WAKING_AHEAD, _trace.AHEAD_SENT):
-        assert stages[mark] is not None and stages[mark]["n"] >= 40, (mark, stages[mark])
+        assert stages[mark] is not None and stages[mark]["n"] >= 20, (mark, stages[mark])
     totals = {t["span"]: t["us"] for t in report["breakdown"]["totals"]}
     assert totals["end to end: send() entered -> recv() returns"]["p50"] > 0
 

@@ -36,10 +36,14 @@ class QueueSource:
             devices.device(job.device)
         self.skipped = 0
 
-    def take(self) -> tuple[int, object, int, int, int] | None:
+    def _get(self) -> tuple[int, object, int] | None:
         item = self.q.get(timeout=self.timeout)
+        return None if item is None else (int(item[0]), item[1], int(item[2]))
+
+    def take(self) -> tuple[int, object, int, int, int] | None:
+        got = self._get()
         t, wall = time.monotonic_ns(), time.time_ns()
-        return None if item is None else (int(item[0]), item[1], int(item[2]), t, wall)
+        return None if got is None else (*got, t, wall)
 
     def ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -50,8 +54,7 @@ class QueueSource:
         return True
 
     def take_now(self) -> tuple[int, object, int] | Literal[False] | None:
-        got = self.take()
-        return None if got is None else got[:3]
+        return self._get()  # poll mode times this call itself: no clocks of our own inside it
 
     def export(self, obj: object) -> object:
         return obj  # already a tensor / a Buffer

@@ -48,11 +48,14 @@ class ShmSource:
             return seq, dev, pub
         return seq, view, pub
 
-    def take(self) -> tuple[int, object, int, int, int] | None:
+    def _recv(self) -> tuple[int, object, int] | None:
         try:
-            got = self._get(self.conn.recv_bytes())  # on a GPU run: copied to this process's GPU, synced
+            return self._get(self.conn.recv_bytes())  # on a GPU run: copied to this process's GPU, synced
         except EOFError:
             return None
+
+    def take(self) -> tuple[int, object, int, int, int] | None:
+        got = self._recv()
         t, wall = time.monotonic_ns(), time.time_ns()
         return None if got is None else (*got, t, wall)
 
@@ -60,8 +63,7 @@ class ShmSource:
         return bool(self.conn.poll(timeout))
 
     def take_now(self) -> tuple[int, object, int] | Literal[False] | None:
-        got = self.take()
-        return None if got is None else got[:3]
+        return self._recv()  # poll mode times this call itself: no clocks of our own inside it
 
     def export(self, obj: object) -> object:
         return obj if self.lib is not None else np.asarray(obj)

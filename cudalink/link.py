@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -59,9 +60,9 @@ class _Handler(ServerHandler):
         #: each index's connection
         self.joined = 0
         self.conn_at: dict[int, int] = {}
-        #: a wake-up's connections by the mask of consumers it wakes, filled as masks come: a stream of
-        #: frames wakes the same few masks, and a dict hit is the cheapest step on a cold-cache path
-        self.conns_of: dict[int, list[int]] = {}
+        #: a wake-up's calls (``Server.wakers``) by the mask of consumers it wakes, filled as masks come: a
+        #: stream of frames wakes the same few masks, and a dict hit is the cheapest step on a cold-cache path
+        self.wakers_of: dict[int, list[Callable[[], object]]] = {}
         self.lock = threading.Lock()
 
     def on_hello(self, conn: int, message: bytes, peer: Peer) -> Reply:
@@ -115,7 +116,7 @@ class _Handler(ServerHandler):
     def _swap(self) -> None:
         """Publish who is joined for the hot path: a new dict first, then the mask that names its keys."""
         self.conn_at = {index: conn for conn, index in self.conns.items()}
-        self.conns_of = {}  # after conn_at: a sender that sees this dict fills it from the new conn_at
+        self.wakers_of = {}  # after conn_at: a sender that sees this dict fills it from the new conn_at
         self.joined = sum(1 << index for index in self.conns.values())
 
 
@@ -377,16 +378,17 @@ class Sender:
             except BaseException:
                 ring.abort(slot)
                 raise
-            seq = self._seq = self._seq + 1
-            ring.publish(slot, seq, timestamp_ns, spec, meta)  # ends with a full fence: see _publish
-            if _trace.ON:
-                _trace.mark(_trace.PUBLISHED)
             # one stalled send moves the average little (clamped, 1/16): waking ahead stops only when
-            # sends stay slow, as a 4K host memcpy does
+            # sends stay slow, as a 4K host memcpy does. Learned before the publish, not between it and
+            # the wake-up, where every step adds to the handoff.
             dt = _perf_ns() - t0
             dt = dt if dt < _AHEAD_CLAMP_NS else _AHEAD_CLAMP_NS
             avg = self._send_ns = self._send_ns + ((dt - self._send_ns) >> 4)
             self._ahead = avg < wire.AHEAD_MAX_NS
+            seq = self._seq = self._seq + 1
+            ring.publish(slot, seq, timestamp_ns, spec, meta)  # ends with a full fence: see _publish
+            if _trace.ON:
+                _trace.mark(_trace.PUBLISHED)
             # the wake-up last: a consumer it wakes usually runs on this core, once we stop running
             asleep = ring.sleepers(self._handler.joined)
             if asleep:
@@ -394,17 +396,29 @@ class Sender:
             return seq
 
     def _wake(self, mask: int, waking: str, sent: str) -> None:
-        """One wake-up byte to each joined consumer in ``mask`` (bit i: index i), marked ``waking``/``sent``."""
+        """One wake-up byte to each joined consumer in ``mask`` (bit i: index i), marked ``waking``/``sent``.
+
+        Between the publish and the syscall runs only this frame: each wake-up is a C call kept per mask.
+        """
         handler = self._handler
-        conns_of = handler.conns_of  # the dicts are swapped whole on a join or leave: read each once
-        conns = conns_of.get(mask)
-        if conns is None:
+        wakers_of = handler.wakers_of  # the dicts are swapped whole on a join or leave: read each once
+        wakers = wakers_of.get(mask)
+        if wakers is None:
             conn_at = handler.conn_at
             # None: it left since the mask was read
-            conns = conns_of[mask] = [c for c in map(conn_at.get, mask_bits(mask)) if c is not None]
+            conns = [c for c in map(conn_at.get, mask_bits(mask)) if c is not None]
+            wakers = self._server.wakers(conns)
+            if wakers is None:  # one is still joining: through the server this time, and ask again next time
+                wakers = [functools.partial(self._server.wake, b"\x01", conns)]
+            else:
+                wakers_of[mask] = wakers
         if _trace.ON:
             _trace.mark(waking)
-        self._server.wake(b"\x01", conns)
+        for wake in wakers:
+            try:
+                wake()
+            except OSError:
+                pass  # unread wake-ups fill its buffer (EAGAIN: it will look anyway), or gone (EOF reclaims)
         if _trace.ON:
             _trace.mark(sent)
 
@@ -709,7 +723,8 @@ class Receiver:
 
     @property
     def mean_wait_s(self) -> float:
-        """How long ``recv()`` waited for recent frames (a moving average, seconds).
+        """How long ``recv()`` waited for recent frames (a moving average, seconds), learned while
+        ``wait_mode`` is ``"hybrid"``, the one mode it steers.
 
         ``wait="hybrid"`` spins before sleeping while this stays under four times ``spin_us``: a fast
         stream keeps it spinning, a slow one lets it sleep. Watch it when tuning ``spin_us``.
@@ -912,11 +927,12 @@ class Receiver:
         else:  # block, or hybrid while frames come far apart: a spin would only burn the core
             spin_until = 0.0
         take = self._try_take
+        learn = mode == "hybrid"  # only hybrid reads the average; woken, every call is microseconds
         n = 0
         while True:
             frame = take(att)
             if frame is not None:
-                return self._arrived(frame, entered)
+                return self._arrived(frame, entered) if learn else frame
             if att.ring.flags() & wire.FLAG_SHUTDOWN:
                 raise self._gone("closed the link")
             now = time.monotonic()
@@ -928,7 +944,7 @@ class Receiver:
                 for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
                     frame = take(att)
                     if frame is not None:
-                        return self._arrived(frame, entered)
+                        return self._arrived(frame, entered) if learn else frame
                 # hand the GIL over now and then: a spinning thread must not starve this process's
                 # other threads (which may be the very producer we wait for)
                 self._publish_counts(att)
@@ -951,12 +967,15 @@ class Receiver:
                 wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF,
             )
             if frame is not None:
-                return self._arrived(frame, entered)
+                return self._arrived(frame, entered) if learn else frame
             if ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
                 spin_until = max(spin_until, time.monotonic() + _AHEAD_SPIN_S)
 
     def _arrived(self, frame: Frame, entered: float) -> Frame:
-        """Learn how long frames keep us waiting: ``hybrid`` spins only while frames come within its spin."""
+        """Learn how long frames keep us waiting: ``hybrid`` spins only while frames come within its spin.
+
+        Only ``hybrid`` learns it: in the other modes this call (a clock read) would only add to the
+        handoff, on a core the wake-up leaves cold."""
         self._wait_avg += (time.monotonic() - entered - self._wait_avg) * 0.125
         return frame
 

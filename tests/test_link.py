@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import select
 import stat
 import threading
 
@@ -340,3 +342,45 @@ def test_a_receiver_in_a_left_ones_place_is_woken(pair: PairFactory, transport: 
             deadline = time.monotonic() + 10
             while tx._handler.joined and time.monotonic() < deadline:
                 time.sleep(0.001)  # the producer saw it leave
+
+
+def test_wake_ups_are_kept_per_mask_once_every_connection_is_joined(pair: PairFactory, transport: Transport) -> None:
+    """``Server.wakers`` is None while a connection is not registered yet (a consumer between its hello
+    and its welcome): that wake-up goes through ``Server.wake`` and nothing is kept, so the consumer is
+    not left out of that mask's wake-ups for good."""
+    tx, rx = pair(transport, rx={"wait": "block"})
+    with tx, rx:
+        tx.send(np.full((4, 4), 1, np.uint16))
+        rx.recv().release()
+        assert rx._att is not None
+        mine = 1 << rx._att.ring.index
+        handler = tx._handler
+        assert tx._server.wakers([handler.conn_at[rx._att.ring.index], -12345]) is None
+        spare = next(i for i in range(64) if not handler.joined & (1 << i))
+        handler.conn_at = {**handler.conn_at, spare: -12345}  # joined as the handler sees it, not registered yet
+        assert rx._att.client.drain()
+        tx._wake(mine | 1 << spare, "waking", "sent")
+        assert (mine | 1 << spare) not in handler.wakers_of
+        assert select.select([rx.fileno()], [], [], 5.0)[0]  # the wake-up reached the joined one all the same
+        tx._wake(mine, "waking", "sent")
+        assert len(handler.wakers_of[mine]) == 1  # kept once every connection in it is registered
+
+
+def test_a_kept_wake_up_to_a_closed_connection_is_harmless(pair: PairFactory, transport: Transport) -> None:
+    """A consumer's socket can close between the producer reading the mask and the handler forgetting
+    the wake-ups kept for it: the send raises inside, never out of ``send()``."""
+    tx, rx = pair(transport, rx={"wait": "block"})
+    with tx:
+        tx.send(np.full((4, 4), 1, np.uint16))
+        rx.recv().release()
+        assert rx._att is not None
+        mine = 1 << rx._att.ring.index
+        tx._wake(mine, "waking", "sent")
+        (waker,) = tx._handler.wakers_of[mine]
+        assert isinstance(waker, functools.partial)  # socket.send, bound in C
+        sock = waker.func.__self__
+        sock.close()  # as the control loop does when the consumer leaves
+        with pytest.raises(OSError):
+            waker()
+        tx._wake(mine, "waking", "sent")  # swallowed
+        rx.close()

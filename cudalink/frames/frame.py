@@ -181,6 +181,8 @@ class Frame:
         """The per-frame constructor of the receive path: trusted, already-converted values, no checks.
 
         ``export`` makes this slot's DLPack capsules in one C call (the compiled core), where it was built.
+        The compiled receive sets these same slots in C (``_native.ring._FRAME_SLOTS``): a slot added
+        here goes there too, or the compiled core falls back to calling this (a test says which).
         """
         self = object.__new__(cls)
         self._spec = spec

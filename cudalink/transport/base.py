@@ -9,6 +9,8 @@ ring protocol in ``cudalink._ring`` works over whatever memory a transport hands
 from __future__ import annotations
 
 import abc
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,6 +77,15 @@ class Server(abc.ABC):
     @abc.abstractmethod
     def wake(self, byte: bytes = b"\x01", conns: list[int] | None = None) -> None:
         """Send one wake-up byte to the given connections (default: all joined); never blocks."""
+
+    def wakers(self, conns: list[int], byte: bytes = b"\x01") -> list[Callable[[], object]] | None:
+        """One call per connection that sends it ``byte`` (never blocking; ``OSError`` once it is gone), for
+        a caller to keep while these connections stay joined; None while one of them is not joined yet.
+
+        The producer keeps them per set of sleeping consumers: its wake-up is then a C call per consumer,
+        with no Python frame between the publish and the syscall. This default goes through ``wake``.
+        """
+        return [functools.partial(self.wake, byte, [conn]) for conn in conns]
 
     @abc.abstractmethod
     def disconnect(self, conn: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import select
@@ -18,6 +19,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from .. import _platform
 from ..errors import LinkError
@@ -120,6 +122,15 @@ class ControlLoop:
                 sock.send(byte, _DONTWAIT)
             except OSError:
                 pass  # unread wake-ups fill its buffer (EAGAIN: it will look anyway), or gone (EOF reclaims)
+
+    def wakers(self, conns: list[int], byte: bytes = b"\x01") -> list[Callable[[], object]] | None:
+        """``Server.wakers``: each a ``socket.send`` bound in C. A socket closed since raises ``OSError``
+        (its fd is -1 then: never another file's number)."""
+        joined = self._joined
+        socks = [joined.get(conn) for conn in conns]
+        if None in socks:  # joining (its handler ran, its socket is not registered yet) or gone
+            return None
+        return [functools.partial(sock.send, byte, _DONTWAIT) for sock in socks if sock is not None]
 
     def disconnect(self, conn: int) -> None:
         with self._lock:

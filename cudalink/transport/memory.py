@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -45,6 +46,9 @@ class _MemoryServer(Server):
 
     def wake(self, byte: bytes = b"\x01", conns: list[int] | None = None) -> None:
         self.loop.wake(byte, conns)
+
+    def wakers(self, conns: list[int], byte: bytes = b"\x01") -> list[Callable[[], object]] | None:
+        return self.loop.wakers(conns, byte)
 
     def disconnect(self, conn: int) -> None:
         self.loop.disconnect(conn)

@@ -111,6 +111,9 @@ class _ShmServer(Server):
     def wake(self, byte: bytes = b"\x01", conns: list[int] | None = None) -> None:
         self._loop.wake(byte, conns)
 
+    def wakers(self, conns: list[int], byte: bytes = b"\x01") -> list[Callable[[], object]] | None:
+        return self._loop.wakers(conns, byte)
+
     def disconnect(self, conn: int) -> None:
         self._loop.disconnect(conn)
 

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from . import _platform, _trace
 from .cuda import arrays, devices, driver, memory
 from .errors import FormatError, LinkError
-from .frames.frame import Frame, FrameSync, HostViews
+from .frames.frame import Frame, FrameSync, HostViews, _Hold
 from .frames.spec import FrameSpec
 from .transport import wire
 from .transport.base import Client, Region
@@ -149,14 +149,8 @@ class HostSlots:
 
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[RawEvent]) -> Frame:
         region = self._bound()
-        return Frame(
-            spec,
-            region.address + slot * self.stride,
-            region,
-            seq=seq,
-            timestamp_ns=ts,
-            writable=True,
-        )
+        hold = _Hold(region, region.address + slot * self.stride)
+        return Frame._received(spec, hold, -1, seq, ts, b"", None, 0, writable=True)
 
     def commit(self, slot: int, streams: list[int], stream: object) -> None:
         pass
@@ -316,17 +310,9 @@ class CudaSlots:
 
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[RawEvent]) -> Frame:
         self._settle(slot)
-        s = self.mem.slots[slot]
-        return Frame(
-            spec,
-            s.ptr,
-            self.mem,  # keeps the slots mapped until the Sender closes
-            device=self.device,
-            seq=seq,
-            timestamp_ns=ts,
-            writable=True,
-            sync=_ProducerSync(fences),
-        )
+        hold = _Hold(self.mem, self.mem.slots[slot].ptr)  # the pool keeps the slots mapped until the Sender closes
+        sync = _ProducerSync(fences) if fences else None  # no fence pending: nothing to order a writer after
+        return Frame._received(spec, hold, self.device, seq, ts, b"", sync, 0, writable=True)
 
     def commit(self, slot: int, streams: list[int], stream: object) -> None:
         s = self._stream(stream)

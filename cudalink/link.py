@@ -434,8 +434,9 @@ class Sender:
             self._wake(asleep, _trace.WAKING, _trace.WAKE_SENT)
         return self._seq
 
-    @contextlib.contextmanager
-    def reserve(self, *, stream: object = None, meta: bytes = b"", timeout: float | None = None) -> Iterator[Frame]:
+    def reserve(
+        self, *, stream: object = None, meta: bytes = b"", timeout: float | None = None
+    ) -> contextlib.AbstractContextManager[Frame]:
         """Zero-copy: yields the next slot as a writable Frame; it is published when the block exits cleanly.
 
         On CUDA links write on ``stream`` (or export the frame through DLPack on your stream: that stream
@@ -443,37 +444,38 @@ class Sender:
         ends. If the block raises, nothing is published. When consumers hold every slot it raises
         :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
         """
-        with self._lock:
-            self._check_open(meta)
-            spec = self._spec
-            slot = self._claim(timeout)
-            if slot is None:
-                self._ring.count_drop()
-                raise LinkTimeout(f"cudalink: every slot of {self.name!r} is held by consumers; nothing to reserve")
-            try:
-                fences = self._fences(slot, self._ring.take_fences(slot))
-                ts = time.time_ns()
-                frame = self._slots.writable_frame(slot, spec, self._seq + 1, ts, fences)
-                if fences:  # whoever writes the slot first waits for consumers still reading it (GPU-side)
-                    writer = driver.stream_handle(stream) if stream is not None else self._slots.stream_int
-                    frame._sync.wait(writer)  # type: ignore[union-attr]
-            except BaseException:
-                self._ring.abort(slot)
-                raise
-            try:
-                yield frame
-            except BaseException:
-                frame.release()
-                self._ring.abort(slot)
-                raise
-            streams = frame._export_streams()
-            frame.release()
-            try:
-                self._slots.commit(slot, streams, stream)
-            except BaseException:
-                self._ring.abort(slot)
-                raise
-            self._publish(slot, spec, ts, meta)
+        return _Reservation(self, stream, meta, timeout)
+
+    def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, int, Frame]:
+        """The start of a ``reserve()`` block, under the lock the block holds: (slot, spec, timestamp, frame)."""
+        self._check_open(meta)
+        spec = self._spec
+        slot = self._claim(timeout)
+        if slot is None:
+            self._ring.count_drop()
+            raise LinkTimeout(f"cudalink: every slot of {self.name!r} is held by consumers; nothing to reserve")
+        try:
+            fences = self._fences(slot, self._ring.take_fences(slot))
+            ts = time.time_ns()
+            frame = self._slots.writable_frame(slot, spec, self._seq + 1, ts, fences)
+            if fences:  # whoever writes the slot first waits for consumers still reading it (GPU-side)
+                writer = driver.stream_handle(stream) if stream is not None else self._slots.stream_int
+                frame._sync.wait(writer)  # type: ignore[union-attr]
+        except BaseException:
+            self._ring.abort(slot)
+            raise
+        return slot, spec, ts, frame
+
+    def _commit(self, slot: int, spec: FrameSpec, ts: int, frame: Frame, stream: object, meta: bytes) -> None:
+        """The clean end of a ``reserve()`` block: the ready event after the writer's streams, then the publish."""
+        streams = frame._export_streams()
+        frame.release()
+        try:
+            self._slots.commit(slot, streams, stream)
+        except BaseException:
+            self._ring.abort(slot)
+            raise
+        self._publish(slot, spec, ts, meta)
 
     def reconfigure(
         self,
@@ -549,6 +551,50 @@ class Sender:
         with contextlib.suppress(Exception):
             if not self._closed:
                 self.close(timeout=0.2)
+
+
+class _Reservation:
+    """One ``Sender.reserve()`` block. A class, not a ``contextlib`` generator: that costs ~1 us a frame.
+
+    The block holds the Sender's lock from entry to exit, so a reserved slot is published (or given back)
+    before any other send on the link.
+    """
+
+    __slots__ = ("_meta", "_stream", "_taken", "_timeout", "_tx")
+
+    def __init__(self, tx: Sender, stream: object, meta: bytes, timeout: float | None) -> None:
+        self._tx = tx
+        self._stream = stream
+        self._meta = meta
+        self._timeout = timeout
+        self._taken: tuple[int, FrameSpec, int, Frame] | None = None
+
+    def __enter__(self) -> Frame:
+        if self._taken is not None:
+            raise LinkError("cudalink: a reserve() block is entered once; call tx.reserve() again for the next frame")
+        tx = self._tx
+        tx._lock.acquire()
+        try:
+            taken = self._taken = tx._reserve(self._stream, self._meta, self._timeout)
+        except BaseException:
+            tx._lock.release()
+            raise
+        return taken[3]
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+        taken = self._taken
+        if taken is None:
+            return
+        tx = self._tx
+        slot, spec, ts, frame = taken
+        try:
+            if exc_type is None:
+                tx._commit(slot, spec, ts, frame, self._stream, self._meta)
+            else:  # nothing is published: the slot goes back as it was
+                frame.release()
+                tx._ring.abort(slot)
+        finally:
+            tx._lock.release()
 
 
 # ============================================================================================ Receiver

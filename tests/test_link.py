@@ -128,6 +128,40 @@ def test_reserve_is_zero_copy_and_aborts_cleanly(pair: PairFactory, transport: T
         assert np.all(np.from_dlpack(rx.recv(1)) == 2)
 
 
+def test_a_reserve_block_gives_the_lock_back_however_it_ends(pair: PairFactory, transport: Transport) -> None:
+    """The block holds the Sender's lock: after a clean end, a raise in the block, or a refused entry,
+    another thread's send must go through; a block object is entered once."""
+    tx, rx = pair(transport, shape=(4, 4), dtype="uint8", slots=1, policy="drop", rx={"latest": False})
+
+    def send_from_another_thread(value: int) -> int | None:
+        got: list[int | None] = []
+        t = threading.Thread(target=lambda: got.append(tx.send(np.full((4, 4), value, np.uint8))), daemon=True)
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), "the reserve block kept the Sender's lock"
+        return got[0]
+
+    with tx, rx:
+        block = tx.reserve()
+        with block as w:
+            np.from_dlpack(w)[...] = 1
+        with pytest.raises(cudalink.LinkError, match="entered once"), block:
+            pass
+        f = rx.recv(1)  # holds the only slot
+        assert np.from_dlpack(f)[0, 0] == 1
+        with pytest.raises(cudalink.LinkTimeout, match="held by consumers"), tx.reserve():
+            pass
+        assert send_from_another_thread(2) is None  # dropped (the slot is still held), not blocked
+        f.release()
+        del f
+        gc.collect()
+        with pytest.raises(ValueError), tx.reserve() as w:
+            np.from_dlpack(w)[...] = 3
+            raise ValueError("producer bug")
+        assert send_from_another_thread(4) is not None
+        assert np.from_dlpack(rx.recv(1))[0, 0] == 4  # the aborted block published nothing
+
+
 def test_reconfigure_mid_stream(pair: PairFactory, transport: Transport) -> None:
     tx, rx = pair(transport, shape=(4, 6, 4), dtype="uint8", capacity=8 * 8 * 4 * 4, rx={"latest": False})
     with tx, rx:

@@ -177,8 +177,10 @@ class Frame:
         generation: int,
         host: HostViews | None = None,
         export: Exporter | None = None,
+        writable: bool = False,
     ) -> Frame:
-        """The per-frame constructor of the receive path: trusted, already-converted values, no checks.
+        """The per-frame constructor of the receive path (and ``reserve()``'s, ``writable``): trusted,
+        already-converted values, no checks.
 
         ``export`` makes this slot's DLPack capsules in one C call (the compiled core), where it was built.
         The compiled receive sets these same slots in C (``_native.ring._FRAME_SLOTS``): a slot added
@@ -191,7 +193,7 @@ class Frame:
         self._seq = seq
         self._timestamp_ns = timestamp_ns
         self._meta = meta
-        self._writable = False
+        self._writable = writable
         self._sync = sync
         self._hold = hold
         self._host = host  # views of the slot for ``spec`` (host links), made once per slot

@@ -158,8 +158,9 @@ def test_a_reserve_block_gives_the_lock_back_however_it_ends(pair: PairFactory, 
         with pytest.raises(ValueError), tx.reserve() as w:
             np.from_dlpack(w)[...] = 3
             raise ValueError("producer bug")
+        assert rx.poll() is None  # the aborted block published nothing
         assert send_from_another_thread(4) is not None
-        assert np.from_dlpack(rx.recv(1))[0, 0] == 4  # the aborted block published nothing
+        assert np.from_dlpack(rx.recv(1))[0, 0] == 4
 
 
 def test_reconfigure_mid_stream(pair: PairFactory, transport: Transport) -> None:

@@ -27,8 +27,9 @@ Peers and floors, the same kernels:
 
 - ``floor``: one process, two streams, the read kernel's stream waits on one event recorded after the
   write kernel (``floor_copy``: with the same D2D copy of the frame between, which ``send()`` queues);
-- cudalink: ``Sender.send(src, stream=P)`` after the write kernel on P; a spawned consumer with the
-  default ``Receiver`` receives, ``from_dlpack`` (torch or cupy) on its own stream, queues the read kernel;
+- cudalink: ``Sender.send(src)`` after the write kernel on P, the producer's current stream (torch copies
+  on it; cupy arrays go on the link's stream, ordered after P); a spawned consumer with the default
+  ``Receiver`` receives, ``from_dlpack`` (torch or cupy) on its own stream, queues the read kernel;
 - ``torch.multiprocessing``: CUDA tensors from a pool of 8 through its ``Queue``; the write kernel on
   torch's default stream (the stream torch's queue thread records its IPC event on), the read kernel
   queued on the consumer's stream right after ``get()``.
@@ -286,9 +287,10 @@ def _floor(k: Kernels, device: int, pl: Plan, interval: float, copy_nbytes: int)
 # ============================================================================================ consumers
 
 
-def _consumer_stream(g: GpuLib) -> int:
-    """A new non-blocking stream of the consumer's library, made its current stream: ``from_dlpack`` orders
-    on it, and the read kernel is queued on it."""
+def _own_stream(g: GpuLib) -> int:
+    """A new non-blocking stream of the process's array library, made its current stream. A consumer's
+    ``from_dlpack`` orders on it and its read kernel is queued on it; a torch producer's ``send()`` with no
+    ``stream=`` copies on it, after its write kernel."""
     if g.is_torch:
         torch = g.mod
         s = torch.cuda.Stream(device=g.ordinal)
@@ -311,7 +313,7 @@ def link_consumer(name: str, device: int, lib: str, nmax: int, out: mpq.Queue[An
         g.context()
         devices.device(device).set_current()
         k = Kernels()
-        s = _consumer_stream(g)
+        s = _own_stream(g)
         buf = k.alloc(16 * nmax)
         seqs: list[int] = []
         with Receiver(name, timeout=60.0) as rx:
@@ -349,7 +351,7 @@ def queue_consumer(q: mpq.Queue[Any], device: int, nmax: int, out: mpq.Queue[Any
         g.context()
         devices.device(device).set_current()
         k = Kernels()
-        s = _consumer_stream(g)
+        s = _own_stream(g)
         buf = k.alloc(16 * nmax)
         index: list[int] = []
         out.put(("ready", os.getpid()))
@@ -410,7 +412,7 @@ _LINK_PHASES: tuple[tuple[str, float, bool], ...] = (
 
 
 def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> dict[str, Series]:
-    """cudalink across processes: the write kernel on P, then ``send(src, stream=P)``."""
+    """cudalink across processes: the write kernel on P, then ``send(src)`` with P current."""
     from ..link import Sender
 
     ctx = mp.get_context("spawn")
@@ -418,9 +420,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> dict[str, S
     src = g.empty(shape, "uint8")
     g.sync()
     src_ptr = g.ptr(src)
-    dev = devices.device(device)
-    p_obj = dev.create_stream()
-    p = driver.stream_handle(p_obj)
+    p = _own_stream(g)  # the producer's stream, current: send() with no stream= orders after its kernels
     counts = {key: pl["frames_60fps"] if "60fps" in key else pl["frames_2ms"] for key, _, _ in _LINK_PHASES}
     total = sum(counts.values())
     log = k.alloc(8 * total)
@@ -443,7 +443,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> dict[str, S
                     k.write(p, src_ptr, log + 8 * gi, 0 if behind else AHEAD_SPIN_NS)
                     if behind:
                         _sync(p)  # the kernel is done before send() is called
-                    seq = tx.send(src, stream=p_obj)
+                    seq = tx.send(src)  # as a user calls it: torch copies on its current stream, P
                     if seq is not None:
                         of_seq[seq] = (key, gi, j)
                     gi += 1
@@ -480,6 +480,7 @@ def _torch_mp(k: Kernels, device: int, pl: Plan) -> dict[str, Series]:
     n, warm = pl["frames_2ms"], pl["warm"]
     q: mpq.Queue[Any] = ctx.Queue()
     out: mpq.Queue[Any] = ctx.Queue()
+    torch.cuda.set_stream(torch.cuda.default_stream(device))  # the stream torch's queue thread records on
     pool = [torch.zeros(pl["frame_shape"], dtype=torch.uint8, device=f"cuda:{device}") for _ in range(POOL)]
     torch.cuda.synchronize(device)
     default = int(torch.cuda.default_stream(device).cuda_stream)  # 0: the legacy default stream
@@ -563,10 +564,20 @@ def _one_pass(device: int, lib: str, pl: Plan, timeout: float = 300.0) -> Setup:
     out: mpq.Queue[Any] = ctx.Queue()
     proc = ctx.Process(target=experiment, args=(device, lib, pl, out), daemon=False)
     proc.start()
+    deadline = time.monotonic() + timeout
+    msg: tuple[str, Any] = ("error", f"no result in {timeout:.0f}s")
     try:
-        msg = out.get(timeout=timeout)
-    except queue_mod.Empty:
-        msg = ("error", f"no result in {timeout:.0f}s")
+        while time.monotonic() < deadline:
+            try:
+                msg = out.get(timeout=0.5)
+                break
+            except queue_mod.Empty:
+                if not proc.is_alive():  # it may have put its message just before it left
+                    try:
+                        msg = out.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        msg = ("error", f"the gpu-clock process died (exit code {proc.exitcode})")
+                    break
     finally:
         proc.join(timeout=10)
         if proc.is_alive():

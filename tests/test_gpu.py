@@ -482,3 +482,37 @@ def test_bench_only_copy_send_and_gpu_clock_on_the_gpu(tmp_path: Any) -> None:
     assert len(share) == 2 and all(g["cudalink"] <= 1.03 for g in share), share
     clock = [g for g in report["goals"] if g["goal"].startswith("GPU handoff")]
     assert clock and all(g["cudalink"] is not None and g["reference"] is not None for g in clock), clock
+
+
+def test_send_graph_delivers_every_frame_in_order_and_reuses_the_graph(
+    pair: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_backends.SEND_GRAPH`` (off by default): the copy and the ready event as one graph launch. Each frame
+    arrives whole and after its copy, from a changing source and from the same source rewritten; a
+    consumer stream that waits on the ready event sees the graph's record."""
+    from cudalink import _backends
+
+    torch = _torch()
+    monkeypatch.setattr(_backends, "SEND_GRAPH", True)
+    shape = (540, 960, 4)
+    tx, rx = pair(DEFAULT, shape=shape, dtype="uint8", device=0, rx={"timeout": 5.0, "latest": False})
+    with tx, rx:
+        same = torch.empty(shape, dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+        for i in range(12):
+            if i % 2:
+                src = torch.full(shape, i, dtype=torch.uint8, device="cuda")
+            else:
+                same.fill_(i)
+                src = same
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(2_000_000)  # the copy waits behind ~1 ms of work: a missed wait reads stale bytes
+                side.wait_stream(torch.cuda.default_stream())
+                tx.send(src)
+            with rx.recv(timeout=5) as f:
+                got = torch.from_dlpack(f)
+                assert int(got.min()) == i == int(got.max()), (i, int(got.min()), int(got.max()))
+                del got
+        slots = tx._slots
+        assert slots.graph_error == "", slots.graph_error  # type: ignore[attr-defined]
+        assert any(g is not None for g in slots._graphs)  # type: ignore[attr-defined]

@@ -344,6 +344,7 @@ class RunArgs(_RunArgs, total=False):
     latest: bool
     send_floor: bool
     wake_floor: bool
+    graph: bool
 
 
 # -- the report (the bench's JSON) -------------------------------------------------------------------------
@@ -710,6 +711,11 @@ class Bench:
         }
         step = self._step("wait_block_noahead", "cudalink", kw)
         steps.append(("wait-modes", "wait=block wake_ahead=False · cudalink", step))
+        if self.backend.is_cuda:  # the same block run with send()'s copy + ready event as one CUDA graph
+            kw = {**kw, "ahead": True, "graph": True}
+            steps.append(
+                ("wait-modes", "wait=block, send() as a CUDA graph", self._step("wait_block_graph", "cudalink", kw))
+            )
         if self.backend.is_cuda:
             for key, shape in (("copy_bw_1080p_f32", (1080, 1920, 4)), ("copy_bw_4k_f32", (2160, 3840, 4))):
                 steps.append(("copy-send", f"{key} · send vs bare copy", self._bw_step(key, shape)))
@@ -861,7 +867,30 @@ class Bench:
         dtype: str = "uint8",
         send_floor: bool = False,
         wake_floor: bool = False,
+        graph: bool = False,
     ) -> RunResult:
+        if graph:  # _backends.SEND_GRAPH for this run only: the producer is this process
+            from .. import _backends
+
+            _backends.SEND_GRAPH = True
+            try:
+                return self._run(
+                    peer,
+                    shape=shape,
+                    n=n,
+                    interval=interval,
+                    seconds=seconds,
+                    k=k,
+                    mode=mode,
+                    wait=wait,
+                    ahead=ahead,
+                    latest=latest,
+                    dtype=dtype,
+                    send_floor=send_floor,
+                    wake_floor=wake_floor,
+                )
+            finally:
+                _backends.SEND_GRAPH = False
         src = self._source(shape, dtype)
         paired: CopyRecordFloor | None = None
         if send_floor and peer == "cudalink" and self.backend.is_cuda and interval:
@@ -1122,13 +1151,16 @@ class Bench:
                 row["note"] = " · ".join(parts)
             rows.append(row)
         waits: list[WaitEntry] = []
-        for mode in ("spin", "hybrid", "block", "block_noahead", "async"):
+        wait_modes = ("spin", "hybrid", "block", "block_noahead", "async")
+        for mode in (*wait_modes, "block_graph") if self.backend.is_cuda else wait_modes:
             run = self._get(f"wait_{mode}", "cudalink")
             api = f"Receiver(wait={mode!r}).recv()"
             if mode == "async":
                 api = "await rx.recv_async()"
             elif mode == "block_noahead":
                 api = "Receiver(wait='block', wake_ahead=False).recv()"
+            elif mode == "block_graph":
+                api = "Receiver(wait='block').recv(); send() as one CUDA graph (_backends.SEND_GRAPH)"
             entry: WaitEntry = {
                 "mode": mode,
                 "api": api,
@@ -1336,6 +1368,13 @@ def goals(
                 "2x",
             ),
             ("send() p50 vs torch.multiprocessing put", send, side("send_cost", peer, "peer"), "Queue.put", "1x"),
+            (
+                "end to end p50, wait='block', send() as one CUDA graph (experiment, off by default)",
+                stat(e2e.get("block_graph")),
+                stat(e2e.get("block")),
+                "plain send(), same run: kept only if it wins",
+                "1x",
+            ),
             (
                 "copy-send 1080p_f32 as a share of the bare copy (higher is better)",
                 share("copy_bw_1080p_f32"),

@@ -130,6 +130,7 @@ CASES: tuple[tuple[str, str], ...] = (
     ("send_2ms_behind", "cudalink send(), 2 ms cadence, CPU behind"),
     ("send_60fps_ahead", "cudalink send(), 60 fps, CPU ahead (pipelined)"),
     ("send_60fps_behind", "cudalink send(), 60 fps, CPU behind"),
+    ("send_graph_2ms_ahead", "cudalink send() as one CUDA graph (experiment), 2 ms, CPU ahead"),
     ("torchmp_2ms_ahead", "torch.multiprocessing Queue, 2 ms cadence, CPU ahead"),
     ("torchmp_2ms_behind", "torch.multiprocessing Queue, 2 ms cadence, CPU behind"),
 )
@@ -402,17 +403,20 @@ def _stop(proc: Any) -> None:
 # ============================================================================================ producers
 
 
-#: (key, interval s, behind)
-_LINK_PHASES: tuple[tuple[str, float, bool], ...] = (
-    ("send_2ms_ahead", 0.002, False),
-    ("send_2ms_behind", 0.002, True),
-    ("send_60fps_ahead", 1 / 60, False),
-    ("send_60fps_behind", 1 / 60, True),
+#: (key, interval s, behind, send()'s GPU work as one CUDA graph: ``_backends.SEND_GRAPH``)
+_LINK_PHASES: tuple[tuple[str, float, bool, bool], ...] = (
+    ("send_2ms_ahead", 0.002, False, False),
+    ("send_2ms_behind", 0.002, True, False),
+    ("send_60fps_ahead", 1 / 60, False, False),
+    ("send_60fps_behind", 1 / 60, True, False),
+    ("send_graph_2ms_ahead", 0.002, False, True),
 )
 
 
-def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> dict[str, Series]:
-    """cudalink across processes: the write kernel on P, then ``send(src)`` with P current."""
+def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> tuple[dict[str, Series], str]:
+    """cudalink across processes: the write kernel on P, then ``send(src)`` with P current; and why the
+    CUDA-graph phase fell back to the plain calls, if it did."""
+    from .. import _backends
     from ..link import Sender
 
     ctx = mp.get_context("spawn")
@@ -421,7 +425,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> dict[str, S
     g.sync()
     src_ptr = g.ptr(src)
     p = _own_stream(g)  # the producer's stream, current: send() with no stream= orders after its kernels
-    counts = {key: pl["frames_60fps"] if "60fps" in key else pl["frames_2ms"] for key, _, _ in _LINK_PHASES}
+    counts = {key: pl["frames_60fps"] if "60fps" in key else pl["frames_2ms"] for key, _, _, _ in _LINK_PHASES}
     total = sum(counts.values())
     log = k.alloc(8 * total)
     of_seq: dict[int, tuple[str, int, int]] = {}  # seq -> (case, frame index in the log, index in its case)
@@ -438,7 +442,8 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> dict[str, S
                     raise LinkError("cudalink: gpu-clock consumer never attached")
                 time.sleep(0.002)
             gi = 0
-            for key, interval, behind in _LINK_PHASES:
+            for key, interval, behind, graph in _LINK_PHASES:
+                _backends.SEND_GRAPH = graph
                 for j in range(counts[key]):
                     k.write(p, src_ptr, log + 8 * gi, 0 if behind else AHEAD_SPIN_NS)
                     if behind:
@@ -451,12 +456,14 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> dict[str, S
                 _sync(p)
                 time.sleep(0.05)
         finally:
+            _backends.SEND_GRAPH = False
+            graph_error = str(getattr(tx._slots, "graph_error", ""))  # the driver refused the graph: plain calls
             tx.close(timeout=15.0)
         seqs, got = _wait(out, "result", proc, 60.0)
         _stop(proc)
     logged = k.fetch(log, total)
     stamps = np.asarray(got, np.uint64)
-    res: dict[str, Series] = {key: {"ns": [], "unordered": 0, "frames": 0} for key, _, _ in _LINK_PHASES}
+    res: dict[str, Series] = {key: {"ns": [], "unordered": 0, "frames": 0} for key, _, _, _ in _LINK_PHASES}
     for n, seq in enumerate(seqs):
         where = of_seq.get(seq)
         if where is None:
@@ -468,7 +475,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> dict[str, S
         series["unordered"] += bad
         if j >= pl["warm"]:
             series["ns"] += ns
-    return res
+    return res, graph_error
 
 
 def _torch_mp(k: Kernels, device: int, pl: Plan) -> dict[str, Series]:
@@ -541,7 +548,10 @@ def experiment(device: int, lib: str, pl: Plan, out: mpq.Queue[Any]) -> None:
         notes: dict[str, str] = {}
         nbytes = int(math.prod(pl["frame_shape"]))
         series.update(_floor(k, device, pl, 0.002, nbytes))
-        series.update(_link(k, g, device, lib, pl))
+        link, graph_error = _link(k, g, device, lib, pl)
+        series.update(link)
+        if graph_error:
+            notes["send_graph"] = f"fell back to the plain calls: {graph_error}"
         if importlib.util.find_spec("torch") is None:
             notes["torchmp"] = "torch is not installed"
         else:

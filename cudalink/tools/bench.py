@@ -712,7 +712,12 @@ class Bench:
         step = self._step("wait_block_noahead", "cudalink", kw)
         steps.append(("wait-modes", "wait=block wake_ahead=False · cudalink", step))
         if self.backend.is_cuda:  # the same block run with send()'s copy + ready event as one CUDA graph
-            kw = {**kw, "ahead": True, "graph": True}
+            kw = {
+                **kw,
+                "ahead": True,
+                "graph": True,
+                "n": max(pl.latency_frames // 2, pl.warm + 10),
+            }  # the 8-min budget
             steps.append(
                 ("wait-modes", "wait=block, send() as a CUDA graph", self._step("wait_block_graph", "cudalink", kw))
             )

@@ -163,7 +163,7 @@ class Plan(TypedDict):
 def plan(quick: bool, frame_shape: tuple[int, ...]) -> Plan:
     if quick:
         return {"frame_shape": frame_shape, "frames_2ms": 150, "frames_60fps": 40, "warm": 10}
-    return {"frame_shape": frame_shape, "frames_2ms": 600, "frames_60fps": 180, "warm": 20}
+    return {"frame_shape": frame_shape, "frames_2ms": 400, "frames_60fps": 120, "warm": 20}
 
 
 # ============================================================================================= the kernels

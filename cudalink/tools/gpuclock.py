@@ -17,7 +17,7 @@ another stamp than the producer's log holds for it ran before that frame was in 
 
 Cases, each at a cadence:
 
-- **ahead** (the pipelined case): the write kernel spins 300 µs and ``send()`` is called at once, before
+- **ahead** (the pipelined case): the write kernel spins 500 µs and ``send()`` is called at once, before
   it finished; the consumer is woken, receives and queues its kernel while the producer's still runs, so
   the figure is the GPU's own handoff: the copy, the ready event, the consumer's stream wait.
 - **behind**: the write kernel spins 0 µs and the producer waits for it (``cuStreamSynchronize``) before
@@ -117,7 +117,7 @@ $L_spin:
 """
 
 #: the producer's work before its stamp in the "ahead" cases: longer than send() + wake + recv + export
-AHEAD_SPIN_NS = 300_000
+AHEAD_SPIN_NS = 500_000
 #: torch.multiprocessing's pool of shared tensors, sent round robin
 POOL = 8
 

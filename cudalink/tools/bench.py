@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import itertools
 import math
 import multiprocessing as mp
 import multiprocessing.queues as mpq
@@ -380,6 +381,7 @@ class WaitEntry(TypedDict):
     handoff: Summary | None
     end_to_end: Summary | None  # send() entered -> recv returned
     wake_paired: Summary | None  # the bare wake in the same two processes, a beat after each frame
+    wake_ratio_p50: float | None  # the median over frames of handoff / the bare wake a beat after it
     consumer_cpu_us: float | None  # the consumer's CPU time per frame
 
 
@@ -405,6 +407,7 @@ Extra = TypedDict(
         "small_fps_cudalink": float | None,
         "small_fps_torch-mp": float | None,
         "copy_peak_gbps": float | None,  # the card's D2D copy rate, bytes copied per second / 1e9
+        "view_read_ratio_p50": float | None,  # median over frame pairs: poll + export + release / the bare view
     },
     total=False,
 )
@@ -559,6 +562,28 @@ class RunResult:
     def wake_floor(self) -> list[int]:
         """``wake_floor=True`` runs: the bare socketpair wake a beat after each frame, same two processes."""
         return [w for r in self.results for s, w in zip(r["seq"], r["wake"], strict=False) if s > self.warm and w >= 0]
+
+    def wake_ratios(self) -> list[float]:
+        """``wake_floor=True`` runs: each frame's handoff over the bare wake a beat after it, frame by frame."""
+        return [
+            (w - p) / b
+            for r in self.results
+            for s, w, p, b in zip(r["seq"], r["wall"], r["pub"], r["wake"], strict=False)
+            if s > self.warm and b > 0
+        ]
+
+    def floor_ratios(self) -> list[float]:
+        """Poll mode, host links: each frame's take + export + delete + release (cudalink first after its
+        wake) over the paired view_read floor of the next frame (the floor first after its wake)."""
+        out: list[float] = []
+        for r in self.results:
+            if not r["second"]:
+                continue
+            rows = list(zip(r["seq"], r["cost"], r["dcost"], r["rcost"], r["second"], r["floor"], strict=False))
+            for (s, a, b, c, second, _), nxt in itertools.pairwise(rows):
+                if s > self.warm and not second and nxt[4] and nxt[5] > 0:
+                    out.append((a + b + c) / nxt[5])
+        return out
 
     def paired_floor(self) -> list[int]:
         """Poll mode, host links: the view_read floor timed in the consumer itself, on alternate frames."""
@@ -1174,6 +1199,7 @@ class Bench:
                 "handoff": None,
                 "end_to_end": None,
                 "wake_paired": None,
+                "wake_ratio_p50": None,
                 "consumer_cpu_us": None,
             }
             if run is None and not self._selected("wait-modes"):
@@ -1182,6 +1208,8 @@ class Bench:
                 entry["handoff"] = summarize(run.handoff())
                 entry["end_to_end"] = summarize(run.from_send_entry())
                 entry["wake_paired"] = summarize(run.wake_floor())
+                ratios = run.wake_ratios()
+                entry["wake_ratio_p50"] = float(np.median(ratios)) if ratios else None
                 entry["consumer_cpu_us"] = run.consumer_cpu_us()
             else:
                 entry["status"], entry["reason"] = "error", run or "not run"
@@ -1254,6 +1282,8 @@ class Bench:
             out["recv_export_release"] = summarize(run.recv_release_costs())
             if run.paired_floor():
                 out["view_read_paired"] = summarize(run.paired_floor())
+                ratios = run.floor_ratios()
+                out["view_read_ratio_p50"] = float(np.median(ratios)) if ratios else None
         run = self._get("handoff", "cudalink")
         if isinstance(run, RunResult) and run.send_floor:
             out["send_floor_paired"] = summarize(run.send_floor)

@@ -155,3 +155,34 @@ def test_not_selected_is_a_known_marker() -> None:
     from cudalink.tools import report
 
     assert report._NOT_SELECTED == NOT_SELECTED
+
+
+def test_gpu_clock_table_renders_every_pass() -> None:
+    """The GPU-only table, fed a made-up pass of each status, prints (it runs only on GPU machines)."""
+    from rich.console import Console
+
+    from cudalink.tools import report
+
+    ok: gpuclock.Setup = {
+        "status": "ok",
+        "reason": "",
+        "series": {key: _series(10.0 + i) for i, (key, _) in enumerate(gpuclock.CASES)},
+        "notes": {"torchmp": "torch is not installed"},
+    }
+    ok["series"]["send_2ms_ahead"]["unordered"] = 2
+    clock: gpuclock.GpuClock = {
+        "status": "ok",
+        "reason": "",
+        "labels": dict(gpuclock.CASES),
+        "setups": {"no MPS": ok, "MPS": {"status": "error", "reason": "boom", "series": {}, "notes": {}}},
+    }
+    fake = {"gpu_clock": clock, "goals": goals({"rows": [], "wait_modes": [], "floors": {}}, None, {}, True, clock)}
+    table = report._gpu_clock_table(fake)  # type: ignore[arg-type]
+    assert table is not None
+    console = Console(width=200, record=True)
+    console.print(table)
+    console.print(report._goals_table(fake))  # type: ignore[arg-type]
+    text = console.export_text()
+    assert "in-process floor" in text and "boom" in text and "torch is not installed" in text
+    assert "GPU handoff p50" in text and "(MPS)" in text
+    assert report.gpu_clock_errors(fake) == []  # type: ignore[arg-type]  # an MPS failure fails no bench

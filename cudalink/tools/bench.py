@@ -1164,7 +1164,7 @@ class Bench:
             if not self.backend.is_cuda:
                 row["status"], row["reason"] = "skipped", "GPU only: compares against a device-to-device copy"
             elif got is None and not self._selected("copy-send"):
-                row["status"], row["reason"] = "skipped", "not selected (--only)"
+                row["status"], row["reason"] = "skipped", NOT_SELECTED
             elif got is None or isinstance(got, str):
                 row["status"], row["reason"] = "error", got or "not run"
             else:

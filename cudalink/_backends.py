@@ -323,7 +323,7 @@ class CudaSlots:
                 graph.close()
                 self._graphs[slot] = None
             try:
-                graph = self._graphs[slot] = driver.CopyGraph(dst, nbytes, self._ready_raw[slot])
+                graph = self._graphs[slot] = driver.CopyGraph(dst, src, nbytes, self._ready_raw[slot])
             except LinkError as exc:
                 self.graph_error = str(exc)
                 return False

@@ -342,14 +342,14 @@ class CopyGraph:
     refuses any step (the caller then keeps the plain calls).
     """
 
-    def __init__(self, dst: int, nbytes: int, event: RawEvent) -> None:
+    def __init__(self, dst: int, src: int, nbytes: int, event: RawEvent) -> None:
         drv = self._drv = bindings()
         self.nbytes = nbytes
         self._ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
         p = self._params = drv.CUDA_MEMCPY3D()
         p.srcMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
         p.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        p.srcDevice = dst  # a valid pointer to build with; each launch sets the frame's source
+        p.srcDevice = src  # the first frame's source; a launch from another source sets it first
         p.dstDevice = dst
         p.srcPitch = p.dstPitch = nbytes
         p.srcHeight = p.dstHeight = 1
@@ -366,7 +366,7 @@ class CopyGraph:
         except BaseException:
             self.close()
             raise
-        self._src = dst
+        self._src = src
 
     def launch(self, src: int, stream: int) -> None:
         drv = self._drv

@@ -991,6 +991,9 @@ class Bench:
             # queue peers have no back-pressure: at max rate a slow consumer still drains a backlog after
             # the producer stops (the cuda.core pickle peer needed over 60 s on one H100), so allow for it
             results = self._collect(out, "result", k, procs, 60.0 + min(240.0, 0.004 * len(sent)))
+            # a graph run whose graph the driver refused measured the plain calls: say so, do not report it
+            slots = prod.tx._slots if isinstance(prod, LinkProducer) else None
+            fell_back = str(getattr(slots, "graph_error", ""))
         finally:
             # importers first, exporter last: freeing a pool while consumers still map it is undefined
             # behaviour in the driver (it segfaulted the core-pickle peer on an H200)
@@ -1006,6 +1009,8 @@ class Bench:
                 conn.close()
             with contextlib.suppress(Exception):
                 out.close()
+        if fell_back:
+            raise LinkError(f"cudalink: send() fell back from the CUDA graph to the plain calls: {fell_back}")
         return RunResult(sent, costs, results, drops, self.plan.warm, entered, floor[self.plan.warm :])
 
     def _beat(self, conn: Connection, src: object) -> Callable[[int], None]:

@@ -569,7 +569,7 @@ def experiment(device: int, lib: str, pl: Plan, out: mpq.Queue[Any]) -> None:
         os._exit(0)
 
 
-def _one_pass(device: int, lib: str, pl: Plan, timeout: float = 300.0) -> Setup:
+def _one_pass(device: int, lib: str, pl: Plan, timeout: float = 180.0) -> Setup:
     ctx = mp.get_context("spawn")
     out: mpq.Queue[Any] = ctx.Queue()
     proc = ctx.Process(target=experiment, args=(device, lib, pl, out), daemon=False)

@@ -107,7 +107,7 @@ def test_copy_send_goal_is_95_percent_of_the_bare_copy() -> None:
 
 
 def _series(us: float, n: int = 50) -> gpuclock.Series:
-    return {"ns": [int(us * 1e3)] * n, "unordered": 0, "frames": n}
+    return {"ns": [int(us * 1e3)] * n, "unordered": 0, "frames": n, "late": 0}
 
 
 def test_gpu_clock_goal_is_the_floor_plus_20_us_per_pass() -> None:

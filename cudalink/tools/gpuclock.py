@@ -12,7 +12,9 @@ cupy processes), launched with ``cuLaunchKernel``:
 
 A frame's handoff is the consumer's start minus the producer's stamp it read. A frame whose consumer read
 another stamp than the producer's log holds for it ran before that frame was in place: it is counted as
-**unordered** and left out (for cudalink that would be a bug; the stamps check the ordering too).
+**unordered** and left out (for cudalink that would be a bug; the stamps check the ordering too). In the
+"ahead" cases a frame whose consumer queued its kernel (CPU clock) after the producer's kernel could have
+ended is counted as **late**: that frame was not pipelined after all (it is still timed).
 ``%globaltimer`` is one nanosecond clock for the whole GPU (its resolution is about 1 µs on some cards).
 
 Cases, each at a cadence:
@@ -142,6 +144,9 @@ class Series(TypedDict):
     ns: list[int]
     unordered: int
     frames: int
+    #: "ahead" cases across processes: frames whose consumer queued its read kernel (CPU clock) later than
+    #: the producer's write kernel could have ended (its launch + AHEAD_SPIN_NS): not pipelined after all
+    late: int
 
 
 class Setup(TypedDict):
@@ -277,7 +282,7 @@ def _floor(k: Kernels, device: int, pl: Plan, interval: float, copy_nbytes: int)
             _sync(a)
             _sync(b)
             ns, bad = _handoffs(k.fetch(got, 2 * n), list(range(n)), k.fetch(log, n))
-            out[key] = {"ns": ns[warm:], "unordered": bad, "frames": n}
+            out[key] = {"ns": ns[warm:], "unordered": bad, "frames": n, "late": 0}  # queued in order, here
     finally:
         _sync(a)
         _sync(b)
@@ -317,6 +322,7 @@ def link_consumer(name: str, device: int, lib: str, nmax: int, out: mpq.Queue[An
         s = _own_stream(g)
         buf = k.alloc(16 * nmax)
         seqs: list[int] = []
+        launched: list[int] = []  # CLOCK_MONOTONIC once the read kernel is queued
         with Receiver(name, timeout=60.0) as rx:
             out.put(("ready", os.getpid()))
             while True:
@@ -329,13 +335,14 @@ def link_consumer(name: str, device: int, lib: str, nmax: int, out: mpq.Queue[An
                     continue
                 x = g.from_dlpack(f)  # the consumer's stream waits on the frame's ready event
                 k.read(s, g.ptr(x), buf + 16 * len(seqs))
+                launched.append(time.monotonic_ns())
                 seqs.append(f.seq)
                 del x
                 f.release()
             _sync(s)
         got = k.fetch(buf, 2 * len(seqs)).tolist()
         k.close()
-        out.put(("result", (seqs, got)))
+        out.put(("result", (seqs, got, launched)))
     except BaseException as exc:
         out.put(("error", _one_line(exc)))
 
@@ -355,6 +362,7 @@ def queue_consumer(q: mpq.Queue[Any], device: int, nmax: int, out: mpq.Queue[Any
         s = _own_stream(g)
         buf = k.alloc(16 * nmax)
         index: list[int] = []
+        launched: list[int] = []
         out.put(("ready", os.getpid()))
         while True:
             item = q.get(timeout=60.0)
@@ -363,11 +371,12 @@ def queue_consumer(q: mpq.Queue[Any], device: int, nmax: int, out: mpq.Queue[Any
             i, t = item
             if len(index) < nmax:
                 k.read(s, g.ptr(t), buf + 16 * len(index))
+                launched.append(time.monotonic_ns())
                 index.append(int(i))
             del t, item
         _sync(s)
         got = k.fetch(buf, 2 * len(index)).tolist()
-        out.put(("result", (index, got)))
+        out.put(("result", (index, got, launched)))
         # torch's shared CUDA tensors can crash on teardown (see peers/mpqueue.py): leave without it
         out.close()
         out.join_thread()
@@ -429,6 +438,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> tuple[dict[
     total = sum(counts.values())
     log = k.alloc(8 * total)
     of_seq: dict[int, tuple[str, int, int]] = {}  # seq -> (case, frame index in the log, index in its case)
+    wrote = [0] * total  # CLOCK_MONOTONIC as each write kernel is queued
     out: mpq.Queue[Any] = ctx.Queue()
     name = f"gpuclock-{os.getpid()}-{time.monotonic_ns() & 0xFFFFFF:x}"
     with Sender(name, shape=shape, dtype="uint8", slots=4, device=device) as tx:
@@ -445,6 +455,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> tuple[dict[
             for key, interval, behind, graph in _LINK_PHASES:
                 _backends.SEND_GRAPH = graph
                 for j in range(counts[key]):
+                    wrote[gi] = time.monotonic_ns()
                     k.write(p, src_ptr, log + 8 * gi, 0 if behind else AHEAD_SPIN_NS)
                     if behind:
                         _sync(p)  # the kernel is done before send() is called
@@ -459,11 +470,11 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> tuple[dict[
             _backends.SEND_GRAPH = False
             graph_error = str(getattr(tx._slots, "graph_error", ""))  # the driver refused the graph: plain calls
             tx.close(timeout=15.0)
-        seqs, got = _wait(out, "result", proc, 60.0)
+        seqs, got, launched = _wait(out, "result", proc, 60.0)
         _stop(proc)
     logged = k.fetch(log, total)
     stamps = np.asarray(got, np.uint64)
-    res: dict[str, Series] = {key: {"ns": [], "unordered": 0, "frames": 0} for key, _, _, _ in _LINK_PHASES}
+    res: dict[str, Series] = {key: {"ns": [], "unordered": 0, "frames": 0, "late": 0} for key, _, _, _ in _LINK_PHASES}
     for n, seq in enumerate(seqs):
         where = of_seq.get(seq)
         if where is None:
@@ -473,6 +484,8 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> tuple[dict[
         series = res[key]
         series["frames"] += 1
         series["unordered"] += bad
+        if key.endswith("_ahead") and launched[n] > wrote[gi] + AHEAD_SPIN_NS:
+            series["late"] += 1
         if j >= pl["warm"]:
             series["ns"] += ns
     return res, graph_error
@@ -493,6 +506,7 @@ def _torch_mp(k: Kernels, device: int, pl: Plan) -> dict[str, Series]:
     default = int(torch.cuda.default_stream(device).cuda_stream)  # 0: the legacy default stream
     phases = (("torchmp_2ms_ahead", False), ("torchmp_2ms_behind", True))
     log = k.alloc(8 * n * len(phases))
+    wrote = [0] * (n * len(phases))
     proc = ctx.Process(target=queue_consumer, args=(q, device, n * len(phases), out), daemon=True)
     proc.start()
     try:
@@ -501,6 +515,7 @@ def _torch_mp(k: Kernels, device: int, pl: Plan) -> dict[str, Series]:
         for _, behind in phases:
             for _ in range(n):
                 t = pool[gi % POOL]
+                wrote[gi] = time.monotonic_ns()
                 k.write(default, int(t.data_ptr()), log + 8 * gi, 0 if behind else AHEAD_SPIN_NS)
                 if behind:
                     _sync(default)
@@ -509,7 +524,7 @@ def _torch_mp(k: Kernels, device: int, pl: Plan) -> dict[str, Series]:
                 time.sleep(0.002)
             time.sleep(0.05)
         q.put(None)
-        index, got = _wait(out, "result", proc, 120.0)
+        index, got, launched = _wait(out, "result", proc, 120.0)
     finally:
         _stop(proc)
     logged = k.fetch(log, n * len(phases))
@@ -518,13 +533,14 @@ def _torch_mp(k: Kernels, device: int, pl: Plan) -> dict[str, Series]:
     for p_i, (key, _) in enumerate(phases):
         pick = [m for m, i in enumerate(index) if p_i * n <= i < (p_i + 1) * n]
         ns: list[int] = []
-        bad = 0
+        bad = late = 0
         for m in pick:
             one, b = _handoffs(stamps[2 * m : 2 * m + 2], [index[m]], logged)
             bad += b
+            late += int(key.endswith("_ahead") and launched[m] > wrote[index[m]] + AHEAD_SPIN_NS)
             if index[m] - p_i * n >= warm:
                 ns += one
-        res[key] = {"ns": ns, "unordered": bad, "frames": len(pick)}
+        res[key] = {"ns": ns, "unordered": bad, "frames": len(pick), "late": late}
     return res
 
 

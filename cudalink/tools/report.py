@@ -196,12 +196,12 @@ def _gpu_clock_table(report: BenchReport) -> RenderableType | None:
         title="GPU clock · producer's last kernel -> consumer's first kernel (%globaltimer) · 1080p uint8",
         title_justify="left",
     )
-    for col in ("pass", "case", "p50", "p99", "frames", "unordered"):
+    for col in ("pass", "case", "p50", "p99", "frames", "unordered", "queued late"):
         t.add_column(col, justify="left" if col in ("pass", "case") else "right")
     for name, setup in clock["setups"].items():
         if setup["status"] != "ok":
             style = "red" if setup["status"] == "error" else "yellow"
-            t.add_row(name, Text(f"{setup['status']}: {setup['reason']}", style=style), "", "", "", "")
+            t.add_row(name, Text(f"{setup['status']}: {setup['reason']}", style=style), "", "", "", "", "")
             continue
         for key, label in clock["labels"].items():
             got = setup["series"].get(key)
@@ -209,9 +209,10 @@ def _gpu_clock_table(report: BenchReport) -> RenderableType | None:
                 continue
             u = summarize(got["ns"]) or {}
             bad = Text(str(got["unordered"]), style="red" if got["unordered"] else "")
-            t.add_row(name, label, _us(u.get("p50")), _us(u.get("p99")), str(got["frames"]), bad)
+            late = str(got.get("late", 0))
+            t.add_row(name, label, _us(u.get("p50")), _us(u.get("p99")), str(got["frames"]), bad, late)
         for part, why in setup["notes"].items():
-            t.add_row(name, Text(f"{part}: {why}", style="yellow"), "", "", "", "")
+            t.add_row(name, Text(f"{part}: {why}", style="yellow"), "", "", "", "", "")
     return t
 
 

@@ -186,3 +186,24 @@ def test_gpu_clock_table_renders_every_pass() -> None:
     assert "in-process floor" in text and "boom" in text and "torch is not installed" in text
     assert "GPU handoff p50" in text and "(MPS)" in text
     assert report.gpu_clock_errors(fake) == []  # type: ignore[arg-type]  # an MPS failure fails no bench
+
+
+def test_end_to_end_goal_is_judged_against_the_larger_of_its_two_floors() -> None:
+    """Issue 35's end-to-end goal: send() entered -> recv() returned, wait='block', <= 1.5x the larger of the
+    driver calls a send makes (timed between the sends) and the bare wake in the same two processes."""
+
+    def s(us: float) -> dict[str, float]:
+        return {"p50": us, "p99": us, "mean": us, "n": 100.0}
+
+    waits = [
+        {"mode": "block", "handoff": s(10.0), "end_to_end": s(75.0), "wake_paired": s(44.5)},
+        {"mode": "block_noahead", "handoff": s(60.0), "end_to_end": s(140.0), "wake_paired": s(45.0)},
+    ]
+    report = {"rows": [], "wait_modes": waits, "floors": {"memcpy_record": s(40.0)}}
+    got = goals(report, None, {"send_floor_paired": s(51.6)}, True, None)  # type: ignore[arg-type]
+    row = next(g for g in got if "vs the larger floor" in g["goal"])
+    assert row["reference"] == pytest.approx(51.6) and row["met"] is True  # 75 <= 1.5 * 51.6
+    assert not [g for g in got if "CUDA graph entered" in g["goal"]]  # no graph run: no row for it
+    waits[0]["end_to_end"] = s(127.0)  # the figure issue 35 opened with
+    got = goals(report, None, {"send_floor_paired": s(51.6)}, True, None)  # type: ignore[arg-type]
+    assert next(g for g in got if "vs the larger floor" in g["goal"])["met"] is False

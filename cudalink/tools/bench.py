@@ -1181,6 +1181,8 @@ class Bench:
                     if s and s["p50"] > 0
                 }
                 parts = [f"{who} {r:,.0f} GB/s" for who, r in rates.items()]
+                if got["timing"] != "gated":
+                    parts.append("stream not gated: queueing time counts (no cuStreamWaitValue32)")
                 if peak and "cudalink" in rates:
                     parts.append(f"card's peak {peak:,.0f} GB/s (cudalink at {rates['cudalink'] / peak:.0%} of it)")
                 row["note"] = " · ".join(parts)

@@ -216,13 +216,21 @@ def _gpu_clock_table(report: BenchReport) -> RenderableType | None:
     return t
 
 
+def _against(value: float | None, ref: float | None, ratio: float | None, added: bool) -> str:
+    """The goal's "ratio" cell: cudalink / reference, or for a "floor + N us" goal the difference in µs."""
+    if value is None or ref is None or ratio is None:
+        return "—"
+    return f"{value - ref:+,.1f} µs" if added else f"{ratio:.2f}x"
+
+
 def _goals_table(report: BenchReport) -> Table:
     gt = Table(title="goals · cudalink against its floor from this run", title_justify="left")
     for col in ("goal", "cudalink", "reference", "against", "ratio", "target", "met"):
         gt.add_column(col, justify="left" if col in ("goal", "against", "target") else "right")
     for g in report.get("goals", []):
-        fps = "fps" in g["goal"]
-        share = "share" in g["goal"]
+        fps = "fps" in g["target"]  # the unit follows the goal's kind, not words in its name ("60 fps")
+        share = "%" in g["target"]
+        added = "floor +" in g["target"]  # judged by the difference: a ratio to a small floor says little
 
         def fmt(v: float | None, fps: bool = fps, share: bool = share) -> str:
             if v is None:
@@ -237,7 +245,7 @@ def _goals_table(report: BenchReport) -> Table:
             fmt(g["cudalink"]),
             fmt(g["reference"]) if not share else "100%",
             g["reference_label"],
-            "—" if g["ratio"] is None else f"{g['ratio']:.2f}x",
+            _against(g["cudalink"], g["reference"], g["ratio"], added),
             g["target"],
             Text(
                 "—" if met is None else ("yes" if met else "no"),

@@ -218,10 +218,9 @@ def copy_path(src: int, dst: int) -> str:
 
 
 def ipc_kinds(ordinal: int) -> dict[str, bool]:
-    """Which IPC handle kinds GPU ``ordinal`` supports: ``pool`` (cuda.core IPC pools: memory pools with POSIX
-    fd handles, native Linux; not WSL 2) and ``legacy`` (cuIpc handles), plus IPC events."""
-    from .. import _platform
-
+    """Which IPC handle kinds GPU ``ordinal`` supports, as far as the GPU and driver say: ``pool`` (cuda.core
+    IPC pools: memory pools with POSIX fd handles; the OS must also be native Linux, not WSL 2: the caller
+    checks that), ``legacy`` (cuIpc handles, every platform) and ``ipc_events``."""
     drv = driver.bindings()
     dev = driver.check(drv.cuDeviceGet(ordinal), "cuDeviceGet")
     attr = drv.CUdevice_attribute
@@ -237,9 +236,8 @@ def ipc_kinds(ordinal: int) -> dict[str, bool]:
 
     pools = get("CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED")
     fd_handles = get("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
-    linux = sys.platform.startswith("linux")
     return {
-        "pool": pools and fd_handles and linux and _platform.default_handles() == "pool",
-        "legacy": True,  # cuIpc handles: every platform CUDA runs on (WSL 2 included)
+        "pool": pools and fd_handles and sys.platform.startswith("linux"),
+        "legacy": True,
         "ipc_events": get("CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED"),
     }

@@ -36,25 +36,30 @@ def device(ordinal: int) -> Device:
     except RuntimeError as exc:  # includes cuda.pathfinder's DynamicLibNotFoundError (no driver)
         raise CudaUnavailable(f"cudalink: no usable CUDA driver ({exc}); {driver.NO_GPU_HINT}") from exc
     except (ValueError, IndexError) as exc:
+        check_ordinal(ordinal)  # names the GPUs that exist
         raise CudaUnavailable(f"cudalink: no CUDA device {ordinal} ({exc}); {driver.NO_GPU_HINT}") from exc
     return dev
 
 
 def device_by_uuid(uuid: bytes, fallback: int) -> Device:
     """Open the producer's GPU by UUID, so differing CUDA_VISIBLE_DEVICES still meet on the same chip."""
-    core = driver.core()
-    try:
-        count = int(core.system.get_num_devices())
-    except Exception:
-        count = 0
     if any(uuid):
-        for i in range(count):
-            found: Device = core.Device(i)
-            if uuid_of(found) == uuid:
-                found.set_current()
-                return found
-        raise CudaUnavailable("cudalink: the producer's GPU is not visible here; check CUDA_VISIBLE_DEVICES")
+        gpus = visible()
+        found = ordinal_of(uuid, gpus)
+        if found is None:
+            raise CudaUnavailable(missing_gpu(uuid, gpus))
+        return device(found)
     return device(fallback)
+
+
+def missing_gpu(uuid: bytes, gpus: list[tuple[int, bytes]]) -> str:
+    """Why a consumer cannot reach the producer's GPU, naming it and what this process sees instead."""
+    return (
+        f"cudalink: the producer's frames live on GPU {format_uuid(uuid)}, which this process cannot see "
+        f"(CUDA_VISIBLE_DEVICES={_visible_env()}; visible: {describe_visible(gpus)}). A consumer maps the "
+        "producer's GPU memory even when it receives on another GPU: make that GPU visible (CUDA_VISIBLE_DEVICES "
+        "takes UUIDs too, e.g. CUDA_VISIBLE_DEVICES=<yours>,<the producer's>), then pick yours with device=N"
+    )
 
 
 def uuid_of(dev: Device) -> bytes:
@@ -110,11 +115,8 @@ def count() -> int:
 
 
 def uuid_at(ordinal: int) -> bytes:
-    """The 16-byte UUID of visible GPU ``ordinal``, without making a context on it."""
-    drv = driver.bindings()
-    dev = driver.check(drv.cuDeviceGet(ordinal), "cuDeviceGet")
-    got = driver.check(drv.cuDeviceGetUuid(dev), "cuDeviceGetUuid")
-    return bytes(got.bytes)[:16]
+    """The 16-byte UUID of visible GPU ``ordinal`` (as the header carries it), without making it current."""
+    return uuid_of(driver.core().Device(ordinal))
 
 
 def name_at(ordinal: int) -> str:

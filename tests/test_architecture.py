@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
         "cudalink.transport.control",
         "cudalink.transport.channel",
         "cudalink.transport.shm",
+        "cudalink.transport.landed",
         "cudalink.transport.memory",
         "cudalink.transport.source",
         "cudalink.transport.ring_source",

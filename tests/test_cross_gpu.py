@@ -226,3 +226,25 @@ def test_receiver_device_on_a_machine_without_that_gpu_is_a_clear_error() -> Non
         cudalink.Receiver("nobody-here", device=1, connect=False)
     with pytest.raises(cudalink.LinkError, match="copy must be"):
         cudalink.Receiver("nobody-here", copy="sometimes", connect=False)  # type: ignore[arg-type]
+
+
+def test_a_consumer_whose_gpu_is_behind_takes_no_slot_until_a_buffer_is_free() -> None:
+    att, ring, ops = wrapped()  # three landing buffers
+    ring.frames.extend(range(1, 10))
+    rx = Rx()
+    for _ in range(3):
+        f = att.receive(rx, att)
+        assert f is not None
+        f._hold.streams.append(201)  # type: ignore[union-attr]  # exported: the release leaves a fence
+        f.release()
+        del f
+    fences = [c[1] for c in ops.calls if c[0] == "record" and c[2] == 201]
+    assert len(fences) == 3 and att.pool.stats()["buffers"] == 3
+    taken = rx.received
+    assert att.receive(rx, att) is None  # every buffer still fenced by our GPU: no slot taken
+    assert att.sleep_receive(rx, att, 0.02, 1, 0) is None  # waited (bounded) for our own GPU, took nothing
+    assert rx.received == taken and att.pool.stats()["gpu_waits"] == 0
+    fences[1].passed = True
+    f = att.receive(rx, att)
+    assert f is not None and f.ptr == next(c[1] for c in ops.calls if c[0] == "copy" and c[2] == 0x9002)
+    assert att.pool.stats()["gpu_waits"] == 0  # the copy never waited on the GPU for the consumer

@@ -5,12 +5,15 @@ there.
 Per frame, with no CPU wait: the copy stream (on the producer's GPU) waits on the slot's ready event, the
 copy runs (a peer copy over NVLink/PCIe, or one the driver stages), and the slot's frame is released at once
 with the copy stream as its only export, so the slot's release fence passes as soon as the copy has run. A
-slow consumer on the other GPU therefore holds only its own landing buffers, never the producer's ring.
+slow consumer on the other GPU therefore holds only its own landing buffers, never the producer's ring: when
+its GPU falls so far behind that every landing buffer is still fenced, it waits for its own GPU before taking
+the next frame (CPU-side, in its own ``recv``), so the copy never waits on the GPU for it with a slot held.
 The landed frame's consumers wait on the landed buffer's ready event; its release fences the buffer.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 from ..cuda import arrays
@@ -26,12 +29,22 @@ __all__ = ["LandedAttachment"]
 
 
 def landed_receive(rx: Counters, att: LandedAttachment) -> Frame | None:
-    """The wrapped attachment's take, then the frame landed on our GPU (None: nothing to take)."""
+    """The wrapped attachment's take, then the frame landed on our GPU (None: nothing to take, or every
+    landing buffer still fenced by our own GPU work: the slot is not taken until one is free)."""
+    if not att.pool.available():
+        return None
     frame = att.inner_receive(rx, att.inner)
     return None if frame is None else att.land(frame)
 
 
 def landed_sleep_receive(rx: Counters, att: LandedAttachment, timeout: float, waiting: int, after: int) -> Frame | None:
+    """While our GPU is behind (every landing buffer fenced), wait for it here, holding nothing of the
+    producer's; then the wrapped attachment's sleeping take for what is left of ``timeout``."""
+    if not att.pool.available():
+        start = time.monotonic()
+        if not att.pool.wait_available(timeout):
+            return None
+        timeout = max(0.0, timeout - (time.monotonic() - start))
     frame = att.inner_sleep(rx, att.inner, timeout, waiting, after)
     return None if frame is None else att.land(frame)
 

@@ -262,3 +262,14 @@ def test_fences_of_streams_gone_by_do_not_pile_up() -> None:
         x.give_back([s])
         ops.events[-1].passed = True
     assert len(p._bufs[0].fences) <= 9
+
+
+def test_available_says_whether_a_copy_would_wait_on_the_gpu() -> None:
+    p, ops = pool(limit=1)
+    assert p.available()  # room to allocate
+    a = p.land(1, 8)
+    assert p.available()  # every buffer held: a copy raises LandingFull rather than wait for nothing
+    a.give_back([201])
+    assert not p.available() and not p.wait_available(0.01)  # fenced by work still queued
+    ops.events[-1].passed = True
+    assert p.available() and p.wait_available(0.0)

@@ -200,6 +200,34 @@ class Landing:
 
     # -- taking a buffer ------------------------------------------------------------------------------------
 
+    def available(self) -> bool:
+        """Whether a copy now gets a buffer without waiting on the GPU for a consumer's fence: one given back
+        whose fences passed, or room to allocate one. Also True when every buffer is held by a frame (a copy
+        then raises :class:`LandingFull`, which says what to do, rather than waiting for nothing)."""
+        with self._lock:
+            if len(self._bufs) < self.limit or not self._free:
+                return True
+            ops = self.ops
+            return any(all(ops.done(ev) for ev, live in b.fences.values() if live) for b in self._free)
+
+    def wait_available(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds (CPU-side, polling the fences) for :meth:`available`.
+
+        For a consumer whose own GPU work is behind: it waits before taking the next frame, so the source it
+        copies from never waits for it (the copy stream would otherwise wait on the GPU for the fence).
+        """
+        import time
+
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        while not self.available():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 1e-3)
+        return True
+
     def take(self, stream: int | None = None) -> tuple[Landed, int]:
         """A buffer to write into yourself, and the stream to write on (``stream`` or the copy stream), which
         already waits for any fence still pending on the buffer. Call :meth:`Landed.mark_ready` after."""

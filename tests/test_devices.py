@@ -45,3 +45,41 @@ def test_without_a_driver_no_gpus_are_visible() -> None:
         pytest.skip("this machine has a GPU")
     assert devices.visible() == []
     assert devices.describe_visible() == "none"
+
+
+def test_info_lists_uuids_handle_kinds_and_the_peer_matrix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cudalink.tools import info
+
+    fake: info.Info = {
+        "cudalink": "x",
+        "python": "3",
+        "platform": "Linux",
+        "packages": {"cuda-core": "1", "cuda-bindings": "13", "numpy": "2"},
+        "driver": {"cuda": "13.0", "kernel": "580"},
+        "core": {"ring": "compiled"},
+        "gpus": [
+            {
+                "ordinal": i,
+                "name": "H100",
+                "uuid": u,
+                "compute_capability": "9.0",
+                "ipc": {"memory_pools_supported": True, "handle_type_posix_file_descriptor_supported": True},
+                "handles": {"pool": True, "legacy": True},
+            }
+            for i, u in enumerate(("11111111-2222-3333-4444-555555555555", "GPU-aaaa"))
+        ],
+        "peer": [[True, False], [True, True]],
+        "visible_devices": "1,0",
+        "shm": {"path": "/dev/shm", "total": 1 << 30, "free": 1 << 30},
+        "runtime_dir": "/run",
+    }
+    monkeypatch.setattr(info, "gather_info", lambda: fake)
+    monkeypatch.setenv("COLUMNS", "400")
+    info.cmd_info(None)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "GPU-11111111-2222-3333-4444-555555555555" in out and "GPU-aaaa" in out
+    assert "handles: pool, legacy" in out and "1,0" in out
+    assert "0→1 no · 1→0 yes" in out
+    assert "device=N" in out and "stages through host memory" in out and "stats()['path']" in out

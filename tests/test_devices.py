@@ -83,3 +83,43 @@ def test_info_lists_uuids_handle_kinds_and_the_peer_matrix(
     assert "handles: pool, legacy" in out and "1,0" in out
     assert "0→1 no · 1→0 yes" in out
     assert "device=N" in out and "stages through host memory" in out and "stats()['path']" in out
+
+
+def test_bench_multi_gpu_says_what_it_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    from cudalink.tools.cli import main
+
+    if devices.count() >= 2:
+        pytest.skip("this machine has two GPUs")
+    assert main(["bench", "--multi-gpu"]) == 1
+    assert "needs two GPUs" in capsys.readouterr().err
+
+
+def test_bench_multi_gpu_report_prints_rows_and_goals(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudalink.tools import multigpu_bench
+
+    monkeypatch.setenv("COLUMNS", "300")
+    row = {"p50": 100.0, "p99": 200.0, "mean": 1.0, "n": 5.0}
+    multigpu_bench.print_report(
+        {
+            "shape": [1080, 1920, 4],
+            "dtype": "float32",
+            "nbytes": 33177600,
+            "rows": {
+                "gpu0": {"device": 0, "path": "zero-copy", "handoff": row, "ready": row},
+                "gpu1": {"device": 1, "path": "peer", "handoff": row, "ready": row},
+                "bandwidth": {
+                    "copy_path": "peer",
+                    "torch_to_us": 100.0,
+                    "torch_to_gbps": 331.0,
+                    "landing_us": 101.0,
+                    "landing_gbps": 328.0,
+                    "landing_local_gbps": 330.0,
+                },
+            },
+            "goals": {"copy_bandwidth_vs_torch_to": {"value": 0.99, "goal": ">= 0.8", "met": True}},
+        }
+    )
+    out = capsys.readouterr().out
+    assert "zero-copy" in out and "peer" in out and "328.0" in out and "0.99x" in out

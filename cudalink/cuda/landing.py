@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, SupportsInt, cast
 
-from ..errors import LinkError
+from ..errors import LandingFull, LinkError
 from . import devices, driver
 from .driver import RawEvent
 
@@ -46,10 +46,6 @@ __all__ = ["Landed", "Landing", "LandingFull", "Ops"]
 
 #: buffers a pool may own at most unless told otherwise (frames held + copies in flight + fences pending)
 DEFAULT_LIMIT = 8
-
-
-class LandingFull(LinkError):
-    """Every landing buffer is held by a frame (or a tensor made from one) that was never released."""
 
 
 class Ops(Protocol):

@@ -96,6 +96,9 @@ def test_in_process_frames_land_on_gpu_1(pair: PairFactory) -> None:
     torch = _need(2)
     tx, rx = pair(DEFAULT, shape=SMALL, dtype="uint8", device=0, rx={"device": "cuda:1", "timeout": 5.0})
     assert rx.device == "cuda:1" and rx.stats()["path"] == _cross_path()
+    torch.cuda.set_device(1)  # attaching, receiving and releasing never move the caller's current device
+    again = cudalink.Receiver(tx.name, device=1, timeout=5.0)
+    assert torch.cuda.current_device() == 1
     for seq in range(1, 51):
         tx.send(_content.pattern(seq, SMALL, "uint8", torch))
         with rx.recv(timeout=5.0) as f:
@@ -106,6 +109,10 @@ def test_in_process_frames_land_on_gpu_1(pair: PairFactory) -> None:
             with torch.cuda.device(1):
                 assert torch.equal(t, _content.pattern(f.seq, SMALL, "uint8", torch)), f.seq
             del t
+        assert torch.cuda.current_device() == 1
+    again.close()
+    assert torch.cuda.current_device() == 1
+    torch.cuda.set_device(0)
 
 
 def test_fan_out_to_both_gpus_through_torch_cupy_and_jax(spawned: Spawned, name: str) -> None:

@@ -398,9 +398,10 @@ class CudaOps:
         devices.check_ordinal(src_device)
         self.device = device
         self.src_device = src_device
-        self.path = devices.copy_path(src_device, device)
-        self.dst_ctx = devices.context(device)
-        self.src_ctx = devices.context(src_device)
+        with devices.keep_current():  # the caller's current device stays theirs
+            self.path = devices.copy_path(src_device, device)
+            self.dst_ctx = devices.context(device)
+            self.src_ctx = devices.context(src_device)
         self._drv = driver.bindings()
         self._ctx_of: dict[int, int] = {}
         self._events: dict[int, object] = {}  # raw (as handed out) -> the CUevent object, for cuEventDestroy
@@ -500,7 +501,7 @@ class CudaOps:
 
     def _new_stream(self, ctx: int) -> object:
         drv = self._drv
-        flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+        flags = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
         return self._in(ctx, lambda: driver.check(drv.cuStreamCreate(flags), "cuStreamCreate"))
 
     def copy_stream(self) -> int:

@@ -266,14 +266,26 @@ class RingSource:
                 if exc.reason.retryable or not data:
                     raise NoProducer(str(exc)) from exc
                 raise
-            view = _backends.make_consumer_view(fixed, client, fds)
-            view.setup(client.header, fixed.layout, welcome.index)
-            att = RingAttachment(client, fixed, welcome.index, view)
+            if fixed.backend == wire.BACKEND_HOST:
+                view = _backends.make_consumer_view(fixed, client, fds)
+                view.setup(client.header, fixed.layout, welcome.index)
+                return RingAttachment(client, fixed, welcome.index, view)
+        except BaseException:
+            client.close()
+            raise
+        # CUDA: mapping the producer's memory makes its GPU current; the caller's current GPU (what torch and
+        # cupy call "the current device") is given back, since a Receiver on GPU 1 must not move it to 0
+        try:
+            with devices.keep_current():
+                view = _backends.make_consumer_view(fixed, client, fds)
+                view.setup(client.header, fixed.layout, welcome.index)
+                att = RingAttachment(client, fixed, welcome.index, view)
         except BaseException:
             client.close()
             raise
         try:
-            return self._place(att)
+            with devices.keep_current():
+                return self._place(att)
         except BaseException:
             att.detach()
             raise

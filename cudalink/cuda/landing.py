@@ -403,6 +403,8 @@ class CudaOps:
             self.dst_ctx = devices.context(device)
             self.src_ctx = devices.context(src_device)
         self._drv = driver.bindings()
+        self._dst_cu = self._drv.CUcontext(self.dst_ctx)  # made once: the per-frame copy names both contexts
+        self._src_cu = self._drv.CUcontext(self.src_ctx)
         self._ctx_of: dict[int, int] = {}
         self._events: dict[int, object] = {}  # raw (as handed out) -> the CUevent object, for cuEventDestroy
         self._copy_stream: object = None
@@ -472,9 +474,7 @@ class CudaOps:
             driver.memcpy_dtod(dst, src, nbytes, stream)
             return
         drv = self._drv
-        err = drv.cuMemcpyPeerAsync(
-            dst, drv.CUcontext(self.dst_ctx), src, drv.CUcontext(self.src_ctx), nbytes, driver.cu_stream(stream)
-        )[0]
+        err = drv.cuMemcpyPeerAsync(dst, self._dst_cu, src, self._src_cu, nbytes, driver.cu_stream(stream))[0]
         if err:
             driver.check((err,), "cuMemcpyPeerAsync")
 
@@ -486,12 +486,12 @@ class CudaOps:
         p = drv.CUDA_MEMCPY3D_PEER()
         p.srcMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
         p.srcDevice = src
-        p.srcContext = drv.CUcontext(self.src_ctx)
+        p.srcContext = self._src_cu
         p.srcPitch = src_pitch
         p.srcHeight = height
         p.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
         p.dstDevice = dst
-        p.dstContext = drv.CUcontext(self.dst_ctx)
+        p.dstContext = self._dst_cu
         p.dstPitch = width
         p.dstHeight = height
         p.WidthInBytes = width

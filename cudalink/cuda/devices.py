@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +41,30 @@ def device(ordinal: int) -> Device:
         check_ordinal(ordinal)  # names the GPUs that exist
         raise CudaUnavailable(f"cudalink: no CUDA device {ordinal} ({exc}); {driver.NO_GPU_HINT}") from exc
     return dev
+
+
+@contextlib.contextmanager
+def keep_current() -> Iterator[None]:
+    """Give the calling thread its current CUDA context back afterwards.
+
+    Frameworks read "the current device" from it (torch, cupy): a consumer that receives on GPU 1 of a
+    producer on GPU 0 must not find its current device moved to 0 by attaching. A thread that had no context
+    keeps the one set inside (it needs one for what follows, as before).
+    """
+    drv = driver.bindings()
+    err, ctx = drv.cuCtxGetCurrent()
+    try:
+        yield
+    finally:
+        if not err and int(ctx):
+            drv.cuCtxSetCurrent(ctx)
+
+
+def has_current() -> bool:
+    """Whether the calling thread has a current CUDA context."""
+    drv = driver.bindings()
+    err, ctx = drv.cuCtxGetCurrent()
+    return not err and bool(int(ctx))
 
 
 def device_by_uuid(uuid: bytes, fallback: int) -> Device:

@@ -398,10 +398,13 @@ class CudaOps:
         devices.check_ordinal(src_device)
         self.device = device
         self.src_device = src_device
-        self.path = devices.copy_path(src_device, device)
-        self.dst_ctx = devices.context(device)
-        self.src_ctx = devices.context(src_device)
+        with devices.keep_current():  # the caller's current device stays theirs
+            self.path = devices.copy_path(src_device, device)
+            self.dst_ctx = devices.context(device)
+            self.src_ctx = devices.context(src_device)
         self._drv = driver.bindings()
+        self._dst_cu = self._drv.CUcontext(self.dst_ctx)  # made once: the per-frame copy names both contexts
+        self._src_cu = self._drv.CUcontext(self.src_ctx)
         self._ctx_of: dict[int, int] = {}
         self._events: dict[int, object] = {}  # raw (as handed out) -> the CUevent object, for cuEventDestroy
         self._copy_stream: object = None
@@ -471,9 +474,7 @@ class CudaOps:
             driver.memcpy_dtod(dst, src, nbytes, stream)
             return
         drv = self._drv
-        err = drv.cuMemcpyPeerAsync(
-            dst, drv.CUcontext(self.dst_ctx), src, drv.CUcontext(self.src_ctx), nbytes, driver.cu_stream(stream)
-        )[0]
+        err = drv.cuMemcpyPeerAsync(dst, self._dst_cu, src, self._src_cu, nbytes, driver.cu_stream(stream))[0]
         if err:
             driver.check((err,), "cuMemcpyPeerAsync")
 
@@ -485,12 +486,12 @@ class CudaOps:
         p = drv.CUDA_MEMCPY3D_PEER()
         p.srcMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
         p.srcDevice = src
-        p.srcContext = drv.CUcontext(self.src_ctx)
+        p.srcContext = self._src_cu
         p.srcPitch = src_pitch
         p.srcHeight = height
         p.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
         p.dstDevice = dst
-        p.dstContext = drv.CUcontext(self.dst_ctx)
+        p.dstContext = self._dst_cu
         p.dstPitch = width
         p.dstHeight = height
         p.WidthInBytes = width
@@ -500,7 +501,7 @@ class CudaOps:
 
     def _new_stream(self, ctx: int) -> object:
         drv = self._drv
-        flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+        flags = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
         return self._in(ctx, lambda: driver.check(drv.cuStreamCreate(flags), "cuStreamCreate"))
 
     def copy_stream(self) -> int:

@@ -432,6 +432,16 @@ class CudaView:
         ptr, owner, sync = got
         return SlotParts(spec, ptr, owner, sync, None, arrays.dlpack_exporter(ptr, spec, self.device))
 
+    def allow_peer(self, ordinal: int, probe: bytes) -> bool:
+        """Let GPU ``ordinal`` of this process read the producer's slots directly (a consumer on another GPU).
+
+        ``probe``: one slot's handle; a producer in this very process shares its own memory, nothing to map.
+        """
+        if driver.local_slot(probe) is not None:
+            return True
+        with devices.keep_current():
+            return self.mem.allow(ordinal)
+
     def fence(self, slot: int, streams: list[int]) -> bool:
         """Record this slot's release event after the work the consumer queued on every stream it used."""
         if not streams or self._closed:

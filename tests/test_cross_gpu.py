@@ -168,10 +168,24 @@ class FakeFixed:
     nslots = 4
 
 
+class FakeView:
+    allowed: list[int] = []
+
+    def allow_peer(self, ordinal: int, probe: bytes) -> bool:
+        FakeView.allowed.append(ordinal)
+        return True
+
+
+class FakeHandle:
+    memory = b"h" * 64
+
+
 class FakeRingAtt:
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id
         self.fixed = FakeFixed()
+        self.view = FakeView()
+        self.handles = [FakeHandle()]
 
 
 @pytest.fixture
@@ -195,10 +209,12 @@ def test_the_producers_gpu_or_none_is_zero_copy(two_gpus: list[Any]) -> None:
 
 
 def test_another_gpu_lands_and_always_lands_even_on_the_producers(two_gpus: list[Any]) -> None:
+    FakeView.allowed.clear()
     place(1, "auto", 0)
     place(None, "always", 0)
     place(0, "always", 0)
     assert two_gpus == [(0, 1), (0, 0), (0, 0)]
+    assert FakeView.allowed == [1]  # GPU 1 was let into the producer's pool; the same GPU needs nothing
 
 
 def test_copy_never_refuses_a_cross_gpu_link_by_name(two_gpus: list[Any]) -> None:

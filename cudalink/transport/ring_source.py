@@ -317,6 +317,10 @@ class RingSource:
                 f"across GPUs and copy='never' refuses it: pass copy='auto' (a copy into a pool on cuda:{target}, "
                 f"then the producer's slot goes back at once), or receive on cuda:{producer}"
             )
+        if target != producer:
+            allow = getattr(att.view, "allow_peer", None)
+            if allow is not None:
+                allow(target, att.handles[0].memory)
         return LandedAttachment(att, producer, target, buffers=att.fixed.nslots + 2)
 
     @property

@@ -154,7 +154,12 @@ def test_a_failed_landing_still_gives_the_slot_back() -> None:
     att, ring, _ops = wrapped()
     ring.frames.extend([1, 2, 3, 4])
     held = [att.receive(Rx(), att) for _ in range(3)]  # every landing buffer held
-    with pytest.raises(cudalink.LinkError, match="release frames"):
+    with pytest.raises(cudalink.LandingFull, match="release frames"):
+        att.receive(Rx(), att)
+    assert list(ring.frames) == [4]  # refused before the take: the frame is still there for later
+    # a landing that fails after the take (here: the pool's own bookkeeping) still gives the slot back
+    att.pool.check_room = lambda: None  # type: ignore[method-assign]
+    with pytest.raises(cudalink.LandingFull):
         att.receive(Rx(), att)
     assert ring.log[-1] == ("slot released", [])  # released unfenced: nothing queued reads it
     del held
@@ -264,3 +269,38 @@ def test_a_consumer_whose_gpu_is_behind_takes_no_slot_until_a_buffer_is_free() -
     f = att.receive(rx, att)
     assert f is not None and f.ptr == next(c[1] for c in ops.calls if c[0] == "copy" and c[2] == 0x9002)
     assert att.pool.stats()["gpu_waits"] == 0  # the copy never waited on the GPU for the consumer
+
+
+class LandedSource:
+    """A source whose attachments land frames on GPU 1 (fake pool), as the ring source builds them."""
+
+    name = "landed"
+
+    def __init__(self) -> None:
+        self.made: list[LandedAttachment] = []
+
+    def attach(self, deadline: float, dead_generation: int) -> LandedAttachment:
+        att, ring, _ = wrapped()
+        ring.frames.extend(range(1, 6))
+        self.made.append(att)
+        return att
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_receiver_drives_a_landed_attachment_and_reports_its_path() -> None:
+    src = LandedSource()
+    rx = cudalink.Receiver("landed", source=src, latest=False, wait="spin", timeout=1.0)
+    assert rx.device == "cuda:1" and rx.stats()["path"] == "peer"
+    got = [rx.recv(timeout=1.0) for _ in range(3)]
+    assert [f.seq for f in got] == [1, 2, 3] and all(f.device == "cuda:1" for f in got)
+    with pytest.raises(cudalink.LandingFull, match="release frames"):  # three buffers, three frames held
+        rx.poll()
+    for f in got:
+        f.release()
+    assert rx.poll().seq == 4  # type: ignore[union-attr]  # not taken while the pool was full: not lost
+    assert rx.stats()["received"] == 4
+    rx.close()
+    att = src.made[0]
+    assert att.inner.detached and att.pool.closed  # type: ignore[attr-defined]

@@ -31,8 +31,10 @@ __all__ = ["LandedAttachment"]
 def landed_receive(rx: Counters, att: LandedAttachment) -> Frame | None:
     """The wrapped attachment's take, then the frame landed on our GPU (None: nothing to take, or every
     landing buffer still fenced by our own GPU work: the slot is not taken until one is free)."""
-    if not att.pool.available():
+    pool = att.pool
+    if not pool.available():
         return None
+    pool.check_room()  # every buffer held: say so before taking a frame we would have to drop
     frame = att.inner_receive(rx, att.inner)
     return None if frame is None else att.land(frame)
 
@@ -45,6 +47,7 @@ def landed_sleep_receive(rx: Counters, att: LandedAttachment, timeout: float, wa
         if not att.pool.wait_available(timeout):
             return None
         timeout = max(0.0, timeout - (time.monotonic() - start))
+    att.pool.check_room()
     frame = att.inner_sleep(rx, att.inner, timeout, waiting, after)
     return None if frame is None else att.land(frame)
 

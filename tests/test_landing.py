@@ -273,3 +273,16 @@ def test_available_says_whether_a_copy_would_wait_on_the_gpu() -> None:
     assert not p.available() and not p.wait_available(0.01)  # fenced by work still queued
     ops.events[-1].passed = True
     assert p.available() and p.wait_available(0.0)
+
+
+def test_check_room_refuses_only_when_every_buffer_is_held() -> None:
+    p, _ = pool(limit=2)
+    p.check_room()
+    a = p.land(1, 8)
+    p.check_room()  # one more can be allocated
+    b = p.land(2, 8)
+    with pytest.raises(LandingFull):
+        p.check_room()
+    a.give_back([])
+    p.check_room()
+    del b

@@ -206,6 +206,20 @@ class Landing:
             ops = self.ops
             return any(all(ops.done(ev) for ev, live in b.fences.values() if live) for b in self._free)
 
+    def check_room(self) -> None:
+        """Raise :class:`LandingFull` now if every buffer is held by a frame: a source calls it before it takes
+        a frame it would then have to drop."""
+        with self._lock:
+            if len(self._bufs) >= self.limit and not self._free:
+                raise self._full()
+
+    def _full(self) -> LandingFull:
+        return LandingFull(
+            f"cudalink: all {len(self._bufs)} landing buffers on cuda:{self.device} are held by frames "
+            "(or tensors made from them) that were not released; release frames once used (a `with` "
+            "block, or drop the tensors), or keep copies of what you must hold on to"
+        )
+
     def wait_available(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds (CPU-side, polling the fences) for :meth:`available`.
 
@@ -292,11 +306,7 @@ class Landing:
                         ops.wait(stream, ev)
                 self.gpu_waits += 1
             elif pick is None:
-                raise LandingFull(
-                    f"cudalink: all {len(self._bufs)} landing buffers on cuda:{self.device} are held by frames "
-                    "(or tensors made from them) that were not released; release frames once used (a `with` "
-                    "block, or drop the tensors), or keep copies of what you must hold on to"
-                )
+                raise self._full()
             if pick in self._free:
                 self._free.remove(pick)
                 for ev in pick.ready.values():  # its last copy, if it ran on another stream, must end first

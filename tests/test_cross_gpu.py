@@ -304,3 +304,35 @@ def test_the_receiver_drives_a_landed_attachment_and_reports_its_path() -> None:
     rx.close()
     att = src.made[0]
     assert att.inner.detached and att.pool.closed  # type: ignore[attr-defined]
+
+
+def test_a_receiver_back_on_the_ring_drops_the_pair_bound_for_another_kind() -> None:
+    """A producer that restarts on the Receiver's own GPU turns a landed link into a zero-copy one: the per-frame
+    pair bound for the landed attachment must go, or the ring's attachment would be driven by it."""
+    import numpy as np
+
+    from cudalink.transport.memory import MemoryTransport
+
+    tr = MemoryTransport()
+    ring = ring_source.RingSource("ringback", tr)
+
+    class Alternating:
+        name = "ringback"
+        n = 0
+
+        def attach(self, deadline: float, dead_generation: int) -> Any:
+            self.n += 1
+            return wrapped()[0] if self.n == 1 else ring.attach(deadline, dead_generation)
+
+        def close(self) -> None:
+            pass
+
+    with cudalink.Sender("ringback", shape=(4,), dtype="uint8", transport=tr) as tx:
+        rx = cudalink.Receiver("ringback", source=Alternating(), timeout=1.0)  # type: ignore[arg-type]
+        assert "_try_take" in rx.__dict__  # the landed pair, bound on the instance
+        rx._gone("restarted")
+        rx._attach(1.0)
+        assert "_try_take" not in rx.__dict__ and "_sleep_take" not in rx.__dict__
+        tx.send(np.arange(4, dtype=np.uint8))
+        assert rx.recv(timeout=1.0).seq == 1
+        rx.close()

@@ -618,7 +618,11 @@ class Receiver:
 
     Where frames come from is a :class:`~cudalink.transport.source.Source` chosen by ``name``
     (``transport.sources``): a link of this host by default. ``source=`` takes any other. ``device`` and
-    ``copy`` say where frames should land and whether the source may copy them there.
+    ``copy`` say where frames should land and whether the source may copy them there. For a link of this
+    host: ``device=None`` (or the producer's GPU) is zero copy; ``device=N``, another GPU (this process's
+    ordinal), gets each frame copied into a small pool on GPU N, and the producer's slot goes back as soon as
+    that copy has run (``stats()["path"]``: ``"peer"`` or ``"staged"``); ``copy="never"`` refuses that copy,
+    ``copy="always"`` copies even on the producer's GPU.
     """
 
     #: the local ring's per-frame take and sleep (compiled where built); a Receiver whose source takes

@@ -472,17 +472,30 @@ class CudaView:
         ptr, owner, sync = got
         return SlotParts(spec, ptr, owner, sync, None, arrays.dlpack_exporter(ptr, spec, self.device))
 
+    def allow_peer(self, ordinal: int, probe: bytes) -> bool:
+        """Let GPU ``ordinal`` of this process read the producer's slots directly (a consumer on another GPU).
+
+        ``probe``: one slot's handle; a producer in this very process shares its own memory, nothing to map.
+        """
+        if driver.local_slot(probe) is not None:
+            return True
+        with devices.keep_current():
+            return self.mem.allow(ordinal)
+
     def fence(self, slot: int, streams: list[int]) -> bool:
         """Record this slot's release event after the work the consumer queued on every stream it used."""
         if not streams or self._closed:
             return False
         if not getattr(self._tls, "current", False):  # releases run on whichever thread drops the frame
-            self.dev.set_current()
+            if not devices.has_current():  # a thread with no context gets ours; never move a user's device
+                self.dev.set_current()
             self._tls.current = True
         target = streams[0]
         if len(streams) > 1:
             if self._join is None:
-                self._join = driver.new_event()
+                with devices.keep_current():  # made in the producer GPU's context, where it is recorded
+                    self.dev.set_current()
+                    self._join = driver.new_event()
             driver.join_streams(target, streams[1:], self._join)
         driver.record(self._release_raw[slot], target)
         return True
@@ -498,23 +511,27 @@ class CudaView:
             return
         self._closed = True
         try:
-            self.dev.set_current()
-            for ev in self.release_events:
-                ev.sync()
-            self.stream.sync()
-            for got in self._bufs:
-                if got is not None:
-                    self.mem.close_one(got[1], self.stream)
-            self._bufs = [None] * len(self._bufs)
-            self._slots = [None] * len(self._slots)
-            if self._join is not None:
-                driver.destroy_event(self._join)
-                self._join = None
-            for ev in self.release_events:
-                driver.close_ipc_event(ev)
-            self.mem.close()
+            with devices.keep_current():
+                self._close()
         except Exception:
             pass
+
+    def _close(self) -> None:
+        self.dev.set_current()
+        for ev in self.release_events:
+            ev.sync()
+        self.stream.sync()
+        for got in self._bufs:
+            if got is not None:
+                self.mem.close_one(got[1], self.stream)
+        self._bufs = [None] * len(self._bufs)
+        self._slots = [None] * len(self._slots)
+        if self._join is not None:
+            driver.destroy_event(self._join)
+            self._join = None
+        for ev in self.release_events:
+            driver.close_ipc_event(ev)
+        self.mem.close()
 
 
 def resolve_handles(handles: str, passes_fds: bool) -> str:

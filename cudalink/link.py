@@ -618,7 +618,11 @@ class Receiver:
 
     Where frames come from is a :class:`~cudalink.transport.source.Source` chosen by ``name``
     (``transport.sources``): a link of this host by default. ``source=`` takes any other. ``device`` and
-    ``copy`` say where frames should land and whether the source may copy them there.
+    ``copy`` say where frames should land and whether the source may copy them there. For a link of this
+    host: ``device=None`` (or the producer's GPU) is zero copy; ``device=N``, another GPU (this process's
+    ordinal), gets each frame copied into a small pool on GPU N, and the producer's slot goes back as soon as
+    that copy has run (``stats()["path"]``: ``"peer"`` or ``"staged"``); ``copy="never"`` refuses that copy,
+    ``copy="always"`` copies even on the producer's GPU.
     """
 
     #: the local ring's per-frame take and sleep (compiled where built); a Receiver whose source takes
@@ -746,6 +750,9 @@ class Receiver:
         if kind.receive is not type(self)._try_take:  # another source's per-frame pair, bound once here
             self._try_take = functools.partial(kind.receive, self)  # type: ignore[method-assign]
             self._sleep_take = functools.partial(kind.sleep_receive, self)  # type: ignore[method-assign]
+        else:  # the ring's again (a producer that restarted on our GPU): drop a pair bound for another kind
+            self.__dict__.pop("_try_take", None)
+            self.__dict__.pop("_sleep_take", None)
         self._att = att
         if self._sticky_wake:
             att.set_waiting(wire.WAIT_ON)
@@ -906,8 +913,14 @@ class Receiver:
             except ProducerGone:
                 return
 
-    def stats(self) -> dict[str, int]:
-        return {"received": self.received, "skipped": self.skipped, "reattached": self.reattached}
+    def stats(self) -> dict[str, int | str]:
+        """Counters, and ``path``: how frames reach this Receiver: ``zero-copy`` (the producer's own memory),
+        ``peer`` (copied from the producer's GPU over NVLink/PCIe peer access), ``staged`` (copied by the
+        driver through host memory: no peer access between the two GPUs), ``same-device`` (``copy="always"``
+        on the producer's GPU), or ``unknown`` before attaching."""
+        att = self._att
+        path = "unknown" if att is None else str(getattr(att, "path", "zero-copy"))
+        return {"received": self.received, "skipped": self.skipped, "reattached": self.reattached, "path": path}
 
     # -- teardown ---------------------------------------------------------------------------------------------
 

@@ -47,6 +47,10 @@ class Importer(Protocol):
 
     def close(self) -> None: ...
 
+    def allow(self, ordinal: int) -> bool:
+        """Let GPU ``ordinal`` reach the producer's memory directly, where the handle kind needs it said."""
+        ...
+
 
 class PoolExporter:
     """Slots from one IPC-enabled DeviceMemoryResource: one fd per pool, 64 plain bytes per buffer."""
@@ -191,6 +195,22 @@ class PoolImporter:
             raise LinkError(f"cudalink: could not map the producer's slot: {exc}") from exc
         return int(buf.handle), buf
 
+    def allow(self, ordinal: int) -> bool:
+        """Let GPU ``ordinal`` reach the mapped pool's memory directly (a peer copy to a consumer's GPU).
+
+        Peer access of pool memory is the pool's (``cuMemPoolSetAccess``), not the context's; an imported
+        pool starts with its own GPU only. Best effort: False where the driver refuses, and the copy then
+        runs the way the driver finds (staged, or pushed by the producer's GPU).
+        """
+        try:
+            proxy = getattr(self._pool(), "peer_accessible_by", None)
+            if proxy is None:
+                return False
+            proxy.add(ordinal)
+        except Exception:
+            return False
+        return True
+
     def close_one(self, keep: object, stream: Stream) -> None:
         close = getattr(keep, "close", None)  # a cuda.core Buffer; None for our own slots
         if close is not None:
@@ -225,6 +245,10 @@ class LegacyImporter:
             "cuIpcOpenMemHandle",
         )
         return int(ptr), ptr
+
+    def allow(self, ordinal: int) -> bool:
+        """Legacy handles are opened with lazy peer access: contexts with peer access enabled reach them."""
+        return True
 
     def close_one(self, keep: object, stream: Stream) -> None:
         if keep is None:

@@ -91,8 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="the breakdown's consumer sleeps until each frame is published (Receiver(wake_ahead=False))",
     )
-    p.set_defaults(func=cmd_bench)
+    p.add_argument(
+        "--multi-gpu",
+        dest="multi_gpu",
+        action="store_true",
+        help="a consumer on GPU 1 of a producer on GPU 0 against one on GPU 0 and a bare torch .to('cuda:1')",
+    )
+    p.set_defaults(func=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if getattr(args, "multi_gpu", False):
+        from .multigpu_bench import cmd_multi_gpu
+
+        return cmd_multi_gpu(args)
+    return cmd_bench(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

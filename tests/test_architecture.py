@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
         "cudalink.transport",
         "cudalink.transport.wire",
         "cudalink.transport.cuda_link_wire",
+        "cudalink.transport.cuda_link_source",
         "cudalink.transport.control",
         "cudalink.transport.channel",
         "cudalink.transport.shm",

@@ -463,8 +463,8 @@ class CudaLinkAttachment:
             if struct.unpack_from("<Q", buf, cw.OFF_VERSION)[0] != self.version:
                 self._restarted = True
                 return None
-            if w == 0 or buf[self._off_shutdown]:
-                return None
+            if w == 0:
+                return None  # (a frame published before the shutdown flag is still delivered: it is intact)
             raw = bytes(buf[self._off_meta : self._off_meta + cw.META_SIZE])
             ts = _F64.unpack_from(buf, self._off_ts)[0]
             w2 = _U32.unpack_from(buf, cw.OFF_WRITE_IDX)[0]
@@ -474,7 +474,7 @@ class CudaLinkAttachment:
         else:
             return None  # the producer outran eight reads: take it next time
         if raw != self._meta_raw:
-            meta = cw.read_metadata(buf, self.n, self.magic)
+            meta = cw.read_metadata(bytes(self._off_meta) + raw, self.n, self.magic)  # the bytes read with w
             self._spec = cw.spec_from_meta(meta)
             self._meta, self._meta_raw = meta, raw
         spec = self._spec

@@ -124,6 +124,21 @@ def test_version_change_is_a_restart_with_no_stale_frame(name: str, producer: Fa
         assert rx.stats()["reattached"] == 1
 
 
+def test_restart_that_published_before_we_looked_is_still_a_restart(name: str, producer: FakeProducer) -> None:
+    """The new version's frames sit in slots the old handles do not map: none may be taken through them."""
+    with _rx(name, timeout=2.0) as rx:
+        producer.publish(1)
+        rx.recv(timeout=1.0)
+        gen = rx.generation
+        producer.init((4, 6, 4), "uint8")
+        for v in (5, 6, 7):
+            producer.publish(v)  # write_idx 3 != the 1 we saw, but of another version
+        with pytest.raises(cudalink.ProducerGone):
+            rx.recv(timeout=1.0)
+        f = rx.recv(timeout=1.0)
+        assert rx.generation != gen and f.seq == 3 and (f.numpy() == 7).all()
+
+
 def test_restart_before_the_first_publish_waits_for_a_frame(name: str, producer: FakeProducer) -> None:
     with _rx(name, timeout=2.0) as rx:
         producer.init((4, 6, 4), "uint8")

@@ -34,6 +34,7 @@ LAYERS: list[set[str]] = [
         "cudalink.transport.sources",
         "cudalink._ring",
         "cudalink._backends",
+        "cudalink.cuda_link",
     },
     {"cudalink.link"},
     {

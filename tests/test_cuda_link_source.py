@@ -309,6 +309,7 @@ def test_generation_is_per_segment_and_version() -> None:
     from cudalink.transport.cuda_link_source import _generation
 
     assert _generation(5, 1) != _generation(5, 2) != _generation(6, 1)
+    assert _generation(5, 1, b"a" * 64) != _generation(5, 1, b"b" * 64)  # a new producer on a reused inode
     assert _generation(5, 1) == _generation(5, 1) and _generation(5, 1) & 1
 
 

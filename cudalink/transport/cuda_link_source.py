@@ -296,10 +296,10 @@ class CudaSlotMemory:
 # -- the source ------------------------------------------------------------------------------------------------
 
 
-def _generation(ino: int, version: int) -> int:
-    """A producer generation from the segment's identity and version: a producer that re-creates the segment
-    (version back to 1) is a new generation too."""
-    digest = hashlib.blake2b(f"{ino}:{version}".encode(), digest_size=8).digest()
+def _generation(ino: int, version: int, handle: bytes = b"") -> int:
+    """A producer generation from the segment's identity, its version and slot 0's memory handle: a producer
+    that re-creates the segment (version back to 1, maybe the same inode) is a new generation too."""
+    digest = hashlib.blake2b(f"{ino}:{version}:".encode() + handle, digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1 | 1
 
 
@@ -359,7 +359,7 @@ class CudaLinkSource:
             n = header.num_slots
             if cw.read_shutdown(buf, n):
                 raise NoProducer("the producer closed this segment; waiting for a new one")
-            generation = _generation(_ino(getattr(shm, "_fd", -1)), header.version)
+            generation = _generation(_ino(getattr(shm, "_fd", -1)), header.version, cw.read_handles(buf, n, 0)[0])
             if generation == dead_generation:
                 raise NoProducer("only the closed producer's leftovers are there")
             try:

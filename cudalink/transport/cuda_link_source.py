@@ -199,9 +199,18 @@ class CudaSlotMemory:
         self._lock = threading.Lock()
         self._closing = False
         self._closed = False
+        self._tls = threading.local()
+        self._tls.ok = True  # set_current above
+
+    def _current(self) -> None:
+        """Our device's context current on this thread (attach may run on a worker thread, frames on another)."""
+        if not getattr(self._tls, "ok", False):
+            self.dev.set_current()
+            self._tls.ok = True
 
     def open(self, slot: int, memory: bytes, event: bytes) -> int:
         d = self._driver
+        self._current()
         if not any(memory):
             raise NoProducer(f"slot {slot} has no memory handle yet (the producer is starting or closing)")
         try:
@@ -217,6 +226,8 @@ class CudaSlotMemory:
         return self._allocation_bytes(ptr)
 
     def frame(self, slot: int, spec: FrameSpec, seq: int, ts_ns: int, generation: int) -> Frame:
+        if not getattr(self._tls, "ok", False):
+            self._current()
         ptr, _, _, ev = self._slots[slot]
         hold: _Hold
         sync: object
@@ -282,13 +293,10 @@ class CudaSlotMemory:
         if self.landing is not None:
             with contextlib.suppress(Exception):
                 self.landing.close()  # idle buffers now, held ones as their frames go
-        for _ptr, keep, ev_obj, _ev in self._slots.values():
+        for _ptr, keep, _ev_obj, _ev in self._slots.values():
             with contextlib.suppress(Exception):
-                self.importer.close_one(keep, self.stream)
-            close = getattr(ev_obj, "close", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    close()
+                self.importer.close_one(keep, self.stream)  # (our own slots, in a same-process pair: nothing)
+        # imported events are dropped, not closed: in a same-process pair they are the Sender's own
         self._slots.clear()
         self._exports.clear()
 

@@ -5,9 +5,9 @@ The layout (:mod:`.transport.cuda_link_wire`) has no control channel, no leases 
 slot is a ``cuMemAlloc`` block (rounded up to 2 MiB, frame at offset 0) shared with ``cuIpcGetMemHandle``,
 with one IPC event (interprocess, timing disabled) recorded after each copy. Per frame: the copy on the
 caller's stream (or the link's), the slot's event, the timestamp, shutdown = 0, and ``write_idx + 1`` last;
-the CPU never waits for the GPU. The slot written is ``write_idx mod N``, whoever still reads it: cuda-link's
-readers copy or finish a frame within ``N`` frames (cudalink's own ``Receiver("cuda-link:...")`` copies by
-default).
+the CPU never waits for the GPU (on Windows it then rings cuda-link's doorbell event). The slot written is
+``write_idx mod N``, whoever still reads it: cuda-link's readers copy or finish a frame within ``N`` frames
+(cudalink's own ``Receiver("cuda-link:...")`` copies by default).
 
 Initialisation writes everything else first and the version (old + 1) last, as cuda-link's C++ writer does; a
 segment that already exists under the name (a previous producer's) is taken over, so readers see a version
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import DTypeLike
 
-from . import _backends
+from . import _backends, _platform
 from .cuda import devices
 from .errors import FormatError, LinkClosed, LinkError
 from .frames.frame import Frame
@@ -109,6 +109,7 @@ class CudaLinkSender:
         self._closed = False
         self._lock = threading.RLock()
         self._wall = time.time_ns() - time.perf_counter_ns()
+        self._bell: _platform.Doorbell | None = None
         self._slots = _backends.CudaSlots(devices.parse_device(device), slots, self.capacity, "legacy")
         self.device = f"cuda:{self._slots.device}"
         try:
@@ -116,6 +117,7 @@ class CudaLinkSender:
             assert self._shm.buf is not None
             self._buf: memoryview = self._shm.buf
             self._initialise()
+            self._bell = _platform.Doorbell.create(self.name)  # Windows only: cuda-link's optional doorbell
         except BaseException:
             self._slots.close(0)
             raise
@@ -168,6 +170,8 @@ class CudaLinkSender:
         cw.write_shutdown(buf, n, False)
         self._idx += 1
         cw.write_write_idx(buf, self._idx)  # last: readers take the frame from here
+        if self._bell is not None:
+            self._bell.ring()  # Windows: wake readers that sleep on cuda-link's doorbell
         self._seq += 1
         return self._seq
 
@@ -312,6 +316,9 @@ class CudaLinkSender:
                     _unlink_segment(self.name)
                 with contextlib.suppress(Exception):
                     self._shm.close()
+                if self._bell is not None:
+                    self._bell.close()
+                    self._bell = None
                 self._slots.close(timeout)
 
     def __enter__(self) -> CudaLinkSender:

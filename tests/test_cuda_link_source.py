@@ -327,3 +327,96 @@ def test_no_segments_left_behind(name: str) -> None:
     p.close()
     if os.path.isdir("/dev/shm"):
         assert not [f for f in os.listdir("/dev/shm") if name in f]
+
+
+class FakeBell:
+    """Doorbell's surface over a threading.Event (what WaitForSingleObject on an auto-reset event does)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.event = threading.Event()
+        self.waits: list[float] = []
+        self.closed = False
+
+    def ring(self) -> None:
+        self.event.set()
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        rung = self.event.wait(timeout)
+        self.event.clear()  # auto-reset
+        return rung
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_doorbell_is_slept_on_instead_of_polling(
+    name: str, producer: FakeProducer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows: cuda-link's producer may ring ``Local\\cudalink_db_<name>``; a waiting recv sleeps on it."""
+    import threading
+
+    from cudalink import _platform
+
+    bell = FakeBell()
+    monkeypatch.setattr(_platform.Doorbell, "open", classmethod(lambda cls, seg, k=None: bell))
+    with _rx(name, timeout=2.0, wait="block") as rx:
+
+        def publish() -> None:
+            producer.publish(3)
+            bell.ring()
+
+        threading.Timer(0.3, publish).start()
+        t0 = time.monotonic()
+        f = rx.recv(timeout=5.0)
+        assert f.seq == 1 and time.monotonic() - t0 < 2.0
+        assert bell.waits  # the wait went through the bell
+    assert bell.closed
+
+
+def test_doorbell_calls_on_a_fake_kernel32() -> None:
+    from cudalink import _platform
+
+    class K:
+        def __init__(self, handle: int) -> None:
+            self.handle = handle
+            self.calls: list[tuple[object, ...]] = []
+
+        def OpenEventW(self, access: int, inherit: bool, name: str) -> int:
+            self.calls.append(("OpenEventW", access, inherit, name))
+            return self.handle
+
+        def CreateEventW(self, attrs: object, manual: bool, initial: bool, name: str) -> int:
+            self.calls.append(("CreateEventW", attrs, manual, initial, name))
+            return self.handle
+
+        def SetEvent(self, h: int) -> int:
+            self.calls.append(("SetEvent", h))
+            return 1
+
+        def WaitForSingleObject(self, h: int, ms: int) -> int:
+            self.calls.append(("WaitForSingleObject", h, ms))
+            return 0x102  # WAIT_TIMEOUT
+
+        def CloseHandle(self, h: int) -> int:
+            self.calls.append(("CloseHandle", h))
+            return 1
+
+    assert _platform.Doorbell.open("x", K(0)) is None  # no doorbell: the reader polls
+    k = K(77)
+    bell = _platform.Doorbell.open("cudalink_ipc_TD>>Python", k)
+    assert bell is not None
+    assert k.calls[0] == ("OpenEventW", 0x00100000 | 0x0002, False, "Local\\cudalink_db_cudalink_ipc_TD>>Python")
+    assert bell.wait(0.0004) is False and k.calls[-1] == ("WaitForSingleObject", 77, 1)
+    bell.close()
+    bell.close()
+    assert k.calls[-1] == ("CloseHandle", 77) and k.calls.count(("CloseHandle", 77)) == 1
+    k2 = K(5)
+    made = _platform.Doorbell.create("n", k2)
+    assert made is not None and k2.calls[0] == ("CreateEventW", None, False, False, "Local\\cudalink_db_n")
+    made.ring()
+    assert k2.calls[-1] == ("SetEvent", 5)
+    if not _platform.IS_WINDOWS:
+        assert _platform.Doorbell.open("n") is None and _platform.Doorbell.create("n") is None

@@ -10,7 +10,9 @@ lease. So this source
   wake-ups a second; a 60 fps stream ~30 per frame around its arrival. A frame is seen ≤ ~0.2 ms after its
   publish when the stream is regular, ≤ ~1 ms otherwise (plus OS jitter). ``wait="spin"`` polls without
   sleeping (lowest latency, one busy core). ``fileno()`` starts one small poller thread (same plan) that
-  makes a socket readable when a frame may be there, for selectors and asyncio.
+  makes a socket readable when a frame may be there, for selectors and asyncio. On Windows, where a cuda-link
+  producer may ring a doorbell (the auto-reset event ``Local\\cudalink_db_<name>``), a waiting ``recv()``
+  sleeps on it instead, with the same plan as its timeout (untested on Windows so far).
 - gives each frame ``seq = write_idx`` (frames the producer published since it initialised the segment);
   frames overwritten before we looked count as skipped.
 - treats a version change as a restart: the attachment reports the producer gone, the Receiver re-attaches,
@@ -38,6 +40,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from .. import _platform
 from ..errors import FormatError, LinkError, ProtocolError
 from ..frames.frame import Frame, _Hold
 from . import cuda_link_wire as cw
@@ -390,7 +393,9 @@ class CudaLinkSource:
             del buf
             seg = None  # type: ignore[assignment]
             raise
-        return CudaLinkAttachment(self.name, seg, header, meta, spec, mem, generation, min(sizes))
+        att = CudaLinkAttachment(self.name, seg, header, meta, spec, mem, generation, min(sizes))
+        att._bell = _platform.Doorbell.open(self.name)  # Windows, where the producer rings one; else None
+        return att
 
     def close(self) -> None:
         pass
@@ -456,6 +461,8 @@ class CudaLinkAttachment:
         self._period = 0.0
         self._poller: _Poller | None = None
         self._detached = False
+        #: cuda-link's optional doorbell (Windows): a waiting recv sleeps on it, the poll plan as its timeout
+        self._bell: _platform.Doorbell | None = None
 
     # -- per frame ---------------------------------------------------------------------------------------
 
@@ -533,11 +540,16 @@ class CudaLinkAttachment:
         """Sleep by the poll plan until write_idx, the version or the shutdown flag changes, or ``timeout``."""
         start = time.monotonic()
         end = start + max(0.0, timeout)
+        bell = self._bell
         while not self._changed():
             now = time.monotonic()
             if now >= end:
                 return
-            time.sleep(min(self._step(now, start), end - now))
+            step = min(self._step(now, start), end - now)
+            if bell is not None:
+                bell.wait(step)  # rung at the publish: no poll latency; the plan still bounds the sleep
+            else:
+                time.sleep(step)
 
     async def wait_async(self, timeout: float | None) -> None:
         start = time.monotonic()
@@ -590,6 +602,9 @@ class CudaLinkAttachment:
         if self._poller is not None:
             self._poller.stop()
             self._poller = None
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
         self.mem.close()
 
 

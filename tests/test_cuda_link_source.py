@@ -45,7 +45,8 @@ def _rx(name: str, mem: HostSlotMemory | None = None, **kw: object) -> cudalink.
 
 def test_the_address_picks_this_source() -> None:
     src = open_source("cuda-link:cudalink_ipc_TD>>Python", transport=default_transport(), device=None, copy="auto")
-    assert isinstance(src, CudaLinkSource) and src.name == "cudalink_ipc_TD>>Python" and src.copy
+    assert isinstance(src, CudaLinkSource) and src.segment == "cudalink_ipc_TD>>Python" and src.copy
+    assert src.name == "cuda-link:cudalink_ipc_TD>>Python"
     assert not CudaLinkSource("cuda-link:x", copy="never").copy
     with pytest.raises(cudalink.LinkError, match="not a cuda-link segment name"):
         strip_prefix("cuda-link:")
@@ -420,3 +421,22 @@ def test_doorbell_calls_on_a_fake_kernel32() -> None:
     assert k2.calls[-1] == ("SetEvent", 5)
     if not _platform.IS_WINDOWS:
         assert _platform.Doorbell.open("n") is None and _platform.Doorbell.create("n") is None
+
+
+def test_attach_cycles_leave_no_fds_or_threads(name: str, producer: FakeProducer) -> None:
+    """40 attach/detach cycles (with fileno's poller thread) end where they began: fds and threads."""
+    import threading
+
+    producer.publish(1)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+
+    for i in range(43):
+        if i == 3:
+            f0, t0 = fds(), threading.active_count()
+        with _rx(name, timeout=1.0) as rx:
+            rx.fileno()
+            f = rx.recv(timeout=1.0)
+            f.release()
+    assert fds() <= f0 + 1 and threading.active_count() <= t0

@@ -13,6 +13,7 @@ lease. So this source
   makes a socket readable when a frame may be there, for selectors and asyncio. On Windows, where a cuda-link
   producer may ring a doorbell (the auto-reset event ``Local\\cudalink_db_<name>``), a waiting ``recv()``
   sleeps on it instead, with the same plan as its timeout (untested on Windows so far).
+- delivers the newest frame only: the layout describes just that one (``latest=False`` acts as ``True``).
 - gives each frame ``seq = write_idx`` (frames the producer published since it initialised the segment);
   frames overwritten before we looked count as skipped.
 - treats a version change as a restart: the attachment reports the producer gone, the Receiver re-attaches,
@@ -332,7 +333,10 @@ class CudaLinkSource:
         copy: object = "auto",
         memory: object = None,
     ) -> None:
-        self.name = strip_prefix(name)
+        #: the SharedMemory segment's name, as cuda-link spells it
+        self.segment = strip_prefix(name)
+        #: what the Receiver's messages show
+        self.name = PREFIX + self.segment
         self.copy = copy_mode(copy) != "never"  # auto = copy: the producer never waits for us
         self._device = device
         #: builds the slot memory of each attachment (tests pass a host stand-in)
@@ -354,17 +358,17 @@ class CudaLinkSource:
 
     def attach(self, deadline: float, dead_generation: int) -> CudaLinkAttachment:
         try:
-            shm = _open_segment(self.name)
+            shm = _open_segment(self.segment)
         except FileNotFoundError as exc:
-            raise NoProducer(f"no cuda-link segment named {self.name!r} (start the cuda-link producer)") from exc
+            raise NoProducer(f"no cuda-link segment named {self.segment!r} (start the cuda-link producer)") from exc
         except OSError as exc:
-            raise LinkError(f"cudalink: cannot open cuda-link segment {self.name!r}: {exc}") from exc
+            raise LinkError(f"cudalink: cannot open cuda-link segment {self.segment!r}: {exc}") from exc
         seg = Segment(shm)
         buf = seg.buf
         try:
             if len(buf) >= cw.HEADER_SIZE and _U32.unpack_from(buf, cw.OFF_MAGIC)[0] == 0:
                 raise NoProducer("the segment exists but its producer has not initialised it yet")
-            header = cw.read_header(buf, self.name)
+            header = cw.read_header(buf, self.segment)
             if header.version == 0:
                 raise NoProducer("the producer is initialising the segment (version 0)")
             n = header.num_slots
@@ -393,8 +397,8 @@ class CudaLinkSource:
             del buf
             seg = None  # type: ignore[assignment]
             raise
-        att = CudaLinkAttachment(self.name, seg, header, meta, spec, mem, generation, min(sizes))
-        att._bell = _platform.Doorbell.open(self.name)  # Windows, where the producer rings one; else None
+        att = CudaLinkAttachment(self.segment, seg, header, meta, spec, mem, generation, min(sizes))
+        att._bell = _platform.Doorbell.open(self.segment)  # Windows, where the producer rings one; else None
         return att
 
     def close(self) -> None:

@@ -224,7 +224,13 @@ class CudaSlotMemory:
         ev_obj: object = None
         ev: RawEvent | None = None
         if any(event):
-            ev_obj = d.import_event(event, 0)
+            try:
+                ev_obj = d.import_event(event, 0)
+            except LinkError as exc:
+                self.importer.close_one(keep, self.stream)
+                raise NoProducer(
+                    f"could not open slot {slot}'s event handle ({exc}); the producer may be gone"
+                ) from exc
             ev = d.raw(ev_obj)  # type: ignore[arg-type]
         self._slots[slot] = (ptr, keep, ev_obj, ev)
         return self._allocation_bytes(ptr)
@@ -338,6 +344,11 @@ class CudaLinkSource:
         #: what the Receiver's messages show
         self.name = PREFIX + self.segment
         self.copy = copy_mode(copy) != "never"  # auto = copy: the producer never waits for us
+        if device == "cpu" and memory is None:
+            raise LinkError(
+                "cudalink: cuda-link segments hold GPU memory only; use device=None or a CUDA device "
+                "(device='cpu' exists for cudalink's own links)"
+            )
         self._device = device
         #: builds the slot memory of each attachment (tests pass a host stand-in)
         self._memory = memory
@@ -346,11 +357,6 @@ class CudaLinkSource:
         if self._memory is not None:
             made: SlotMemory = self._memory() if callable(self._memory) else self._memory  # type: ignore[assignment]
             return made
-        if self._device == "cpu":
-            raise LinkError(
-                "cudalink: cuda-link segments hold GPU memory only; use device=None or a CUDA device "
-                "(device='cpu' exists for cudalink's own links)"
-            )
         from ..cuda import devices
 
         ordinal = 0 if self._device is None else devices.parse_device(self._device)

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cudalink
 from cudalink.frames import PixelFormat
@@ -441,3 +443,39 @@ def test_attach_cycles_leave_no_fds_or_threads(name: str, producer: FakeProducer
             f = rx.recv(timeout=1.0)
             f.release()
     assert fds() <= f0 + 1 and threading.active_count() <= t0
+
+
+def test_write_idx_wrapping_keeps_seq_counting(name: str, producer: FakeProducer) -> None:
+    """Past 2**32 the u32 write_idx wraps; seq keeps counting and the slot follows the writer's count (3 slots:
+    N does not divide 2**32)."""
+    producer.idx = 2**32 - 3
+    producer.publish(0)  # write_idx 2**32 - 2, before we join
+    with _rx(name, timeout=2.0) as rx:
+        assert rx.recv(timeout=1.0).seq == 2**32 - 2
+        producer.publish(1)  # 2**32 - 1
+        assert rx.recv(timeout=1.0).seq == 2**32 - 1
+        producer.publish(2)  # wraps to 0 ("nothing yet" to a reader: not taken)
+        producer.publish(3)  # 1
+        f = rx.recv(timeout=1.0)
+        assert f.seq == 2**32 + 1 and (f.numpy() == 3).all()
+        assert rx.stats()["skipped"] == 1
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=12))
+def test_seq_and_skips_follow_any_publish_pattern(name: str, producer: FakeProducer, bursts: list[int]) -> None:
+    """Publish a burst, poll once, repeat: each poll gets the newest frame, and received + skipped add up."""
+    producer.init((4, 6, 4), "uint8")  # a fresh version per example
+    with _rx(name, timeout=2.0) as rx:
+        total = 0
+        for k in bursts:
+            for _ in range(k):
+                total += 1
+                producer.publish(total % 256)
+            f = rx.poll()
+            if k == 0:
+                assert f is None
+            else:
+                assert f is not None and f.seq == total and (f.numpy() == total % 256).all()
+        s = rx.stats()
+        assert s["received"] + s["skipped"] == total

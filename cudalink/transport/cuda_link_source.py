@@ -521,7 +521,8 @@ class CudaLinkAttachment:
         self._last_arrival = now
         account(rx, seq)  # type: ignore[arg-type]
         ts_ns = int(ts * 1e9) + self._wall if ts > 0 else time.time_ns()
-        return self.mem.frame((w - 1) % self.n, spec, seq, ts_ns, self.generation)
+        # the slot from the unwrapped count: past 2**32 a writer keeps counting slots (N need not divide 2**32)
+        return self.mem.frame((seq - 1) % self.n, spec, seq, ts_ns, self.generation)
 
     # -- waiting -------------------------------------------------------------------------------------------
 

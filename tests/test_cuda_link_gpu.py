@@ -95,7 +95,12 @@ def test_memory_and_fds_flat_over_40_attach_cycles(spawned: Spawned, name: str) 
     spawned.ready(clp.cl_producer_forever, name, SHAPE, forever=True)
     q = spawned.ctx.Queue()
     spawned(gp.gpu_attach_cycle, "cuda-link:" + name, 40, q)
-    f0, f1, m0, m1, err = q.get(timeout=300)
+    try:
+        f0, f1, m0, m1, err = q.get(timeout=300)
+    finally:
+        from cudalink.transport.shm import _unlink_segment
+
+        _unlink_segment(name)  # the producer runs until killed: it never unlinks its segment itself
     assert err == "", err
     assert f1 - f0 <= 2, (f0, f1)
     assert abs(m1 - m0) <= 8 << 20, (m0, m1)  # allocator granularity, not per-cycle growth

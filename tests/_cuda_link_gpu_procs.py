@@ -155,3 +155,112 @@ def cl_consumer(
         import traceback
 
         result.put((framework, got, -1, stale, len(gens), {}, ended, traceback.format_exc()))
+
+
+# -- the incumbent (forkni/cuda-link) on Linux: its Python exporter and importer, if it can be imported ---------
+
+
+def incumbent(src: str | None) -> Any:
+    """cuda-link's package (from ``src``, its checkout's ``src`` folder, or installed), with its CUDA runtime
+    loaded from Linux's libcudart: it looks only for Windows DLLs by name. Raises ImportError when absent."""
+    import ctypes
+    import glob
+    import sys
+
+    if src:
+        sys.path.insert(0, src)
+    import cuda_link
+    from cuda_link import cuda_ipc_wrapper
+
+    def load(self: object) -> ctypes.CDLL:
+        names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+        try:
+            import torch
+
+            root = os.path.dirname(os.path.dirname(torch.__file__))
+            names += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcudart.so*")))
+        except ImportError:
+            pass
+        for n in names:
+            try:
+                return ctypes.CDLL(n)
+            except OSError:
+                continue
+        raise RuntimeError(f"no libcudart found (tried {names})")
+
+    cuda_ipc_wrapper.CUDARuntimeAPI._load_cuda_runtime = load  # type: ignore[attr-defined]
+    return cuda_link
+
+
+def incumbent_exporter(name: str, n: int, shape: tuple[int, ...], go: Any, src: str | None, result: Any) -> None:
+    """cuda-link's CUDAIPCExporter publishing ``pattern(seq)`` uint8 frames every 2 ms, then cleaning up."""
+    try:
+        import torch
+
+        cl = incumbent(src)
+        torch.zeros(1, device="cuda")
+        exp = cl.CUDAIPCExporter(name, shape[0], shape[1], shape[2], "uint8", num_slots=3)
+        if not exp.initialize():
+            raise RuntimeError("CUDAIPCExporter.initialize() failed")
+        go.wait(120)
+        for seq in range(1, n + 1):
+            t = pattern(seq, shape, "uint8", torch)
+            torch.cuda.synchronize()  # their copy runs on their own stream: the frame must be there first
+            if not exp.export_frame(t.data_ptr(), t.numel()):
+                raise RuntimeError(f"export_frame failed at frame {seq}")
+            time.sleep(0.002)
+        exp.cleanup()
+        result.put("")
+    except Exception:
+        import traceback
+
+        result.put(traceback.format_exc())
+
+
+def cl_uniform_producer(name: str, n: int, shape: tuple[int, ...], go: Any) -> None:
+    """cudalink's cuda-link writer sending frames whose every byte is ``seq % 251`` (a reader that cannot see
+    seqs checks that each frame is whole and that they change)."""
+    import torch
+
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    go.wait(120)
+    with cudalink.Sender(name, shape=shape, dtype="uint8", slots=3, device=0, protocol="cuda-link") as tx:
+        for seq in range(1, n + 1):
+            tx.send(torch.full(shape, seq % 251, dtype=torch.uint8, device="cuda"))
+            time.sleep(0.002)
+        torch.cuda.synchronize()
+
+
+def incumbent_importer(name: str, started: Any, src: str | None, result: Any) -> None:
+    """cuda-link's CUDAIPCImporter reading cudalink's writer: every frame whole (one value), values changing."""
+    try:
+        import torch
+
+        cl = incumbent(src)
+        torch.zeros(1, device="cuda")
+        started.set()
+        end = time.monotonic() + 120
+        imp = None
+        while imp is None or not imp.is_ready():
+            if time.monotonic() > end:
+                raise RuntimeError("the importer never attached")
+            time.sleep(0.05)
+            imp = cl.CUDAIPCImporter(shm_name=name)
+        got, torn, values = 0, 0, set()
+        s = torch.cuda.Stream()
+        while time.monotonic() < end and imp.is_ready():
+            t = imp.get_frame(stream=s)
+            if t is None:
+                time.sleep(0.0005)
+                continue
+            s.synchronize()
+            lo, hi = int(t.min()), int(t.max())
+            torn += lo != hi
+            values.add(lo)
+            got += 1
+        result.put((got, torn, len(values), tuple(imp.shape), str(imp.dtype), ""))
+    except Exception:
+        import traceback
+
+        result.put((0, 0, 0, (), "", traceback.format_exc()))

@@ -479,3 +479,19 @@ def test_seq_and_skips_follow_any_publish_pattern(name: str, producer: FakeProdu
                 assert f is not None and f.seq == total and (f.numpy() == total % 256).all()
         s = rx.stats()
         assert s["received"] + s["skipped"] == total
+
+
+def test_write_idx_back_to_zero_without_a_new_version_is_waited_out_calmly(name: str, producer: FakeProducer) -> None:
+    """A producer that resets write_idx (against the layout's rules) leaves nothing to take: the wait sleeps by
+    the poll plan instead of spinning on the changed word, and takes the next frame it publishes."""
+    producer.publish(1)
+    with _rx(name, timeout=2.0, wait="block") as rx:
+        rx.recv(timeout=1.0)
+        producer.idx = 0
+        cw.write_write_idx(producer.buf, 0)
+        t0 = time.process_time()
+        with pytest.raises(cudalink.LinkTimeout):
+            rx.recv(timeout=0.5)
+        assert time.process_time() - t0 < 0.1
+        producer.publish(2)
+        assert (rx.recv(timeout=1.0).numpy() == 2).all()

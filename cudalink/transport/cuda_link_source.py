@@ -463,7 +463,8 @@ class CudaLinkAttachment:
         self._meta_raw = bytes(self.buf[self._off_meta : self._off_meta + cw.META_SIZE])
         self._spec = spec
         self._meta = meta
-        self._seen = 0  # the write_idx of the last frame taken (0: none yet)
+        self._seen = 0  # the write_idx last looked at: a frame taken, or 0 (nothing there)
+        self._taken = 0  # the write_idx of the last frame taken (0: none yet), for seeing it wrap
         self._epoch = 0  # write_idx wraps at 2**32: seq keeps counting
         self._restarted = False
         self._wall = _perf_to_wall_ns()
@@ -489,7 +490,8 @@ class CudaLinkAttachment:
                 self._restarted = True
                 return None
             if w == 0:
-                return None  # (a frame published before the shutdown flag is still delivered: it is intact)
+                self._seen = 0  # looked at: a waiting recv sleeps until it changes (not spins on it)
+                return None
             raw = bytes(buf[self._off_meta : self._off_meta + cw.META_SIZE])
             ts = _F64.unpack_from(buf, self._off_ts)[0]
             w2 = _U32.unpack_from(buf, cw.OFF_WRITE_IDX)[0]
@@ -509,10 +511,10 @@ class CudaLinkAttachment:
                 f"({spec.nbytes} bytes) but its slots hold {self.capacity}; the producer must re-initialise the "
                 f"segment when its frame grows"
             )
-        if w < (self._seen & (_WRAP - 1)) and self._seen:
+        if w < self._taken:  # past 2**32: the u32 wrapped
             self._epoch += _WRAP
         seq = self._epoch + w
-        self._seen = w
+        self._seen = self._taken = w
         now = time.monotonic()
         if self._last_arrival:
             dt = now - self._last_arrival

@@ -62,6 +62,7 @@ def cl_consumer(
     hold_s: float = 0.0,
     copy: str = "auto",
     bases: dict[tuple[int, ...], int] | None = None,
+    max_frames: int = 1 << 30,
 ) -> None:
     """Load the framework, set ``started``, attach (waiting for the segment), then verify each frame against
     the pattern of its seq (plus the base its shape names) on the GPU, holding
@@ -94,6 +95,9 @@ def cl_consumer(
         started.set()  # frameworks loaded: the producer may start (the Receiver waits for its segment)
         with cudalink.Receiver("cuda-link:" + name, timeout=60.0, copy=copy) as rx:  # type: ignore[arg-type]
             while True:
+                if got >= max_frames:  # done while the producer still runs (its slots still allocated)
+                    ended = "count"
+                    break
                 try:
                     frame = rx.recv(timeout=10.0)
                 except cudalink.ProducerGone:

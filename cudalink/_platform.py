@@ -306,3 +306,77 @@ def yield_cpu() -> None:
 
 
 _yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
+
+# -- named events (Windows): cuda-link's optional doorbell -------------------------------------------------
+
+_SYNCHRONIZE = 0x00100000
+_EVENT_MODIFY_STATE = 0x0002
+_WAIT_OBJECT_0 = 0
+
+
+def _kernel32_events() -> ctypes.CDLL:
+    """kernel32's named-event calls, with pointer-sized HANDLE prototypes."""
+    import ctypes
+    from ctypes import wintypes
+
+    k: ctypes.CDLL = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
+    k.OpenEventW.argtypes = (wintypes.DWORD, wintypes.BOOL, wintypes.LPCWSTR)
+    k.OpenEventW.restype = wintypes.HANDLE
+    k.CreateEventW.argtypes = (wintypes.LPVOID, wintypes.BOOL, wintypes.BOOL, wintypes.LPCWSTR)
+    k.CreateEventW.restype = wintypes.HANDLE
+    k.SetEvent.argtypes = (wintypes.HANDLE,)
+    k.SetEvent.restype = wintypes.BOOL
+    k.WaitForSingleObject.argtypes = (wintypes.HANDLE, wintypes.DWORD)
+    k.WaitForSingleObject.restype = wintypes.DWORD
+    k.CloseHandle.argtypes = (wintypes.HANDLE,)
+    k.CloseHandle.restype = wintypes.BOOL
+    return k
+
+
+class Doorbell:
+    """A named auto-reset event (Windows): a producer rings it after each publish, a waiting reader sleeps on it.
+
+    cuda-link's producers may ring ``Local\\cudalink_db_<segment name>``; :meth:`open` returns None where it does
+    not exist (or off Windows), and the reader then polls. ``kernel32`` is injectable for tests."""
+
+    def __init__(self, handle: int, kernel32: object) -> None:
+        self.handle = handle
+        self._k = kernel32
+
+    @staticmethod
+    def name_for(segment: str) -> str:
+        return "Local\\cudalink_db_" + segment
+
+    @classmethod
+    def open(cls, segment: str, kernel32: object = None) -> Doorbell | None:
+        """The producer's doorbell for ``segment`` if it made one; None otherwise (and on every other OS)."""
+        if kernel32 is None:
+            if not IS_WINDOWS:
+                return None
+            kernel32 = _kernel32_events()
+        h = kernel32.OpenEventW(_SYNCHRONIZE | _EVENT_MODIFY_STATE, False, cls.name_for(segment))  # type: ignore[attr-defined]
+        return cls(int(h), kernel32) if h else None
+
+    @classmethod
+    def create(cls, segment: str, kernel32: object = None) -> Doorbell | None:
+        """A producer's doorbell for ``segment`` (auto-reset, not signalled); None off Windows or on failure."""
+        if kernel32 is None:
+            if not IS_WINDOWS:
+                return None
+            kernel32 = _kernel32_events()
+        h = kernel32.CreateEventW(None, False, False, cls.name_for(segment))  # type: ignore[attr-defined]
+        return cls(int(h), kernel32) if h else None
+
+    def ring(self) -> None:
+        self._k.SetEvent(self.handle)  # type: ignore[attr-defined]
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until rung or ``timeout`` seconds (at least 1 ms: the kernel's granularity); True if rung."""
+        ms = max(1, min(int(timeout * 1000), 0x7FFFFFFF))
+        return bool(self._k.WaitForSingleObject(self.handle, ms) == _WAIT_OBJECT_0)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self.handle:
+            self._k.CloseHandle(self.handle)  # type: ignore[attr-defined]
+            self.handle = 0

@@ -131,6 +131,17 @@ class Sender:
     ``"block"`` up to ``timeout`` seconds.
     """
 
+    def __new__(cls, name: str, *args: object, protocol: str = "cudalink", **kwargs: object) -> Sender:
+        """``protocol="cuda-link"`` makes a :class:`~cudalink.cuda_link.CudaLinkSender` (same API, cuda-link's
+        segment layout, for its TouchDesigner components and importers)."""
+        if protocol == "cuda-link":
+            from .cuda_link import CudaLinkSender
+
+            return cast("Sender", CudaLinkSender(name, protocol=protocol, **kwargs))  # type: ignore[arg-type]
+        if protocol != "cudalink":
+            raise LinkError(f"cudalink: protocol must be 'cudalink' or 'cuda-link', got {protocol!r}")
+        return super().__new__(cls)
+
     def __init__(
         self,
         name: str,
@@ -148,6 +159,7 @@ class Sender:
         max_consumers: int = 16,
         handles: str = "auto",
         transport: Transport | None = None,
+        protocol: str = "cudalink",
     ) -> None:
         self.name = _platform.check_name(name)
         self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)

@@ -23,6 +23,8 @@ LAYERS: list[set[str]] = [
     {
         "cudalink.transport",
         "cudalink.transport.wire",
+        "cudalink.transport.cuda_link_wire",
+        "cudalink.transport.cuda_link_source",
         "cudalink.transport.control",
         "cudalink.transport.channel",
         "cudalink.transport.shm",
@@ -33,6 +35,7 @@ LAYERS: list[set[str]] = [
         "cudalink.transport.sources",
         "cudalink._ring",
         "cudalink._backends",
+        "cudalink.cuda_link",
     },
     {"cudalink.link"},
     {
@@ -44,7 +47,13 @@ LAYERS: list[set[str]] = [
         "cudalink.td.convert",
         "cudalink.td.sink",
     },
-    {"cudalink.tools", "cudalink.tools.measure", "cudalink.tools.ui", "cudalink.tools.peers"},
+    {
+        "cudalink.tools",
+        "cudalink.tools.measure",
+        "cudalink.tools.ui",
+        "cudalink.tools.peers",
+        "cudalink.tools.cuda_link_view",
+    },
     {"cudalink.tools.peers.link", "cudalink.tools.peers.shm", "cudalink.tools.peers.mpqueue"},
     {
         "cudalink.tools.floors",

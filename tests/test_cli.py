@@ -314,3 +314,59 @@ def test_no_command_prints_help() -> None:
     proc = run_cli()
     assert proc.returncode == 2
     assert "demo" in proc.stdout and "bench" in proc.stdout
+
+
+# -- cuda-link segments -------------------------------------------------------------------------------
+
+
+def test_monitor_and_info_read_a_cuda_link_segment() -> None:
+    """A cuda-link producer (written in the test) is described by ``monitor cuda-link:NAME`` and ``info``."""
+    from cudalink.transport import cuda_link_wire as cw
+
+    from ._cuda_link_fake import FakeProducer
+
+    name = f"cudalink_ipc_TD>>Python_{os.getpid()}"
+    p = FakeProducer(name, shape=(4, 6, 4), slots=2, flags=cw.FLAG_BGRA)
+    try:
+        for v in range(5):
+            p.publish(v)
+        proc = run_cli("monitor", "cuda-link:" + name, "--once", "--interval", "0.1", timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out = " ".join(proc.stdout.split())
+        assert f"cuda-link:{name}" in out and "v1.0+" in out and "version 1" in out
+        assert "2 slots" in out and "5 frames published" in out and "BGRA8" in out
+        assert "consumers: not recorded" in out
+        proc = run_cli("info", timeout=60)
+        assert f"cuda-link:{name}" in proc.stdout, proc.stdout
+        proc = run_cli("info", "cuda-link:" + name, timeout=60)
+        assert "5 frames published" in " ".join(proc.stdout.split())
+        p.shutdown()
+        proc = run_cli("monitor", "cuda-link:" + name, "--once", "--interval", "0.05", timeout=60)
+        assert "closed (shutdown flag set)" in " ".join(proc.stdout.split())
+    finally:
+        p.close()
+
+
+def test_monitor_missing_cuda_link_segment_is_one_line() -> None:
+    proc = run_cli("monitor", f"cuda-link:nosuch_{os.getpid()}", "--once")
+    assert_one_line_error(proc)
+    assert "no cuda-link segment named" in proc.stderr
+
+
+def test_monitor_corrupt_cuda_link_segment_is_one_line() -> None:
+    import struct
+
+    from cudalink.transport import cuda_link_wire as cw
+
+    from ._cuda_link_fake import FakeProducer
+
+    name = f"cudalink_bad_{os.getpid()}"
+    p = FakeProducer(name, slots=2)
+    try:
+        struct.pack_into("<I", p.buf, 12, 11)
+        proc = run_cli("monitor", "cuda-link:" + name, "--once")
+        assert_one_line_error(proc)
+        assert "11 slots" in proc.stderr
+        assert cw.MAGIC  # (the magic is intact: the slot count is what is wrong)
+    finally:
+        p.close()

@@ -259,3 +259,11 @@ class LegacyImporter:
 
     def close(self) -> None:
         pass
+
+
+def allocation_bytes(ptr: int) -> int:
+    """Bytes from ``ptr`` to the end of its allocation (cuMemGetAddressRange): how much a mapped slot can hold,
+    so a producer's metadata that claims more is refused instead of copied past the end."""
+    drv = driver.bindings()
+    base, size = driver.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+    return int(base) + int(size) - int(ptr)

@@ -52,10 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "info", parents=[common], help="driver, GPUs, IPC support, shared memory: is this machine ready?"
     )
+    p.add_argument(
+        "segments",
+        nargs="*",
+        metavar="cuda-link:NAME",
+        help="describe these cuda-link segments (default: every one found on this machine)",
+    )
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("monitor", parents=[common], help="watch a link read-only (never joins it)")
-    p.add_argument("name", help="link name, as given to Sender")
+    p.add_argument("name", help="link name, as given to Sender, or cuda-link:NAME for a cuda-link segment")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between samples (default 0.5)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")

@@ -1,4 +1,5 @@
-"""``info``: is this machine ready? Driver, GPUs, IPC support, the compiled core, shared memory."""
+"""``info``: is this machine ready? Driver, GPUs, IPC support, the compiled core, shared memory, and the
+cuda-link segments present (``info cuda-link:NAME`` describes one)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from rich.text import Text
 from .. import _native, _platform
 from .._version import __version__
 from ..cuda import devices, driver
+from ..errors import LinkError
+from . import cuda_link_view
 from .ui import _console
 
 
@@ -250,6 +253,14 @@ def _multi_gpu_text(m: list[list[bool]]) -> str:
     )
 
 
+def _cuda_link_segments() -> list[str]:
+    """cuda-link segments on this machine (a TouchDesigner project or a cuda-link exporter running)."""
+    try:
+        return cuda_link_view.find_segments()
+    except Exception:
+        return []
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     console = _console()
     info = gather_info()
@@ -305,6 +316,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         table.add_row("shared memory", f"{shm['path']}: {shm.get('error')}")
     table.add_row("control sockets", info.get("runtime_dir") or f"ERROR {info.get('runtime_dir_error')}")
+    for name in getattr(args, "segments", None) or _cuda_link_segments():
+        try:
+            line = cuda_link_view.summary(cuda_link_view.read_snapshot(name))
+        except LinkError as exc:
+            line = str(exc)
+        table.add_row(cuda_link_view.PREFIX + cuda_link_view.strip_prefix(name), line)
     console.print(table)
     ok, line = _verdict(info)
     console.print(Text("verdict: " + line, style="bold green" if ok else "bold red"), soft_wrap=True)

@@ -1,4 +1,5 @@
-"""``monitor``: watch a live link through a read-only mapping of its header; never joins it."""
+"""``monitor``: watch a live link through a read-only mapping of its header; never joins it. ``cuda-link:NAME``
+watches a cuda-link segment the same way (:mod:`.cuda_link_view`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Group
 from rich.live import Live
@@ -17,6 +19,7 @@ from .. import _platform
 from .._ring import read_record
 from ..errors import LinkError
 from ..transport import wire
+from . import cuda_link_view
 from .ui import _ago, _console, _us
 
 
@@ -212,27 +215,31 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
 def cmd_monitor(args: argparse.Namespace) -> int:
     console = _console()
     interval = max(0.05, float(args.interval))
+    read: Callable[[str], Any] = read_snapshot
+    render: Callable[[Any, Any], Group] = render_snapshot
+    if args.name.startswith(cuda_link_view.PREFIX):  # a cuda-link segment: its own layout, read the same way
+        read, render = cuda_link_view.read_snapshot, cuda_link_view.render
     if args.once:
-        first = read_snapshot(args.name)
+        first = read(args.name)
         time.sleep(interval)
         try:
-            second = read_snapshot(args.name)
+            second = read(args.name)
         except LinkError:
             second = None  # the producer went away between the two looks: show what we saw
-        console.print(render_snapshot(second or first, first if second is not None else None))
+        console.print(render(second or first, first if second is not None else None))
         return 0
     deadline = time.monotonic() + args.seconds if args.seconds else math.inf
-    prev: Snapshot | None = None
+    prev: Any = None
     with Live(Text(f"attaching to {args.name!r} (read-only)…"), console=console, auto_refresh=False) as live:
         try:
             while time.monotonic() < deadline:
                 try:
-                    snap = read_snapshot(args.name)
+                    snap = read(args.name)
                 except LinkError as exc:
                     live.update(Text(f"{exc}\nwaiting for a producer… (Ctrl-C to stop)"), refresh=True)
                     prev = None
                 else:
-                    live.update(render_snapshot(snap, prev), refresh=True)
+                    live.update(render(snap, prev), refresh=True)
                     prev = snap
                 time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
         except KeyboardInterrupt:

@@ -387,6 +387,18 @@ def read_column(buf: ReadBuf, layout: Layout, slot: int) -> tuple[int, ...]:
 # -- slot records ---------------------------------------------------------------------------------------
 
 
+#: how many times in a row a consumer's ``take`` looks again after losing a slot to the producer before it gives up
+TAKE_RETRIES = 1000
+
+
+def stamp_lie(slot: int, seq: int, recorded: int) -> str:
+    """The message of a slot whose stamp and record disagree (both cores raise it)."""
+    return (
+        f"cudalink: slot {slot}'s stamp says frame {seq} but its record holds frame {recorded}: the link's header "
+        "is corrupt (something other than the producer wrote to it); restart the producer"
+    )
+
+
 class SlotRecord(NamedTuple):
     seq: int
     timestamp_ns: int

@@ -45,6 +45,19 @@ def _open_segment(name: str, create: bool = False, size: int = 0) -> shared_memo
             resource_tracker.register = saved  # type: ignore[assignment]
 
 
+def _create_segment(name: str, size: int, what: str) -> shared_memory.SharedMemory:
+    """A new segment whose pages are reserved (``_platform.reserve_shm``): a full /dev/shm is an error here."""
+    shm = _open_segment(name, create=True, size=size)
+    try:
+        _platform.reserve_shm(getattr(shm, "_fd", -1), size, what)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            shm.close()
+        _unlink_segment(name)
+        raise
+    return shm
+
+
 def _unlink_segment(name: str) -> None:
     try:
         seg = _open_segment(name)
@@ -186,13 +199,13 @@ class SharedMemoryTransport(Transport):
         segments: list[Segment] = []
         try:
             self._clean_stale(name)
-            header = Segment(_open_segment(chan.header(name, generation), create=True, size=header_size))
+            what = f"link {name!r}"
+            header = Segment(_create_segment(chan.header(name, generation), header_size, f"{what} (its header)"))
             segments.append(header)
             data = None
             if data_size:
-                data = Segment(
-                    _open_segment(_platform.segment_name(name, f"-{generation:016x}"), create=True, size=data_size)
-                )
+                data_name = _platform.segment_name(name, f"-{generation:016x}")
+                data = Segment(_create_segment(data_name, data_size, what))
                 segments.append(data)
             listening = chan.listen(name, generation)
         except BaseException:

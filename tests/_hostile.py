@@ -107,6 +107,9 @@ def timed_consumer(name: str, seconds: float, beat: Any, report: Any, ready: Any
                 kind = "frame"
             except cudalink.LinkError as exc:
                 kind = type(exc).__name__
+                if isinstance(exc, cudalink.ProducerGone):  # a lying shutdown flag: this Receiver believes it
+                    rx.close()
+                    rx = cudalink.Receiver(name, timeout=RECV_TIMEOUT, connect=False)
             now = time.monotonic()
             beat.value = now
             longest = max(longest, now - t0)
@@ -120,21 +123,50 @@ def timed_consumer(name: str, seconds: float, beat: Any, report: Any, ready: Any
     report.put(("done", longest, outcomes))
 
 
-def scribble(buf: memoryview, layout: wire.Layout, rng: random.Random) -> None:
-    """One corruption of a live header: a random byte anywhere, or a plausible lie in a stamp cell."""
-    r = rng.random()
-    if r < 0.4:  # a stamp: even ("ready") or odd ("being written"), near the live seqs or far from them
-        slot = rng.randrange(layout.nslots)
-        live = wire.read_u64(buf, layout.stamp(slot))
-        value = rng.choice([live + 2, live + 1, 2 * rng.randrange(1 << 40), rng.randrange(1 << 64), 0])
-        wire.write_u64(buf, layout.stamp(slot), value)
-    elif r < 0.7:  # the slot records (spec bytes, seq, meta length)
-        off = layout.records + rng.randrange(layout.nslots * wire.RECORD_SIZE)
-        buf[off] = rng.randrange(256)
-    elif r < 0.8:  # the fixed part: flags, counts, generation (what a re-attach reads)
-        buf[rng.randrange(wire.FIXED_SIZE)] = rng.randrange(256)
-    else:  # handles, leases, fences, consumer entries
-        buf[layout.handles + rng.randrange(layout.size - layout.handles)] = rng.randrange(256)
+class Scribbler:
+    """Lies written into a live header, each undone after a while (unless the producer rewrote the bytes first).
+
+    Most lies last a few milliseconds, so frames keep flowing and every path gets its turn; one stamp lie in
+    ten (one other lie in a hundred) lasts longer than a recv's timeout + 1 s, which is what turns a take
+    loop that ignores its deadline into a hang the parent sees.
+    """
+
+    def __init__(self, buf: memoryview, layout: wire.Layout, rng: random.Random) -> None:
+        self.buf = buf
+        self.layout = layout
+        self.rng = rng
+        self.pending: list[tuple[float, int, bytes, bytes]] = []  # (undo at, offset, original, lie)
+
+    def _lie(self) -> tuple[int, bytes]:
+        rng, layout, buf = self.rng, self.layout, self.buf
+        r = rng.random()
+        if r < 0.4:  # a stamp: even ("ready") or odd ("being written"), near the live seqs or far from them
+            off = layout.stamp(rng.randrange(layout.nslots))
+            live = wire.read_u64(buf, off)
+            value = rng.choice([live + 2, live + 1, 2 * rng.randrange(1 << 40), rng.randrange(1 << 64), 0])
+            return off, wire.U64.pack(value)
+        if r < 0.7:  # the slot records (seq, spec bytes, meta length)
+            return layout.records + rng.randrange(layout.nslots * wire.RECORD_SIZE), bytes([rng.randrange(256)])
+        if r < 0.75:  # the fixed part: flags, counts, generation (what a re-attach reads)
+            return rng.randrange(wire.FIXED_SIZE), bytes([rng.randrange(256)])
+        # handles, leases, fences, consumer entries
+        return layout.handles + rng.randrange(layout.size - layout.handles), bytes([rng.randrange(256)])
+
+    def step(self, now: float) -> None:
+        """Undo the lies that are due, and tell a new one."""
+        keep = []
+        for due, off, original, lie in self.pending:
+            if due > now:
+                keep.append((due, off, original, lie))
+            elif bytes(self.buf[off : off + len(lie)]) == lie:
+                self.buf[off : off + len(lie)] = original
+        self.pending = keep
+        off, lie = self._lie()
+        original = bytes(self.buf[off : off + len(lie)])
+        self.buf[off : off + len(lie)] = lie
+        long = 0.1 if off < self.layout.records else 0.01  # the stamps lie longest
+        hold = self.rng.uniform(1.0, 2.5) if self.rng.random() < long else self.rng.uniform(0.0, 0.02)
+        self.pending.append((now + hold, off, original, lie))
 
 
 def header_of(name: str) -> tuple[memoryview, Any]:

@@ -349,6 +349,7 @@ def _scribble_while_streaming(spawned: Spawned, name: str, seconds: float, seed:
     """A producer streams, a consumer ``recv(timeout=0.5)``s, this process writes random lies into the header.
 
     No recv may take longer than its timeout + 1 s, nothing may crash, and only cudalink errors may come out.
+    (The consumer's recv in its own process: a take that spins holding the GIL could not be timed here.)
     """
     report = spawned.queue()
     spawned.ready(_hostile.streaming_producer, name, report, forever=True)
@@ -357,13 +358,13 @@ def _scribble_while_streaming(spawned: Spawned, name: str, seconds: float, seed:
     limit = _hostile.RECV_TIMEOUT + 1.0
     buf, seg = _hostile.header_of(name)
     try:
-        layout = wire.read_fixed(buf).layout
         rng = random.Random(seed)
+        scribbler = _hostile.Scribbler(buf, wire.read_fixed(buf).layout, rng)
         end = time.monotonic() + seconds
         while consumer.is_alive():
             now = time.monotonic()
             if now < end:
-                _hostile.scribble(buf, layout, rng)
+                scribbler.step(now)
             elif now > end + 30:
                 pytest.fail("the consumer did not finish")
             stalled = time.monotonic() - beat.value

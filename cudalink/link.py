@@ -354,6 +354,11 @@ class Sender:
         torch tensor is copied on torch's current stream (after its producer, with nothing to order);
         other arrays, and any send while a consumer's release fence is pending, use the link's stream,
         ordered after the array's producer through DLPack/CAI.
+
+        ``meta`` is bytes-like (bytes, bytearray, memoryview; None for none), at most ``wire.META_MAX`` bytes;
+        ``timestamp_ns`` an int (default: the publish time). What cannot be sent (a closed link, another meta
+        type, an array of another shape, dtype or device) is refused before a slot or a seq is taken, so a
+        refused send leaves the link as it was: :class:`LinkClosed` or :class:`FormatError`.
         """
         if _trace.ON:
             _trace.mark(_trace.SEND_ENTERED)

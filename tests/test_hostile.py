@@ -403,3 +403,50 @@ def test_scribbling_on_a_live_header_never_hangs_or_crashes(spawned: Spawned, na
 def test_scribbling_on_a_live_header_for_30_s(spawned: Spawned, name: str) -> None:
     outcomes = _scribble_while_streaming(spawned, name, 30.0, seed=int(time.time()))
     assert sum(outcomes.values()) > 30
+
+
+# ================================================================ GPU: a pool that cannot be had, refused CUDA sends
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("handles", ["pool", "legacy"])
+def test_a_cuda_pool_larger_than_the_card_is_a_clear_error(name: str, handles: str) -> None:
+    """256 GiB of slots on a card of 80 or 141: a cudalink error naming bytes, device and free memory."""
+    if handles == "pool" and _platform.default_handles() != "pool":
+        pytest.skip("IPC pools are Linux-only (not WSL)")
+    with pytest.raises(cudalink.LinkError) as err:
+        cudalink.Sender(name, shape=(16,), dtype="uint8", device=0, slots=1, capacity=1 << 38, handles=handles)
+    text = str(err.value)
+    assert "274,877,906,944 bytes" in text and "cuda:0" in text and "free" in text, text
+    assert "fewer slots" in text, text
+    with cudalink.Sender(name, shape=(16,), dtype="uint8", device=0, handles=handles) as tx:  # nothing left over
+        assert tx.send(_cuda_zeros(16)) == 1
+
+
+def _cuda_zeros(n: int) -> Any:
+    torch = pytest.importorskip("torch")
+    return torch.zeros(n, dtype=torch.uint8, device="cuda")
+
+
+@pytest.mark.gpu
+def test_a_refused_cuda_send_takes_no_seq_and_no_slot(pair: PairFactory) -> None:
+    torch = pytest.importorskip("torch")
+    tx, rx = pair(DEFAULT, shape=(64,), dtype="float32", slots=2, device=0, rx={"latest": False})
+    good = torch.ones(64, device="cuda")
+    tx.send(good)
+    before = _state(tx)
+    for bad in (
+        torch.ones(65, device="cuda"),  # shape, through the one-pass read's refusal and the general path
+        torch.ones(64, device="cuda", dtype=torch.float16),  # dtype
+        np.ones(64, np.float32),  # a host array on a CUDA link
+        torch.ones(128, device="cuda")[::2],  # strides no single copy can take
+    ):
+        with pytest.raises(cudalink.FormatError):
+            tx.send(bad)
+        assert _state(tx) == before
+    with pytest.raises(cudalink.FormatError):
+        tx.send(good, meta="text")
+    assert _state(tx) == before
+    assert tx.send(good * 2) == 2
+    assert [float(torch.from_dlpack(rx.recv(2)).sum()) for _ in range(2)] == [64.0, 128.0]
+    assert rx.skipped == 0

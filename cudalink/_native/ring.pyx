@@ -116,6 +116,8 @@ cdef object _read_record(const uint8_t *base, Py_ssize_t off, object buf, Py_ssi
     memcpy(&seq, base + off, 8)
     memcpy(&ts, base + off + 8, 8)
     cdef Py_ssize_t mlen = base[off + META_LEN_AT]
+    if mlen > META_MAX:  # changed since the spec bytes were read: only a scribbler does that
+        raise ProtocolError(f"cudalink: slot record meta length {mlen} > {META_MAX}")
     meta = PyBytes_FromStringAndSize(<const char *>(base + off + META_AT), mlen) if mlen else b""
     return _tuple_new(_SlotRecord, (seq, ts, spec, meta))
 
@@ -347,6 +349,8 @@ cdef class ConsumerCore:
         memcpy(&seq, base + off, 8)
         memcpy(&ts, base + off + 8, 8)
         mlen = base[off + META_LEN_AT]
+        if mlen > META_MAX:  # changed since the memcmp above: only a scribbler does that
+            raise ProtocolError(f"cudalink: slot record meta length {mlen} > {META_MAX}")
         meta = PyBytes_FromStringAndSize(<const char *>(base + off + META_AT), mlen) if mlen else b""
         return (seq, ts, self._spec[slot], meta)  # a plain tuple: ``take`` names it for Python callers
 

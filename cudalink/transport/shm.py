@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from .. import _platform
-from ..errors import LinkError
+from ..errors import LinkError, ProtocolError
 from . import wire
 from .base import NoProducer, Server, ServerHandler, Transport
 from .channel import CHANNELS, DENIED, Channel, Found, Listening, channel, find
@@ -164,7 +164,9 @@ class _ShmClient(SocketClient):
         except FileNotFoundError as exc:
             raise NoProducer("data segment vanished") from exc
         if len(seg.buf) < size:
-            raise LinkError(f"cudalink: data segment is {len(seg.buf)} bytes, header promises {size}")
+            raise ProtocolError(
+                f"cudalink: data segment is {len(seg.buf)} bytes, the header promises {size}: the header is corrupt"
+            )
         self.data_segment = seg
         return seg.buf
 

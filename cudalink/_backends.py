@@ -324,17 +324,17 @@ class CudaSlots:
         consumer's release fence is still pending does it go on the link's stream instead, so that waiting
         for a slow consumer never stalls the caller's own stream. ``checked`` is what :meth:`source` made.
         """
-        if type(checked) is tuple:  # the one-pass read of a compact array on its own stream
+        got: _Source | None
+        if type(checked) is _Source:
+            got = None if fences and checked.own else checked
+        else:  # the one-pass read's (pointer, stream) of a compact array on its own stream
             if not fences:
                 if _trace.ON:
                     _trace.mark(_trace.FENCES_WAITED)
-                self._copy(slot, spec, checked[0], 0, checked[1], src)
+                fast = cast("tuple[int, int]", checked)
+                self._copy(slot, spec, fast[0], 0, fast[1], src)
                 return
             got = None
-        else:
-            got = cast("_Source", checked)
-            if fences and got.own:
-                got = None
         if got is None:  # a fence moves the copy to the link's stream: read the source again, ordered there
             info = arrays.describe_array(src, stream_ptr=self.stream_int)
             got = _Source(info, self._checked_pitch(spec, info), self.stream_int, False)

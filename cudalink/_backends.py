@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from . import _platform, _trace
 from .cuda import arrays, devices, driver, memory
-from .errors import FormatError, LinkError
+from .errors import FormatError, LinkError, ProtocolError
 from .frames.frame import Frame, FrameSync, HostViews, _Hold
 from .frames.spec import FrameSpec
 from .transport import wire
@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from .cuda.objects import Event, Stream
 
 SLOT_ALIGN = 4096
+#: what a consumer requires of a host slot's offset: the largest itemsize, so every dtype's view is aligned
+HOST_SLOT_ALIGN = 16
+#: a CUDA slot's memory may be rounded up (to the pool's granularity), never beyond this
+MAX_SLOT_BYTES = 1 << 41
 
 #: send()'s GPU work (the copy into the slot and its ready event) as one CUDA graph launch per frame
 #: (:class:`cudalink.cuda.driver.CopyGraph`) instead of ``cuMemcpyDtoDAsync`` + ``cuEventRecord``. Off: an
@@ -59,7 +63,16 @@ class ProducerSlots(Protocol):
     def bind(self, region: Region | None) -> None: ...
     def handles(self) -> list[wire.SlotHandle]: ...
     def fds(self) -> list[int]: ...
-    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None: ...
+    def source(self, spec: FrameSpec, src: object, stream: object) -> object:
+        """Refuse a source that cannot go into these slots (:class:`FormatError`), before any slot is claimed.
+
+        What it returns is what ``copy_in`` reads: the checks are not repeated per slot.
+        """
+        ...
+
+    def copy_in(
+        self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent], checked: object
+    ) -> None: ...
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[RawEvent]) -> Frame: ...
     def commit(self, slot: int, streams: list[int], stream: object) -> None: ...
     def close(self, timeout: float) -> None: ...
@@ -80,6 +93,13 @@ class ConsumerView(Protocol):
     """A consumer's side of one producer generation's slots: frames out, release fences back."""
 
     device: int
+
+    def check(self, handles: list[wire.SlotHandle], capacity: int) -> None:
+        """Refuse (:class:`ProtocolError`) slot handles whose memory could not hold ``capacity`` bytes each.
+
+        Run once per attach (each producer generation), so a frame's spec, already checked against
+        ``capacity``, always fits the memory it is viewed on."""
+        ...
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None: ...
     def slot(self, slot: int, handle: wire.SlotHandle, spec: FrameSpec) -> SlotParts:
@@ -136,7 +156,7 @@ class HostSlots:
             got = self._views[key] = (spec, view)
         return got[1]
 
-    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None:
+    def source(self, spec: FrameSpec, src: object, stream: object) -> npt.NDArray[np.generic]:
         if type(src) is np.ndarray and src.shape == spec.shape and src.dtype == spec.dtype:
             arr: npt.NDArray[np.generic] = src  # the common case, without describing the array
         else:
@@ -150,7 +170,12 @@ class HostSlots:
             arr = cast("npt.NDArray[np.generic]", info.owner)  # host_info's owner is the ndarray
         if _trace.ON:
             _trace.mark(_trace.SOURCE_READ)
-        np.copyto(self._array(slot, spec), arr, casting="no")
+        return arr
+
+    def copy_in(
+        self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent], checked: object
+    ) -> None:
+        np.copyto(self._array(slot, spec), cast("npt.NDArray[np.generic]", checked), casting="no")
         if _trace.ON:
             _trace.mark(_trace.COPY_QUEUED)
 
@@ -195,6 +220,16 @@ def _row_pitch(spec: FrameSpec, strides: tuple[int, ...] | None) -> int:
         f"cudalink: array strides {strides} cannot be copied into the link's {spec.shape} {spec.dtype.name} frames "
         "with one copy (only padded rows can); call .contiguous() (torch) or cupy.ascontiguousarray first"
     )
+
+
+class _Source(NamedTuple):
+    """A checked source of a CUDA send: its description, row pitch (0: one flat copy) and the stream its
+    copy goes on (``own``: the framework's current stream, which a pending release fence changes)."""
+
+    info: arrays.ArrayInfo
+    pitch: int
+    stream: int
+    own: bool
 
 
 class CudaSlots:
@@ -246,39 +281,38 @@ class CudaSlots:
             self.dev.set_current()
             self._tls.ok = True
 
-    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None:
-        """One copy into ``slot`` and the slot's ready event, queued without blocking the CPU.
+    def source(self, spec: FrameSpec, src: object, stream: object) -> object:
+        """Read and check ``src`` before a slot is claimed: a ``(pointer, stream)`` pair for the one-pass read
+        (a compact array of the link's spec on its framework's current stream), else a :class:`_Source`.
 
-        With no ``stream`` the copy goes on the source's own stream where the framework names it cheaply
-        (torch's current stream): it is then ordered after the source's producer for free. Only when a
-        consumer's release fence is still pending does it go on the link's stream instead, so that waiting
-        for a slow consumer never stalls the caller's own stream.
+        Reading it here orders it once: a source read with a stream (DLPack/CAI ``stream=``) is read with the
+        stream its copy goes on, so ``copy_in`` reads it again only in the rare case a release fence moves a
+        copy off the source's own stream.
         """
         if not getattr(self._tls, "ok", False):  # _current(), inlined: this runs once per frame
             self._current()
-        if stream is None and not fences:
+        own: int | None = None
+        if stream is None:
             want = self._want
             if want is None or spec is not self._want_spec:  # built once per spec
                 want = self._want = arrays.source_want(spec, self.device)
                 self._want_spec = spec
             fast = arrays.fast_source(src, want)
             if fast is not None:
-                # the common case, on the framework's current stream: after the array's producer, nothing
-                # to order
                 if _trace.ON:
                     _trace.mark(_trace.SOURCE_READ)
-                    _trace.mark(_trace.FENCES_WAITED)
-                self._copy(slot, spec, fast[0], 0, fast[1], src)
-                return
-        if stream is not None:
-            s = order = driver.stream_handle(stream)
-        else:
-            own = None if fences else arrays.current_stream_of(src)
+                return fast
+            own = arrays.current_stream_of(src)
             s = self.stream_int if own is None else own
             order = s if own is None else -1  # on the source's own stream there is nothing to order
+        else:
+            s = order = driver.stream_handle(stream)
         info = arrays.describe_array(src, stream_ptr=order)
         if _trace.ON:
             _trace.mark(_trace.SOURCE_READ)
+        return _Source(info, self._checked_pitch(spec, info), s, own is not None)
+
+    def _checked_pitch(self, spec: FrameSpec, info: arrays.ArrayInfo) -> int:
         if info.shape != spec.shape or info.dtype != spec.dtype:
             spec.check_array(info.shape, info.dtype)
         if info.device_id != self.device:
@@ -288,12 +322,38 @@ class CudaSlots:
                     f"the GPU first (torch: x.cuda(); cupy: cupy.asarray(x)), or use a device='cpu' link"
                 )
             raise FormatError(f"cudalink: array is on cuda:{info.device_id}, the link on cuda:{self.device}")
-        pitch = _row_pitch(spec, info.strides)
+        return _row_pitch(spec, info.strides)
+
+    def copy_in(
+        self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent], checked: object
+    ) -> None:
+        """One copy into ``slot`` and the slot's ready event, queued without blocking the CPU.
+
+        With no ``stream`` the copy goes on the source's own stream where the framework names it cheaply
+        (torch's current stream): it is then ordered after the source's producer for free. Only when a
+        consumer's release fence is still pending does it go on the link's stream instead, so that waiting
+        for a slow consumer never stalls the caller's own stream. ``checked`` is what :meth:`source` made.
+        """
+        got: _Source | None
+        if type(checked) is _Source:
+            got = None if fences and checked.own else checked
+        else:  # the one-pass read's (pointer, stream) of a compact array on its own stream
+            if not fences:
+                if _trace.ON:
+                    _trace.mark(_trace.FENCES_WAITED)
+                fast = cast("tuple[int, int]", checked)
+                self._copy(slot, spec, fast[0], 0, fast[1], src)
+                return
+            got = None
+        if got is None:  # a fence moves the copy to the link's stream: read the source again, ordered there
+            info = arrays.describe_array(src, stream_ptr=self.stream_int)
+            got = _Source(info, self._checked_pitch(spec, info), self.stream_int, False)
+        s = got.stream
         for ev in fences:
             driver.wait(s, ev)
         if _trace.ON:
             _trace.mark(_trace.FENCES_WAITED)
-        self._copy(slot, spec, info.ptr, pitch, s, info.owner)
+        self._copy(slot, spec, got.info.ptr, got.pitch, s, got.info.owner)
 
     def _copy(self, slot: int, spec: FrameSpec, src: int, pitch: int, s: int, owner: object) -> None:
         """The tail both paths share: one copy into the slot, its ready event, the source kept alive."""
@@ -389,6 +449,17 @@ class HostView:
             raise LinkError("cudalink: the transport mapped no data region for a host link")
         self.region: Region = region
 
+    def check(self, handles: list[wire.SlotHandle], capacity: int) -> None:
+        size = len(self.region.buf)
+        for i, h in enumerate(handles):
+            off = h.size  # a host slot's handle carries its offset in the region
+            if off % HOST_SLOT_ALIGN or off + capacity > size:
+                raise ProtocolError(
+                    f"cudalink: slot {i} of the host link says it lies at offset {off}, which does not hold "
+                    f"{capacity}-byte slots {HOST_SLOT_ALIGN}-aligned in the {size}-byte data segment: the header is "
+                    "corrupt; restart the producer"
+                )
+
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         pass
 
@@ -445,6 +516,14 @@ class CudaView:
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._closed = False
+
+    def check(self, handles: list[wire.SlotHandle], capacity: int) -> None:
+        for i, h in enumerate(handles):
+            if h.size < capacity or h.size > MAX_SLOT_BYTES:
+                raise ProtocolError(
+                    f"cudalink: slot {i} of the CUDA link says it is {h.size} bytes, but slots hold {capacity}: "
+                    "the header is corrupt; restart the producer"
+                )
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         """Create this consumer's per-slot release events and publish their handles for the producer."""

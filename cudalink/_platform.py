@@ -7,6 +7,7 @@ argument where it can, so ``tests/test_platform.py`` runs it on Linux against a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import getpass
 import hashlib
 import mmap
@@ -182,6 +183,61 @@ class ProcessLock:
     @property
     def held(self) -> bool:
         return self._fd >= 0
+
+
+# -- shared-memory space -------------------------------------------------------------------------------------
+
+#: where Linux keeps POSIX shared memory: a tmpfs whose size bounds every host link (Docker: 64 MiB by default)
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    """Bytes free for new shared memory where it is a filesystem (Linux's /dev/shm); None where unknown."""
+    if not IS_LINUX or not hasattr(os, "statvfs"):
+        return None
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
+def shm_full_message(needed: int, free: int | None, what: str) -> str:
+    room = f"only {free:,} are free" if free is not None else "there is not that much room"
+    return (
+        f"cudalink: {what} needs {needed:,} bytes of shared memory ({SHM_DIR}) but {room}; use a smaller link "
+        "(fewer slots, smaller frames or capacity), free space there, or, in Docker, give the container more "
+        "with --shm-size (e.g. docker run --shm-size=2g)"
+    )
+
+
+def check_shm_space(needed: int, free: int | None, what: str) -> None:
+    """Refuse a segment that cannot fit: writing to pages a full tmpfs cannot back is a SIGBUS, not an error."""
+    if free is not None and needed > free:
+        raise LinkError(shm_full_message(needed, free, what))
+
+
+def reserve_shm(fd: int, size: int, what: str, free: Callable[[], int | None] | None = None) -> None:
+    """Give a new shared-memory segment its pages now, so a full /dev/shm is a :class:`LinkError` here and
+    never a SIGBUS at the first write into a sparse segment.
+
+    ``free`` (default :func:`shm_free_bytes`) is checked first: cheap, and it saves allocating most of a
+    segment that cannot fit. Then ``posix_fallocate`` reserves the pages where the OS has it. Where it has
+    not (macOS; Windows commits a segment when it is made) or the filesystem cannot preallocate, the check
+    is what remains.
+    """
+    avail = shm_free_bytes() if free is None else free()
+    check_shm_space(size, avail, what)
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None or fd < 0 or size <= 0:
+        return
+    try:
+        fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise LinkError(shm_full_message(size, avail, what)) from exc
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENODEV, errno.ESPIPE):
+            raise LinkError(f"cudalink: could not reserve {size:,} bytes of shared memory for {what}: {exc}") from exc
 
 
 def shm_map_readonly(segment: str) -> mmap.mmap | bytes | None:

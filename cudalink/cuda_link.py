@@ -242,8 +242,9 @@ class CudaLinkSender:
         with self._lock:
             if self._closed or meta:
                 self._check_open(meta)
+            checked = self._slots.source(self._spec, array, stream)  # a refused array takes no slot
             slot = self._idx % self._n
-            self._slots.copy_in(slot, self._spec, array, stream, [])
+            self._slots.copy_in(slot, self._spec, array, stream, [], checked)
             return self._publish(timestamp_ns)
 
     def reserve(

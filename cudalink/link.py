@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import secrets
 import threading
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["Receiver", "Sender"]
 
 Policy = Literal["drop", "block"]
+#: what ``send``/``reserve`` take as a frame's meta: bytes-like, at most ``wire.META_MAX`` bytes; None for none
+Meta = bytes | bytearray | memoryview | None
 WaitMode = Literal["spin", "block", "hybrid"]
 
 _default_transport: Transport | None = None
@@ -40,6 +43,7 @@ _perf_ns = time.perf_counter_ns
 _AHEAD_SPIN_S = wire.AHEAD_SPIN_NS / 1e9
 _AHEAD_CLAMP_NS = 2 * wire.AHEAD_MAX_NS  # one stalled send moves the moving average of send times little
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
+_META_MAX = wire.META_MAX
 
 
 def default_transport() -> Transport:
@@ -274,12 +278,15 @@ class Sender:
 
     # -- publishing -------------------------------------------------------------------------------------
 
-    def _check_open(self, meta: bytes = b"") -> None:
-        """Refuse what cannot be published before a slot is taken: a closed link, or meta that cannot travel."""
+    def _check_open(self) -> None:
         if self._closed:
             raise LinkClosed(f"cudalink: Sender {self.name!r} is closed; create a new one")
-        if len(meta) > wire.META_MAX:
-            raise FormatError(f"cudalink: meta is {len(meta)} bytes; at most {wire.META_MAX} travel with a frame")
+
+    def _checked(self, meta: object, timestamp_ns: object) -> tuple[bytes, int | None]:
+        """Refuse what cannot be published, before a slot or a seq is taken: a closed link, meta that is not
+        bytes-like or too long, a timestamp that is not a u64. Returns them as the ring writes them."""
+        self._check_open()
+        return _meta_bytes(meta), _timestamp(timestamp_ns)
 
     def _claim(self, timeout: float | None) -> int | None:
         slot = self._ring.claim(self._seq + 1)
@@ -352,7 +359,7 @@ class Sender:
         *,
         stream: object = None,
         timestamp_ns: int | None = None,
-        meta: bytes = b"",
+        meta: Meta = b"",
         timeout: float | None = None,
     ) -> int | None:
         """Copy ``array`` into the next free slot and publish it; returns its seq, or None if dropped.
@@ -361,13 +368,20 @@ class Sender:
         torch tensor is copied on torch's current stream (after its producer, with nothing to order);
         other arrays, and any send while a consumer's release fence is pending, use the link's stream,
         ordered after the array's producer through DLPack/CAI.
+
+        ``meta`` is bytes-like (bytes, bytearray, memoryview; None for none), at most ``wire.META_MAX`` bytes;
+        ``timestamp_ns`` an int (default: the publish time). What cannot be sent (a closed link, another meta
+        type, an array of another shape, dtype or device) is refused before a slot or a seq is taken, so a
+        refused send leaves the link as it was: :class:`LinkClosed` or :class:`FormatError`.
         """
         if _trace.ON:
             _trace.mark(_trace.SEND_ENTERED)
         with self._lock:
-            if self._closed or meta:
-                self._check_open(meta)
+            # everything a send can refuse is refused here, before a slot or a seq is taken
+            if self._closed or meta.__class__ is not bytes or len(meta) > _META_MAX or timestamp_ns is not None:
+                meta, timestamp_ns = self._checked(meta, timestamp_ns)
             spec = self._spec
+            checked = self._slots.source(spec, array, stream)
             slot = self._ring.claim(self._seq + 1)  # _claim(), its common case inlined
             if slot is None and self.policy == "block":
                 slot = self._claim_waiting(timeout)
@@ -388,7 +402,7 @@ class Sender:
                 fences = self._fences(slot, fenced) if fenced else []
                 if _trace.ON:
                     _trace.mark(_trace.SLOT_CLAIMED)
-                self._slots.copy_in(slot, spec, array, stream, fences)
+                self._slots.copy_in(slot, spec, array, stream, fences, checked)
             except BaseException:
                 ring.abort(slot)
                 raise
@@ -399,8 +413,9 @@ class Sender:
             dt = dt if dt < _AHEAD_CLAMP_NS else _AHEAD_CLAMP_NS
             avg = self._send_ns = self._send_ns + ((dt - self._send_ns) >> 4)
             self._ahead = avg < wire.AHEAD_MAX_NS
-            seq = self._seq = self._seq + 1
+            seq = self._seq + 1
             ring.publish(slot, seq, timestamp_ns, spec, meta)  # ends with a full fence: see _publish
+            self._seq = seq
             if _trace.ON:
                 _trace.mark(_trace.PUBLISHED)
             # the wake-up last: a consumer it wakes usually runs on this core, once we stop running
@@ -437,10 +452,10 @@ class Sender:
             _trace.mark(sent)
 
     def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
-        self._seq += 1
         ring = self._ring
-        ring.publish(slot, self._seq, timestamp_ns, spec, meta)  # ends with a full fence: the stamp is
+        ring.publish(slot, self._seq + 1, timestamp_ns, spec, meta)  # ends with a full fence: the stamp is
         # visible before we read who sleeps (pairs with the consumer's set_waiting)
+        self._seq += 1
         if _trace.ON:
             _trace.mark(_trace.PUBLISHED)
         asleep = ring.sleepers(self._handler.joined)
@@ -449,7 +464,7 @@ class Sender:
         return self._seq
 
     def reserve(
-        self, *, stream: object = None, meta: bytes = b"", timeout: float | None = None
+        self, *, stream: object = None, meta: Meta = b"", timeout: float | None = None
     ) -> contextlib.AbstractContextManager[Frame]:
         """Zero-copy: yields the next slot as a writable Frame; it is published when the block exits cleanly.
 
@@ -458,11 +473,11 @@ class Sender:
         ends. If the block raises, nothing is published. When consumers hold every slot it raises
         :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
         """
-        return _Reservation(self, stream, meta, timeout)
+        return _Reservation(self, stream, _meta_bytes(meta), timeout)
 
     def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, int, Frame]:
         """The start of a ``reserve()`` block, under the lock the block holds: (slot, spec, timestamp, frame)."""
-        self._check_open(meta)
+        self._check_open()
         spec = self._spec
         slot = self._claim(timeout)
         if slot is None:
@@ -524,7 +539,7 @@ class Sender:
         *,
         stream: object = None,
         timestamp_ns: int | None = None,
-        meta: bytes = b"",
+        meta: Meta = b"",
         timeout: float | None = None,
     ) -> int | None:
         """``send`` that waits for a free slot (policy ``"block"``) in a thread, not on the event loop."""
@@ -565,6 +580,39 @@ class Sender:
         with contextlib.suppress(Exception):
             if not self._closed:
                 self.close(timeout=0.2)
+
+
+def _meta_bytes(meta: object) -> bytes:
+    """A frame's meta as the ring writes it: bytes-like (bytes, bytearray, memoryview) of at most
+    ``wire.META_MAX`` bytes; None is no meta. Anything else is a :class:`FormatError` in both cores."""
+    if meta is None:
+        return b""
+    if not isinstance(meta, (bytes, bytearray, memoryview)):
+        hint = "; encode it first, e.g. meta=text.encode()" if isinstance(meta, str) else ""
+        raise FormatError(
+            f"cudalink: meta must be bytes, bytearray or memoryview (or None), got {type(meta).__name__}{hint}"
+        )
+    raw = bytes(meta)
+    if len(raw) > _META_MAX:
+        raise FormatError(
+            f"cudalink: meta is {len(raw)} bytes; at most {_META_MAX} travel with a frame (put more in the frame)"
+        )
+    return raw
+
+
+def _timestamp(ts: object) -> int | None:
+    """A caller's frame timestamp: an int (numpy ints too) in 0..2**64-1, or None for the publish time."""
+    if ts is None:
+        return None
+    try:
+        value = operator.index(ts)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if isinstance(ts, bool) or not 0 <= value < 1 << 64:
+        raise FormatError(
+            f"cudalink: timestamp_ns must be an int of nanoseconds in 0..2**64-1 (e.g. time.time_ns()), got {ts!r}"
+        )
+    return value
 
 
 class _Reservation:

@@ -3,11 +3,12 @@ pool) or legacy ``cuIpc`` handles (Windows, WSL)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import LinkError
 from . import devices, driver
@@ -62,17 +63,23 @@ class PoolExporter:
         devices.require_pool_ipc(dev)
         gran = 2 << 20
         per = (size + gran - 1) // gran * gran
-        opts = core.DeviceMemoryResourceOptions(ipc_enabled=True, max_size=per * nslots + gran)
-        self.mr = core.DeviceMemoryResource(dev, opts)
         self.slots: list[ExportedSlot] = []
         self._bufs: list[Closable] = []
-        for _ in range(nslots):
-            buf = self.mr.allocate(size, stream=stream)
-            payload, bsize = driver.descriptor_args(buf.ipc_descriptor)[:2]
-            self.slots.append(ExportedSlot(int(buf.handle), bytes(payload), int(bsize)))
-            self._bufs.append(buf)
-            driver.register_local_slot(bytes(payload), int(buf.handle))
-        stream.sync()
+        self.mr: Any = None  # a cuda.core DeviceMemoryResource, once made
+        try:
+            opts = core.DeviceMemoryResourceOptions(ipc_enabled=True, max_size=per * nslots + gran)
+            self.mr = core.DeviceMemoryResource(dev, opts)
+            for _ in range(nslots):
+                buf = self.mr.allocate(size, stream=stream)
+                payload, bsize = driver.descriptor_args(buf.ipc_descriptor)[:2]
+                self.slots.append(ExportedSlot(int(buf.handle), bytes(payload), int(bsize)))
+                self._bufs.append(buf)
+                driver.register_local_slot(bytes(payload), int(buf.handle))
+            stream.sync()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.close(stream)
+            raise no_room(dev, nslots, size, exc) from exc
 
     def fds(self) -> list[int]:
         return [int(self.mr.allocation_handle.handle)]
@@ -85,7 +92,8 @@ class PoolExporter:
         self.slots.clear()
         self._bufs.clear()
         stream.sync()
-        self.mr.close()
+        if self.mr is not None:
+            self.mr.close()
 
 
 class LegacyExporter:
@@ -97,12 +105,17 @@ class LegacyExporter:
         drv = driver.bindings()
         self.slots: list[ExportedSlot] = []
         self._ptrs: list[object] = []  # the CUdeviceptr objects, for cuMemFree
-        for _ in range(nslots):
-            ptr = driver.check(drv.cuMemAlloc(size), "cuMemAlloc")
-            h = driver.check(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
-            self.slots.append(ExportedSlot(int(ptr), bytes(h.reserved), size))
-            self._ptrs.append(ptr)
-            driver.register_local_slot(bytes(h.reserved), int(ptr))
+        try:
+            for _ in range(nslots):
+                ptr = driver.check(drv.cuMemAlloc(size), "cuMemAlloc")
+                self._ptrs.append(ptr)
+                h = driver.check(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+                self.slots.append(ExportedSlot(int(ptr), bytes(h.reserved), size))
+                driver.register_local_slot(bytes(h.reserved), int(ptr))
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.close(stream)
+            raise no_room(dev, nslots, size, exc) from exc
 
     def fds(self) -> list[int]:
         return []
@@ -114,6 +127,28 @@ class LegacyExporter:
         free_bounded(self._ptrs)
         self.slots.clear()
         self._ptrs = []
+
+
+def mem_info() -> tuple[int, int] | None:
+    """(free, total) bytes of the current device, or None where the driver cannot say."""
+    try:
+        drv = driver.bindings()
+        free, total = driver.check(drv.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+    except Exception:
+        return None
+
+
+def no_room(dev: Device, nslots: int, size: int, exc: BaseException) -> LinkError:
+    """The error of a slot pool that could not be allocated: what was asked, where, what is free, the fix."""
+    ordinal = getattr(dev, "device_id", "?")
+    info = mem_info()
+    room = f"{info[0]:,} of its {info[1]:,} bytes are free" if info is not None else "its free memory is unknown"
+    return LinkError(
+        f"cudalink: could not allocate the link's {nslots} slot(s) of {size:,} bytes ({nslots * size:,} bytes) on "
+        f"cuda:{ordinal}, where {room} ({type(exc).__name__}: {exc}); use fewer slots, smaller frames or a "
+        "smaller capacity, or free GPU memory"
+    )
 
 
 #: how long a producer's close waits for cuMemFree before it leaks the slots instead

@@ -134,12 +134,19 @@ class RingAttachment:
     receive = staticmethod(receive)
     sleep_receive = staticmethod(sleep_receive)
 
-    def __init__(self, client: Client, fixed: wire.Fixed, index: int, view: _backends.ConsumerView) -> None:
+    def __init__(
+        self,
+        client: Client,
+        fixed: wire.Fixed,
+        index: int,
+        view: _backends.ConsumerView,
+        handles: list[wire.SlotHandle],
+    ) -> None:
         self.client = client
         self.fixed = fixed
         self.ring = consumer_ring(client.header, fixed.layout, index, fixed.capacity)
         self.view = view
-        self.handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
+        self.handles = handles  # read and checked once, at attach
         self.generation = fixed.generation
         self.device_id = view.device  #: the CUDA ordinal frames are built with (-1: host)
         self.backend = wire.BACKEND_NAMES[fixed.backend]
@@ -219,6 +226,20 @@ class RingAttachment:
         self.client.close()
 
 
+def _ring_attachment(client: Client, fixed: wire.Fixed, index: int, fds: list[int]) -> RingAttachment:
+    """Map the producer's slots and check every slot's handle once, at attach (a producer writes them once, at
+    start): a lying handle is a ProtocolError now, not a TypeError on every recv."""
+    view = _backends.make_consumer_view(fixed, client, fds)
+    handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
+    try:
+        view.check(handles, fixed.capacity)
+        view.setup(client.header, fixed.layout, index)
+    except BaseException:
+        view.close()
+        raise
+    return RingAttachment(client, fixed, index, view, handles)
+
+
 class RingSource:
     """A producer on this host, found by name through a :class:`~cudalink.transport.base.Transport`.
 
@@ -267,9 +288,7 @@ class RingSource:
                     raise NoProducer(str(exc)) from exc
                 raise
             if fixed.backend == wire.BACKEND_HOST:
-                view = _backends.make_consumer_view(fixed, client, fds)
-                view.setup(client.header, fixed.layout, welcome.index)
-                return RingAttachment(client, fixed, welcome.index, view)
+                return _ring_attachment(client, fixed, welcome.index, fds)
         except BaseException:
             client.close()
             raise
@@ -277,9 +296,7 @@ class RingSource:
         # cupy call "the current device") is given back, since a Receiver on GPU 1 must not move it to 0
         try:
             with devices.keep_current():
-                view = _backends.make_consumer_view(fixed, client, fds)
-                view.setup(client.header, fixed.layout, welcome.index)
-                att = RingAttachment(client, fixed, welcome.index, view)
+                att = _ring_attachment(client, fixed, welcome.index, fds)
         except BaseException:
             client.close()
             raise

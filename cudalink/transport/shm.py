@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from .. import _platform
-from ..errors import LinkError
+from ..errors import LinkError, ProtocolError
 from . import wire
 from .base import NoProducer, Server, ServerHandler, Transport
 from .channel import CHANNELS, DENIED, Channel, Found, Listening, channel, find
@@ -43,6 +43,19 @@ def _open_segment(name: str, create: bool = False, size: int = 0) -> shared_memo
             return shared_memory.SharedMemory(name, create=create, size=size)
         finally:
             resource_tracker.register = saved  # type: ignore[assignment]
+
+
+def _create_segment(name: str, size: int, what: str) -> shared_memory.SharedMemory:
+    """A new segment whose pages are reserved (``_platform.reserve_shm``): a full /dev/shm is an error here."""
+    shm = _open_segment(name, create=True, size=size)
+    try:
+        _platform.reserve_shm(getattr(shm, "_fd", -1), size, what)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            shm.close()
+        _unlink_segment(name)
+        raise
+    return shm
 
 
 def _unlink_segment(name: str) -> None:
@@ -151,7 +164,9 @@ class _ShmClient(SocketClient):
         except FileNotFoundError as exc:
             raise NoProducer("data segment vanished") from exc
         if len(seg.buf) < size:
-            raise LinkError(f"cudalink: data segment is {len(seg.buf)} bytes, header promises {size}")
+            raise ProtocolError(
+                f"cudalink: data segment is {len(seg.buf)} bytes, the header promises {size}: the header is corrupt"
+            )
         self.data_segment = seg
         return seg.buf
 
@@ -186,13 +201,13 @@ class SharedMemoryTransport(Transport):
         segments: list[Segment] = []
         try:
             self._clean_stale(name)
-            header = Segment(_open_segment(chan.header(name, generation), create=True, size=header_size))
+            what = f"link {name!r}"
+            header = Segment(_create_segment(chan.header(name, generation), header_size, f"{what} (its header)"))
             segments.append(header)
             data = None
             if data_size:
-                data = Segment(
-                    _open_segment(_platform.segment_name(name, f"-{generation:016x}"), create=True, size=data_size)
-                )
+                data_name = _platform.segment_name(name, f"-{generation:016x}")
+                data = Segment(_create_segment(data_name, data_size, what))
                 segments.append(data)
             listening = chan.listen(name, generation)
         except BaseException:

@@ -979,7 +979,7 @@ class Receiver:
         driver through host memory: no peer access between the two GPUs), ``same-device`` (``copy="always"``
         on the producer's GPU), or ``unknown`` before attaching."""
         att = self._att
-        path = "unknown" if att is None else str(getattr(att, "path", "zero-copy"))
+        path = "unknown" if att is None else att.path
         return {"received": self.received, "skipped": self.skipped, "reattached": self.reattached, "path": path}
 
     # -- teardown ---------------------------------------------------------------------------------------------

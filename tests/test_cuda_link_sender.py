@@ -46,10 +46,17 @@ class FakeCudaSlots:
             out.append(wire.SlotHandle((b"HOST" + n.encode()).ljust(64, b"\0"), self.capacity, bytes([i + 1]) * 64, 0))
         return out
 
-    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[object]) -> None:
+    def source(self, spec: FrameSpec, src: object, stream: object) -> object:
+        arr = np.asarray(src)
+        spec.check_array(arr.shape, arr.dtype)
+        return arr
+
+    def copy_in(
+        self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[object], checked: object
+    ) -> None:
         buf = self.segs[slot].buf
         assert buf is not None
-        np.copyto(np.ndarray(spec.shape, spec.dtype, buffer=buf), np.asarray(src))
+        np.copyto(np.ndarray(spec.shape, spec.dtype, buffer=buf), np.asarray(checked))
         self.calls.append(("copy+record", slot))
 
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[object]) -> Frame:

@@ -27,6 +27,7 @@ class MockAttachment:
     """One generation of a fake producer: frames are queued by the test, wake-ups go through a socketpair."""
 
     backend = "mock"
+    path = "zero-copy"
     capacity = 1 << 20
     floor = 0
 

@@ -453,6 +453,8 @@ class CudaLinkAttachment:
         self.generation = generation
         self.mem = mem
         self.device = "cpu" if mem.device < 0 else f"cuda:{mem.device}"
+        #: how frames reach the Receiver (``stats()["path"]``): copied into its own buffers, or the slot itself
+        self.path = "copy" if getattr(mem, "copy", False) else "zero-copy"
         self.capacity = capacity
         #: frames published before we joined: the newest of them is still delivered, none counts as skipped
         self.floor = max(0, header.write_idx - 1)

@@ -150,6 +150,7 @@ class RingAttachment:
         self.generation = fixed.generation
         self.device_id = view.device  #: the CUDA ordinal frames are built with (-1: host)
         self.backend = wire.BACKEND_NAMES[fixed.backend]
+        self.path = "zero-copy"
         self.capacity = fixed.capacity
         #: frames published before we joined are not "skipped" by us
         self.floor = wire.read_u64(client.header, wire.OFF_PUBLISHED)

@@ -44,6 +44,9 @@ class Attachment(Protocol):
     backend: str  #: how frames reach us: "host", "cuda-pool", "cuda-legacy", "cuda-link", "ucx", ...
     capacity: int  #: bytes a frame may have
     floor: int  #: frames published before we joined: not counted as skipped
+    #: how frames reach the Receiver, for ``stats()["path"]``: "zero-copy" (the producer's memory itself), or a
+    #: copy into memory the Receiver owns ("copy", "peer", "staged", "same-device", "network", ...)
+    path: str
 
     #: ``(rx, att) -> Frame | None``: take the next frame now, or None; never blocks
     receive: Callable[..., Frame | None]

@@ -11,9 +11,7 @@ __all__ = ["open_source"]
 
 def open_source(name: str, *, transport: Transport, device: int | str | None, copy: Copy) -> Source:
     """The source for ``name``: a link of this host by default."""
-    if isinstance(name, str) and name.startswith(
-        "cuda-link:"
-    ):  # a cuda-link segment (its own layout; the name taken as given)
+    if isinstance(name, str) and name.startswith("cuda-link:"):  # its own layout; the name taken as given
         from .cuda_link_source import CudaLinkSource
 
         return CudaLinkSource(name, device=device, copy=copy)

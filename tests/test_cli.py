@@ -280,6 +280,47 @@ def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(proc)
 
 
+def _stub_bench(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], json_arg: str | None
+) -> tuple[int, str, str]:
+    """``cmd_bench`` with the measurements stubbed out: what it prints, and where."""
+    import argparse
+
+    from cudalink.tools import bench as bench_mod
+    from cudalink.tools import report as report_mod
+
+    fake = {"backend": "cpu", "floors": {}, "breakdown": None, "marker": "x" * 8, "rows": [], "wait_modes": []}
+
+    class Bench:
+        def __init__(self, **kw: object) -> None:
+            pass
+
+        def run(self) -> dict[str, object]:
+            return fake
+
+    monkeypatch.setattr(bench_mod, "Bench", Bench)
+    args = argparse.Namespace(
+        quick=True, device="cpu", json=json_arg, frames=None, fanout=8, breakdown=True, wake_ahead=True
+    )
+    code = report_mod.cmd_bench(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_prints_json_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``bench --quick`` used to print ~930 lines of JSON after its tables; now only ``--json PATH|-`` does."""
+    _code, out, _err = _stub_bench(monkeypatch, capsys, None)
+    assert "floors on cpu" in out and '"marker"' not in out and "{" not in out.splitlines()[-1]
+    _code, out, err = _stub_bench(monkeypatch, capsys, "-")
+    assert json.loads(out)["marker"] == "x" * 8  # stdout is the JSON alone, ready for a pipe
+    assert "floors on cpu" in err
+    path = tmp_path / "r.json"
+    _code, out, _err = _stub_bench(monkeypatch, capsys, str(path))
+    assert json.loads(path.read_text())["marker"] == "x" * 8 and '"marker"' not in out
+
+
 def test_summarize_percentiles() -> None:
     s = measure.summarize([1000, 2000, 3000, 4000])
     assert s is not None

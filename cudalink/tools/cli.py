@@ -63,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", parents=[common], help="latency/throughput vs torch.multiprocessing and other peers")
     p.add_argument("--quick", action="store_true", help="short CPU-backend run (CI: under a minute on 2 cores)")
-    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON report here (default: stdout)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the full JSON report to PATH ('-': stdout, and the tables go to stderr)",
+    )
     p.add_argument("--device", default=None, help="cpu | 0 | cuda:N | auto (default: auto; cpu with --quick)")
     p.add_argument("--frames", type=int, default=None, help="frames per latency run (overrides the plan)")
     p.add_argument("--fanout", type=int, default=8, help="consumers in the fan-out run (default 8)")

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -198,17 +198,31 @@ def _goals_table(report: BenchReport) -> Table:
     return gt
 
 
+def write_json(report: BenchReport, path: str | None, console: Console) -> None:
+    """The full report (hundreds of lines) only when asked for: ``--json PATH``, or ``--json -`` for stdout."""
+    if not path:
+        return
+    text = json.dumps(report, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    console.print(f"JSON written to {path}")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import bench as _bench
 
-    console, err = _console(), _console(stderr=True)
+    to_stdout = args.json == "-"  # stdout is then the JSON alone (for a pipe); the tables go to stderr
+    console, err = _console(stderr=to_stdout), _console(stderr=True)
     device = args.device or ("cpu" if args.quick else "auto")
     backend = resolve_backend(device)
     if backend.note:
         err.print(Text(backend.note, style="yellow"))
-    if args.json:
+    if args.json and not to_stdout:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             raise LinkError(f"cudalink: cannot write --json {args.json}: no directory {parent}")
@@ -235,13 +249,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tables = _bench_tables(report) + tables + [_goals_table(report)]
     for t in tables:
         console.print(t)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-        console.print(f"JSON written to {args.json}")
-    else:
-        sys.stdout.write(text + "\n")
+    write_json(report, args.json, console)
     errors = [r["reason"] for r in report.get("rows", []) if r["status"] == "error"]
     errors += [w["reason"] for w in report.get("wait_modes", []) if w["status"] == "error"]
     errors += [

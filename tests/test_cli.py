@@ -174,6 +174,49 @@ def test_monitor_shows_consumers_and_leases(pair: PairFactory) -> None:
     assert re.search(rf"\d+:{seq} · 3 · ", proc.stdout), proc.stdout  # lease slot:seq, 3 frames behind
 
 
+def test_monitor_piped_prints_a_line_per_interval_and_exits_on_sigterm() -> None:
+    """Without a terminal (a pipe, a log, ``timeout``) the live view printed nothing: now one plain line a
+    sample, flushed, and SIGTERM ends it with status 0."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    name = f"clitest-monpipe-{os.getpid()}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8") as tx:
+        tx.send(np.zeros((4, 4), np.uint8))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cudalink", "monitor", name, "--interval", "0.1"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            got: queue.Queue[str] = queue.Queue()
+            threading.Thread(target=lambda: [got.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            lines = [got.get(timeout=15) for _ in range(3)]  # each line arrives as it is sampled (flushed)
+            tx.send(np.zeros((4, 4), np.uint8))
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            time.sleep(0.1)
+            rest = "".join(got.queue)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert all(name in ln and "published" in ln and "consumers 0" in ln for ln in lines), lines
+    assert "fps n/a" in lines[0] and re.search(r"fps \d", lines[2]), lines  # a rate from the second sample on
+    assert "published 2" in rest.splitlines()[-1], rest
+    assert "Traceback" not in err
+
+
 def test_monitor_missing_link_is_one_line() -> None:
     proc = run_cli("monitor", f"nosuchlink-{os.getpid()}", "--once")
     assert_one_line_error(proc)

@@ -789,3 +789,25 @@ def test_a_frame_built_in_c_is_the_one_frame_received_builds() -> None:
     assert [sys.getrefcount(x) for x in (hold, sync, host, export, Frame)] == [n + 10 for n in before]
     del frames
     assert [sys.getrefcount(x) for x in (hold, sync, host, export, Frame)] == before
+
+
+@pytest.mark.parametrize(
+    ("why", "says"),
+    [
+        (
+            'cudalink._native.driver: cuInit raised "cuda" is an NVIDIA driver library ...',
+            "built (unused: no CUDA driver",
+        ),
+        ("No module named 'cudalink._native.driver'", "python (not built: no C compiler or Cython"),
+        ("CUDALINK_PURE_PYTHON is set", "python (CUDALINK_PURE_PYTHON is set)"),
+    ],
+    ids=["built-no-driver", "not-built", "forced"],
+)
+def test_status_tells_a_built_driver_module_on_a_machine_without_a_driver(
+    monkeypatch: pytest.MonkeyPatch, why: str, says: str
+) -> None:
+    """``info`` showed "driver python (cuInit raised ...)" where the module was built and there is simply no
+    GPU: that reads as a broken build. A built module with no driver to call says so."""
+    monkeypatch.setattr(_native, "driver", None)
+    monkeypatch.setitem(_native.missing, "driver", why)
+    assert _native.status()["driver"].startswith(says)

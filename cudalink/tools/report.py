@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def _core_label(report: BenchReport) -> str:
     """Which implementation the figures came from: 'compiled core', 'pure-Python core', or a mix."""
     core = report.get("machine", {}).get("core", {})
-    kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)")}
+    kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)") and not v.startswith("built")}
     return (
         {"compiled": "compiled core", "python": "pure-Python core"}.get(kinds.pop(), "")
         if len(kinds) == 1

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Literal
 
@@ -38,6 +40,28 @@ _perf_ns = time.perf_counter_ns
 _AHEAD_SPIN_S = wire.AHEAD_SPIN_NS / 1e9
 _AHEAD_CLAMP_NS = 2 * wire.AHEAD_MAX_NS  # one stalled send moves the moving average of send times little
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
+
+
+#: Senders still open, closed at interpreter exit (a script that simply ends leaves nothing behind); weak,
+#: so the registry never keeps a Sender alive. Only atexit: a library must not take the application's signals.
+_open_senders: weakref.WeakSet[Sender] = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _close_at_exit() -> None:
+    for tx in list(_open_senders):
+        with contextlib.suppress(Exception):
+            tx.close()
+
+
+def _register_open(tx: Sender) -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        # registered with the first Sender, after the CUDA packages it loaded registered theirs: atexit runs
+        # in reverse, so Senders close (and free their GPU memory) before cuda.core tears itself down
+        atexit.register(_close_at_exit)
+        _atexit_registered = True
+    _open_senders.add(tx)
 
 
 def default_transport() -> Transport:
@@ -214,6 +238,7 @@ class Sender:
         self._ring = producer_ring(buf, self._layout)
         self._handler = _Handler(self)
         self._server.start(self._handler)
+        _register_open(self)
 
     # -- properties -----------------------------------------------------------------------------------
 
@@ -526,6 +551,7 @@ class Sender:
         """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule), then free everything."""
         if self._closed:
             return
+        _open_senders.discard(self)
         with self._lock:
             self._closing = True
             self._closed = True
@@ -807,6 +833,14 @@ class Receiver:
                 return
             except NoProducer as exc:
                 last_error = str(exc) or "no producer"
+                # a killed producer's leftovers answer nothing: say so now, not after the whole timeout. Not
+                # after we saw our own producer die: then recv() waits for the restart it was asked to wait for
+                if not self._dead_generation and self._transport.abandoned(self.name):
+                    raise ProducerGone(
+                        f"cudalink: the producer of {self.name!r} died (killed or crashed) and left its link "
+                        "behind; start it again (a new Sender replaces the leftovers), or remove them with "
+                        "`python -m cudalink clean`"
+                    ) from exc
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LinkTimeout(

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import LinkError
+from .errors import ArgumentError, ArgumentTypeError, LinkError
 
 if TYPE_CHECKING:
     import ctypes
@@ -38,8 +38,13 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")
 
 def check_name(name: object) -> str:
     """Link names become file and segment names, so they are a strict, traversal-free alphabet."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise LinkError(
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"cudalink: invalid link name {name!r}: a link name is a str of 1-48 letters, digits, '_', '-' or '.', "
+            f"got {type(name).__name__}"
+        )
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise ArgumentError(
             f"cudalink: invalid link name {name!r}: use 1-48 letters, digits, '_', '-' or '.', "
             "starting with a letter or digit (no '/', no '..')"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import math
 import os
 import secrets
 import threading
@@ -19,7 +20,16 @@ from numpy.typing import DTypeLike
 from . import _backends, _native, _platform, _trace
 from ._ring import consumer_ring, mask_bits, producer_ring
 from .cuda import driver
-from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
+from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    FormatError,
+    LinkClosed,
+    LinkError,
+    LinkTimeout,
+    ProducerGone,
+    ProtocolError,
+)
 from .frames.frame import Frame, _Hold
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import wire
@@ -62,6 +72,42 @@ def _register_open(tx: Sender) -> None:
         atexit.register(_close_at_exit)
         _atexit_registered = True
     _open_senders.add(tx)
+
+
+def _int_arg(value: object, what: str, lo: int, hi: int, example: str) -> int:
+    """An integer argument in ``lo..hi``: a TypeError-kind error for another type, a ValueError-kind for range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be an integer from {lo} to {hi}, got {type(value).__name__} {value!r}; "
+            f"pass e.g. {example}"
+        )
+    if not lo <= int(value) <= hi:
+        raise ArgumentError(f"cudalink: {what} must be {lo}..{hi}, got {value!r}; pass e.g. {example}")
+    return int(value)
+
+
+def _seconds_arg(value: object, what: str, example: str, none_ok: bool = False, unit: str = "seconds") -> float:
+    """A duration, >= 0 (``None`` = no limit where ``none_ok``)."""
+    if value is None and none_ok:
+        return math.inf
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be a number of {unit}{' or None (no limit)' if none_ok else ''}, "
+            f"got {type(value).__name__} {value!r}; pass e.g. {example}"
+        )
+    if math.isnan(value) or value < 0:
+        raise ArgumentError(f"cudalink: {what} must be >= 0 {unit}, got {value!r}; pass e.g. {example}")
+    return float(value)
+
+
+def _choice_arg(value: object, what: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be one of {', '.join(map(repr, choices))}, got {type(value).__name__} {value!r}"
+        )
+    if value not in choices:
+        raise ArgumentError(f"cudalink: {what} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
 
 
 def default_transport() -> Transport:
@@ -157,7 +203,7 @@ class Sender:
         self,
         name: str,
         *,
-        shape: tuple[int, ...] | list[int],
+        shape: tuple[int, ...] | list[int] | None = None,
         dtype: DTypeLike = "uint8",
         slots: int = 4,
         device: int | str = "cpu",
@@ -171,17 +217,29 @@ class Sender:
         handles: str = "auto",
         transport: Transport | None = None,
     ) -> None:
+        # every argument is checked before anything is made: a cudalink error that is also the
+        # ValueError / TypeError Python users expect, naming the fix
         self.name = _platform.check_name(name)
+        if shape is None:
+            raise ArgumentTypeError(
+                f"cudalink: Sender({name!r}) needs the frame shape, e.g. shape=(1080, 1920, 4) with dtype='uint8'"
+            )
         self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
-        if policy not in ("drop", "block"):
-            raise LinkError(f"cudalink: policy must be 'drop' or 'block', got {policy!r}")
-        if not isinstance(slots, int) or not 1 <= slots <= wire.MAX_SLOTS:
-            raise LinkError(f"cudalink: slots must be 1..{wire.MAX_SLOTS}, got {slots!r}")
-        if not isinstance(max_consumers, int) or not 1 <= max_consumers <= wire.MAX_CONSUMERS:
-            raise LinkError(f"cudalink: max_consumers must be 1..{wire.MAX_CONSUMERS}, got {max_consumers!r}")
-        cap = self._spec.nbytes if capacity is None else int(capacity)
-        if cap < self._spec.nbytes:
-            raise FormatError(f"cudalink: capacity {cap} is smaller than one frame ({self._spec.nbytes} bytes)")
+        policy = _choice_arg(policy, "policy", ("drop", "block"))  # type: ignore[assignment]
+        slots = _int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
+        max_consumers = _int_arg(max_consumers, "max_consumers", 1, wire.MAX_CONSUMERS, "max_consumers=16")
+        nbytes = self._spec.nbytes
+        cap = nbytes if capacity is None else _int_arg(capacity, "capacity", 0, 2**62, f"capacity={nbytes}")
+        if cap < nbytes:
+            raise ArgumentError(
+                f"cudalink: capacity {cap} is smaller than one frame ({nbytes} bytes); pass capacity={nbytes} or more"
+            )
+        timeout = _seconds_arg(timeout, "timeout", "timeout=1.0", none_ok=True)
+        _choice_arg(handles, "handles", ("auto", "pool", "legacy"))
+        if not (isinstance(device, str) and device == "cpu"):
+            from .cuda import devices
+
+            devices.parse_device(device)
         self.policy: Policy = policy
         self.timeout = timeout
         self.capacity = cap
@@ -746,12 +804,11 @@ class Receiver:
         connect: bool = True,
     ) -> None:
         self.name = _platform.check_name(name)
-        if wait not in ("spin", "block", "hybrid"):
-            raise LinkError(f"cudalink: wait must be 'spin', 'block' or 'hybrid', got {wait!r}")
-        self.timeout = timeout
+        wait = _choice_arg(wait, "wait", ("spin", "block", "hybrid"))  # type: ignore[assignment]
+        self.timeout = _seconds_arg(timeout, "timeout", "timeout=5.0", none_ok=True)
         self.latest = latest
         self.wait_mode: WaitMode = wait
-        self.spin_s = spin_us / 1e6
+        self.spin_s = _seconds_arg(spin_us, "spin_us", "spin_us=50", unit="microseconds") / 1e6
         self.wake_ahead = bool(wake_ahead)
         self._transport = transport or default_transport()
         self._att: _Attachment | None = None

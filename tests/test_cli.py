@@ -129,6 +129,22 @@ def test_info_prints_a_verdict() -> None:
         assert "CPU backend works" in proc.stdout
 
 
+def test_demo_rates_are_timed_on_the_counting_process_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live producer line said 46.2 fps where the summary said 57.2: it timed the reports by when they
+    reached the parent (behind a render and the consumers' reports), the summary by the producer's clock.
+    Now both use the producer's: a steady stream reads the same rate in both, however late reports arrive."""
+    state = demo._ProducerState()
+    parent_clock = iter([0.0, 0.61, 0.93, 1.72, 1.9, 2.8, 3.05, 3.5, 4.4, 4.45])  # jittered arrivals
+    monkeypatch.setattr(demo.time, "monotonic", lambda: next(parent_clock))
+    rates = []
+    for i in range(10):
+        elapsed = 0.5 * (i + 1)  # the producer reports every 0.5 s of its own time, 60 frames a second
+        demo._update_fps(state, int(60 * elapsed), elapsed)
+        rates.append(state.fps)
+    assert rates[1:] == [pytest.approx(60.0)] * 9, rates
+    assert int(60 * elapsed) / elapsed == pytest.approx(state.fps)  # the summary's average: the same figure
+
+
 # -- monitor ----------------------------------------------------------------------------------------
 
 

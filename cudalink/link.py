@@ -59,7 +59,10 @@ _atexit_registered = False
 
 
 def _close_at_exit() -> None:
+    pid = os.getpid()
     for tx in list(_open_senders):
+        if tx._pid != pid:  # a forked child exiting must not tear down its parent's link
+            continue
         with contextlib.suppress(Exception):
             tx.close()
 
@@ -296,6 +299,7 @@ class Sender:
         self._ring = producer_ring(buf, self._layout)
         self._handler = _Handler(self)
         self._server.start(self._handler)
+        self._pid = os.getpid()
         _register_open(self)
 
     # -- properties -----------------------------------------------------------------------------------

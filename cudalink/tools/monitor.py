@@ -144,7 +144,11 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
     fps = _rate(f.published, prev.fixed.published, dt) if same and prev is not None else None
     drop_rate = _rate(f.dropped, prev.fixed.dropped, dt) if same and prev is not None else None
     device = "cpu" if f.backend == wire.BACKEND_HOST else f"cuda:{f.device}"
-    alive = "alive" if snap.producer_alive else "NOT RUNNING (stale segment)"
+    alive = (
+        "alive"
+        if snap.producer_alive
+        else f"NOT RUNNING: leftovers of a dead producer; `python -m cudalink clean {snap.name}` removes them"
+    )
     lines = [
         Text.assemble(
             ("cudalink monitor ", "bold"),

@@ -91,6 +91,9 @@ RECEIVER_BAD = [
     ({"timeout": "5"}, TypeError, "timeout must be a number"),
     ({"spin_us": -1}, ValueError, "spin_us must be >= 0 microseconds"),
     ({"spin_us": "fast"}, TypeError, "spin_us must be a number of microseconds"),
+    ({"device": "gpu"}, ValueError, "device must be 'cpu'"),
+    ({"device": 0.5}, TypeError, "device must be 'cpu'"),
+    ({"copy": "maybe"}, ValueError, "copy must be"),
 ]
 
 

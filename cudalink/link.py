@@ -985,6 +985,8 @@ class Receiver:
             try:
                 yield await self.recv_async(timeout=float("inf") if self.timeout is None else self.timeout)
             except ProducerGone:
+                if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
+                    raise
                 return
 
     def __iter__(self) -> Iterator[Frame]:
@@ -992,6 +994,8 @@ class Receiver:
             try:
                 yield self.recv()
             except ProducerGone:
+                if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
+                    raise
                 return
 
     def stats(self) -> dict[str, int]:

@@ -88,6 +88,9 @@ def test_a_killed_producer_is_recognised_as_dead_at_once(spawned: Spawned, contr
         cudalink.Receiver(name, timeout=10.0)
     assert time.monotonic() - t0 < 2.0, "a Receiver waited out its timeout on a dead producer's leftovers"
     assert "cudalink clean" in str(err.value)
+    with pytest.raises(cudalink.ProducerGone, match="died"):  # a for loop says so too, it does not just end
+        for _ in cudalink.Receiver(name, timeout=10.0, connect=False):
+            pass
 
     listed = clean(dry_run=True, only=[name])
     assert [n for n, _ in listed] == [name]

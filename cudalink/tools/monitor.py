@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -261,7 +262,8 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         return 0
     deadline = time.monotonic() + args.seconds if args.seconds else math.inf
     # the command's own process: a handler here takes nothing from an application (the library installs none)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live on the main thread
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
     try:
         if console.is_terminal:
             _watch_live(args.name, interval, deadline, console)
@@ -270,7 +272,8 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, _Stop):
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -149,3 +149,21 @@ def test_clean_on_the_command_line(spawned: Spawned) -> None:
     done = cli(name)
     assert done.returncode == 0 and f"removed {name!r}" in done.stdout, done.stdout + done.stderr
     assert nothing_left(name)
+
+
+@pytest.mark.gpu
+def test_a_script_that_never_closes_its_cuda_sender_exits_cleanly_and_leaves_nothing() -> None:
+    """The exit-time close runs before cuda.core's own teardown (atexit is last in, first out): no crash,
+    no CUDA error at exit, nothing left."""
+    name = f"left-gpu-{os.getpid()}"
+    code = (
+        "import numpy as np, cudalink\n"
+        f"tx = cudalink.Sender({name!r}, shape=(64, 64, 4), dtype='uint8', device=0)\n"
+        "tx.send(np.zeros((64, 64, 4), np.uint8))\n"
+        "keep = [tx]  # still alive at exit\n"
+        "print('sent', flush=True)\n"
+    )
+    proc = run_python(code, timeout=120)
+    assert proc.returncode == 0 and "sent" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+    assert nothing_left(name), leftovers(name)

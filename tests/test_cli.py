@@ -143,6 +143,15 @@ def test_demo_rates_are_timed_on_the_counting_process_clock(monkeypatch: pytest.
         rates.append(state.fps)
     assert rates[1:] == [pytest.approx(60.0)] * 9, rates
     assert int(60 * elapsed) / elapsed == pytest.approx(state.fps)  # the summary's average: the same figure
+    # once the producer is done, its line shows the summary's own figure, labelled as an average
+    from rich.console import Console
+
+    cfg = demo.DemoConfig("d", (2, 2), "uint8", 4, -1, "numpy", 1, 1.0, None, 60.0)
+    state.stats, state.status = {"published": 171, "elapsed": 3.0}, "done"
+    state.fps = demo._average_fps(state.stats)
+    console = Console(width=200, record=True)
+    console.print(demo._demo_view(cfg, "cpu", state, [], None))
+    assert "57.0 fps on average" in console.export_text()
 
 
 # -- monitor ----------------------------------------------------------------------------------------

@@ -307,6 +307,11 @@ class _ProducerState:
     _mark: tuple[float, int] = (0.0, 0)
 
 
+def _average_fps(stats: dict[str, float]) -> float:
+    """Frames published over the producer's own streaming time: what the summary prints."""
+    return float(stats.get("published", 0)) / (float(stats.get("elapsed", 0.0)) or 1e-9)
+
+
 def _update_fps(state: _ConsumerState | _ProducerState, count: int, at: float | None = None) -> None:
     """The rate over the last half second or more, timed on the clock of the process that counted: ``at``.
 
@@ -333,7 +338,7 @@ def _demo_view(
     )
     ptext = Text(
         f"producer pid {prod.pid or '?'} [{prod.status}]: published {st.get('published', 0):,} · "
-        f"{prod.fps:,.1f} fps now · dropped {st.get('dropped', 0):,} · "
+        f"{prod.fps:,.1f} fps {'on average' if prod.status == 'done' else 'now'} · dropped {st.get('dropped', 0):,} · "
         f"consumers attached {st.get('consumers', 0)}" + (f" · ERROR {prod.error}" if prod.error else "")
     )
     leases: dict[int, str] = {}
@@ -431,8 +436,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     elif isinstance(msg, ProducerStats):
                         prod.stats = dict(msg.stats)
                         _update_fps(prod, int(prod.stats.get("published", 0)), float(prod.stats["elapsed"]))
-                        if msg.final:
+                        if msg.final:  # from now on the line shows the run's average: the summary's figure
                             prod.status, producer_done = "done", True
+                            prod.fps = _average_fps(prod.stats)
                     elif isinstance(msg, Attached):
                         cons[msg.index].status = "receiving"
                     elif isinstance(msg, ConsumerStats):
@@ -503,13 +509,14 @@ def _demo_summary(
     st = prod.stats
     elapsed = float(st.get("elapsed", 0.0)) or 1e-9
     published = int(st.get("published", 0))
+    average = _average_fps(st)
     total = sum(c.received for c in cons)
     mism = sum(c.mismatches for c in cons)
     bad = [c for c in cons if c.status != "done"]
     all_lat = [x for c in cons for x in c.lat]
     p50, p99 = _pcts(all_lat)
     console.print(
-        f"summary: {published:,} frames published in {elapsed:.1f} s ({published / elapsed:,.1f} fps on average) "
+        f"summary: {published:,} frames published in {elapsed:.1f} s ({average:,.1f} fps on average) "
         f"on {backend}, {int(st.get('dropped', 0)):,} dropped"
     )
     for c in cons:

@@ -7,6 +7,7 @@ on the GPU). Host and CUDA links therefore share every line of protocol code.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
     from .cuda.objects import Event, Stream
 
 SLOT_ALIGN = 4096
+
+#: send()'s GPU work (the copy into the slot and its ready event) as one CUDA graph launch per frame
+#: (:class:`cudalink.cuda.driver.CopyGraph`) instead of ``cuMemcpyDtoDAsync`` + ``cuEventRecord``. Off: an
+#: experiment the bench compares in one run (``wait_block_graph``); read at each copy, so it can be flipped
+#: at any time. ``CUDALINK_SEND_GRAPH=1`` turns it on at import. Pitched (padded-row) sources never use it.
+SEND_GRAPH = os.environ.get("CUDALINK_SEND_GRAPH", "") == "1"
 
 
 def align(n: int, a: int = SLOT_ALIGN) -> int:
@@ -213,6 +220,9 @@ class CudaSlots:
         self._sources: list[object] = [None] * nslots  # what each slot's pending copy reads from
         self._join: RawEvent | None = None
         self._tls = threading.local()
+        self._graphs: list[driver.CopyGraph | None] = [None] * nslots  # SEND_GRAPH's, per slot, lazily
+        #: why SEND_GRAPH fell back to the plain calls for good on this link (the driver refused a graph)
+        self.graph_error = ""
 
     def bind(self, region: Region | None) -> None:
         pass
@@ -289,6 +299,9 @@ class CudaSlots:
         """The tail both paths share: one copy into the slot, its ready event, the source kept alive."""
         self._settle(slot)
         dst = self._ptrs[slot]
+        if pitch == 0 and SEND_GRAPH and not self.graph_error and self._graph_copy(slot, dst, src, spec.nbytes, s):
+            self._sources[slot] = owner
+            return
         if pitch == 0:
             driver.memcpy_dtod(dst, src, spec.nbytes, s)
         else:
@@ -300,6 +313,29 @@ class CudaSlots:
         if _trace.ON:
             _trace.mark(_trace.EVENT_RECORDED)
         self._sources[slot] = owner  # keep the source alive until the copy has run
+
+    def _graph_copy(self, slot: int, dst: int, src: int, nbytes: int, s: int) -> bool:
+        """SEND_GRAPH: the copy and the ready event as one graph launch; False (and plain calls from now on)
+        where the driver refuses to build one."""
+        graph = self._graphs[slot]
+        if graph is None or graph.nbytes != nbytes:
+            if graph is not None:
+                graph.close()
+                self._graphs[slot] = None
+            try:
+                graph = self._graphs[slot] = driver.CopyGraph(dst, src, nbytes, self._ready_raw[slot])
+            except LinkError as exc:
+                self.graph_error = str(exc)
+                return False
+        try:
+            graph.launch(src, s)
+        except LinkError as exc:  # nothing was queued: this frame and every later one take the plain calls
+            self.graph_error = str(exc)
+            return False
+        if _trace.ON:
+            _trace.mark(_trace.COPY_QUEUED)
+            _trace.mark(_trace.EVENT_RECORDED)
+        return True
 
     def _settle(self, slot: int) -> None:
         """Before re-arming a slot's event, the previous copy out of a user's array must have finished."""
@@ -328,6 +364,10 @@ class CudaSlots:
         for ev in self.ready:  # a slot's last copy may sit on the caller's stream: its ready event says when
             ev.sync()
         self._sources = [None] * self.nslots
+        for graph in self._graphs:
+            if graph is not None:
+                graph.close()
+        self._graphs = [None] * self.nslots
         for ev in self.ready:
             driver.close_ipc_event(ev)
         if self._join is not None:

@@ -48,6 +48,8 @@ LAYERS: list[set[str]] = [
     {
         "cudalink.tools.floors",
         "cudalink.tools.breakdown",
+        "cudalink.tools.copysend",
+        "cudalink.tools.gpuclock",
         "cudalink.tools.bench",
         "cudalink.tools.monitor",
         "cudalink.tools.clean",

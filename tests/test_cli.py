@@ -343,6 +343,29 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     assert goal["reference"] == single["p99"] and "in turns with the fan-out" in goal["reference_label"], goal
 
 
+def test_bench_only_runs_the_parts_it_names(tmp_path: Path) -> None:
+    """``--only``: the named parts run, the rest read "not selected" (not an error: the exit code is 0)."""
+    from cudalink.tools.bench import NOT_SELECTED
+
+    out = tmp_path / "only.json"
+    proc = run_cli("bench", "--quick", "--only", "handoff", "--json", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    rows = {(r["id"], r["peer_name"]): r for r in report["rows"]}
+    assert rows[("handoff", "shm")]["status"] == "ok" and rows[("send_cost", "shm")]["status"] == "ok"
+    for rid in ("recv_export", "small_throughput", "fanout"):
+        assert rows[(rid, "shm")]["status"] == "skipped" and rows[(rid, "shm")]["reason"] == NOT_SELECTED
+    assert report["floors"] == NOT_SELECTED and report["breakdown"] == NOT_SELECTED
+    assert all(w["status"] == "skipped" for w in report["wait_modes"])
+    assert report["gpu_clock"]["status"] == "skipped"  # GPU only
+
+
+def test_bench_only_refuses_an_unknown_part() -> None:
+    proc = run_cli("bench", "--quick", "--only", "handof")
+    assert_one_line_error(proc)
+    assert "copy-send" in proc.stderr  # names the parts it takes
+
+
 def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
     proc = run_cli("bench", "--quick", "--json", str(tmp_path / "missing" / "x.json"))
     assert_one_line_error(proc)
@@ -368,7 +391,15 @@ def _stub_bench(
 
     monkeypatch.setattr(bench_mod, "Bench", Bench)
     args = argparse.Namespace(
-        quick=True, device="cpu", json=json_arg, frames=None, fanout=8, breakdown=True, wake_ahead=True
+        quick=True,
+        device="cpu",
+        json=json_arg,
+        frames=None,
+        fanout=8,
+        breakdown=True,
+        wake_ahead=True,
+        only=None,
+        mps=False,
     )
     code = report_mod.cmd_bench(args)
     out, err = capsys.readouterr()

@@ -87,6 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the floors and where one frame's time goes, stage by stage, across both processes",
     )
     p.add_argument(
+        "--only",
+        metavar="PARTS",
+        default=None,
+        help="run only these parts, comma-separated: floors, breakdown, handoff, recv-export, small, fanout, "
+        "wait-modes, copy-send, gpu-clock (e.g. --only copy-send,gpu-clock)",
+    )
+    p.add_argument(
+        "--mps",
+        action="store_true",
+        help="the GPU-clock rows also run under the MPS daemon, which the bench starts "
+        "(nvidia-cuda-mps-control -d) and stops again (quit) around that pass",
+    )
+    p.add_argument(
         "--no-wake-ahead",
         dest="wake_ahead",
         action="store_false",

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from . import _platform, _trace
 from .cuda import arrays, devices, driver, memory
-from .errors import FormatError, LinkError, ProtocolError
+from .errors import ArgumentError, FormatError, LinkError, ProtocolError
 from .frames.frame import Frame, FrameSync, HostViews, _Hold
 from .frames.spec import FrameSpec
 from .transport import wire
@@ -616,11 +616,11 @@ class CudaView:
 def resolve_handles(handles: str, passes_fds: bool) -> str:
     """``auto`` -> pool on native Linux, legacy elsewhere (Windows, WSL) and over channels without fds."""
     if handles not in ("auto", "pool", "legacy"):
-        raise LinkError(f"cudalink: handles must be 'auto', 'pool' or 'legacy', got {handles!r}")
+        raise ArgumentError(f"cudalink: handles must be 'auto', 'pool' or 'legacy', got {handles!r}")
     if handles == "auto":
         return _platform.default_handles() if passes_fds else "legacy"
     if handles == "pool" and not passes_fds:
-        raise LinkError(
+        raise ArgumentError(
             "cudalink: handles='pool' needs a control channel that passes file descriptors (a Unix socket), "
             "and this transport's cannot (loopback TCP, as on Windows); use handles='legacy' or 'auto'"
         )
@@ -632,8 +632,9 @@ def make_producer_slots(
 ) -> ProducerSlots:
     if device == "cpu":
         return HostSlots(nslots, capacity)
+    ordinal = devices.parse_device(device)  # a bad device is an argument error before any CUDA call
     handles = resolve_handles(handles, passes_fds)
-    return CudaSlots(devices.parse_device(device), nslots, capacity, handles)
+    return CudaSlots(ordinal, nslots, capacity, handles)
 
 
 def make_consumer_view(fixed: wire.Fixed, client: Client, fds: list[int]) -> ConsumerView:

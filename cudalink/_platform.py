@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import LinkError
+from .errors import ArgumentError, ArgumentTypeError, LinkError
 
 if TYPE_CHECKING:
     import ctypes
@@ -39,8 +39,13 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")
 
 def check_name(name: object) -> str:
     """Link names become file and segment names, so they are a strict, traversal-free alphabet."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise LinkError(
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"cudalink: invalid link name {name!r}: a link name is a str of 1-48 letters, digits, '_', '-' or '.', "
+            f"got {type(name).__name__}"
+        )
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise ArgumentError(
             f"cudalink: invalid link name {name!r}: use 1-48 letters, digits, '_', '-' or '.', "
             "starting with a letter or digit (no '/', no '..')"
         )
@@ -142,8 +147,10 @@ class ProcessLock:
     """An exclusive lock that the OS drops when its holder dies: the liveness test that cannot go stale.
 
     POSIX uses ``flock`` (per open file, so two Senders in one process exclude each other too);
-    Windows uses ``msvcrt.locking`` on byte 0. The file itself is never deleted: unlinking a lock file
-    lets two processes hold "the" lock on different inodes.
+    Windows uses ``msvcrt.locking`` on byte 0. The file may be removed only by :meth:`remove_and_release`
+    (unlinked while held, POSIX; deleted once closed, Windows, which refuses while anyone has it open),
+    and :meth:`acquire` counts a lock only on the file the path still names: a process that opened the
+    file just before it was removed would otherwise hold "the" lock on an inode nobody else can see.
     """
 
     def __init__(self, path: str, windows: bool = IS_WINDOWS) -> None:
@@ -151,8 +158,19 @@ class ProcessLock:
         self._windows = windows
         self._fd = -1
 
-    def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+    def acquire(self, wait: float = 0.0) -> bool:
+        """Take the lock now, or within ``wait`` seconds: a lock is held for a moment by a process that
+        only looks (a Receiver or ``cudalink clean`` asking whether a producer is alive)."""
+        deadline = time.monotonic() + wait
+        while not self._try():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _try(self) -> bool:
+        """One attempt: False while another holds it, or when the file was replaced under us."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o600)
         try:
             if self._windows:
                 import msvcrt
@@ -164,6 +182,16 @@ class ProcessLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # BlockingIOError on POSIX, PermissionError (EACCES) on Windows
             os.close(fd)
+            return False
+        try:
+            now = os.stat(self.path)
+            ours = os.fstat(fd)
+            same = (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino)
+        except OSError:  # removed after we opened it
+            same = False
+        if not same:
+            self._fd = fd
+            self.release()
             return False
         self._fd = fd
         return True
@@ -179,6 +207,19 @@ class ProcessLock:
                 os.lseek(fd, 0, os.SEEK_SET)
                 msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
         os.close(fd)  # POSIX: closing drops the flock
+
+    def remove_and_release(self) -> None:
+        """Release and leave no file behind, without ever removing a lock another process holds."""
+        if self._fd < 0:
+            return
+        if self._windows:  # Windows deletes no file that is open: another holder's open keeps it
+            self.release()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # while held: whoever opens the path next makes a new file
+        self.release()
 
     @property
     def held(self) -> bool:
@@ -238,6 +279,22 @@ def reserve_shm(fd: int, size: int, what: str, free: Callable[[], int | None] | 
             raise LinkError(shm_full_message(size, avail, what)) from exc
         if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENODEV, errno.ESPIPE):
             raise LinkError(f"cudalink: could not reserve {size:,} bytes of shared memory for {what}: {exc}") from exc
+
+
+def lock_path(name: str) -> str:
+    """The file a link's producer holds locked for its whole life."""
+    return os.path.join(runtime_dir(), f"{name}.lock")
+
+
+def shm_segments(prefix: str) -> list[str]:
+    """Names of the POSIX shared-memory segments that start with ``prefix`` (none where they cannot be
+    listed: Windows frees a segment with its last handle, so a dead producer leaves none there)."""
+    if not os.path.isdir("/dev/shm"):
+        return []
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    except OSError:
+        return []
 
 
 def shm_map_readonly(segment: str) -> mmap.mmap | bytes | None:

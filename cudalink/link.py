@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import math
 import operator
 import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -18,7 +21,16 @@ from numpy.typing import DTypeLike
 from . import _backends, _platform, _trace
 from ._ring import mask_bits, producer_ring
 from .cuda import driver
-from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
+from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    FormatError,
+    LinkClosed,
+    LinkError,
+    LinkTimeout,
+    ProducerGone,
+    ProtocolError,
+)
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import ring_source, wire
@@ -44,6 +56,67 @@ _AHEAD_SPIN_S = wire.AHEAD_SPIN_NS / 1e9
 _AHEAD_CLAMP_NS = 2 * wire.AHEAD_MAX_NS  # one stalled send moves the moving average of send times little
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
 _META_MAX = wire.META_MAX
+
+
+#: Senders still open, closed at interpreter exit (a script that simply ends leaves nothing behind); weak,
+#: so the registry never keeps a Sender alive. Only atexit: a library must not take the application's signals.
+_open_senders: weakref.WeakSet[Sender] = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _close_at_exit() -> None:
+    pid = os.getpid()
+    for tx in list(_open_senders):
+        if tx._pid != pid:  # a forked child exiting must not tear down its parent's link
+            continue
+        with contextlib.suppress(Exception):
+            tx.close()
+
+
+def _register_open(tx: Sender) -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        # registered with the first Sender, after the CUDA packages it loaded registered theirs: atexit runs
+        # in reverse, so Senders close (and free their GPU memory) before cuda.core tears itself down
+        atexit.register(_close_at_exit)
+        _atexit_registered = True
+    _open_senders.add(tx)
+
+
+def _int_arg(value: object, what: str, lo: int, hi: int, example: str) -> int:
+    """An integer argument in ``lo..hi``: a TypeError-kind error for another type, a ValueError-kind for range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        span = f" from {lo} to {hi}" if hi < 2**31 else ""
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be an integer{span}, got {type(value).__name__} {value!r}; pass e.g. {example}"
+        )
+    if not lo <= int(value) <= hi:
+        raise ArgumentError(f"cudalink: {what} must be {lo}..{hi}, got {value!r}; pass e.g. {example}")
+    return int(value)
+
+
+def _seconds_arg(value: object, what: str, example: str, none_ok: bool = False, unit: str = "seconds") -> float:
+    """A duration, >= 0 (``None`` = no limit where ``none_ok``)."""
+    if value is None and none_ok:
+        return math.inf
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be a number of {unit}{' or None (no limit)' if none_ok else ''}, "
+            f"got {type(value).__name__} {value!r}; pass e.g. {example}"
+        )
+    if math.isnan(value) or value < 0:
+        raise ArgumentError(f"cudalink: {what} must be >= 0 {unit}, got {value!r}; pass e.g. {example}")
+    return float(value)
+
+
+def _choice_arg(value: object, what: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be one of {', '.join(map(repr, choices))}, got {type(value).__name__} {value!r}"
+        )
+    if value not in choices:
+        raise ArgumentError(f"cudalink: {what} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
 
 
 def default_transport() -> Transport:
@@ -150,7 +223,7 @@ class Sender:
         self,
         name: str,
         *,
-        shape: tuple[int, ...] | list[int],
+        shape: tuple[int, ...] | list[int] | None = None,
         dtype: DTypeLike = "uint8",
         slots: int = 4,
         device: int | str = "cpu",
@@ -165,17 +238,29 @@ class Sender:
         transport: Transport | None = None,
         protocol: str = "cudalink",
     ) -> None:
+        # every argument is checked before anything is made: a cudalink error that is also the
+        # ValueError / TypeError Python users expect, naming the fix
         self.name = _platform.check_name(name)
+        if shape is None:
+            raise ArgumentTypeError(
+                f"cudalink: Sender({name!r}) needs the frame shape, e.g. shape=(1080, 1920, 4) with dtype='uint8'"
+            )
         self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
-        if policy not in ("drop", "block"):
-            raise LinkError(f"cudalink: policy must be 'drop' or 'block', got {policy!r}")
-        if not isinstance(slots, int) or not 1 <= slots <= wire.MAX_SLOTS:
-            raise LinkError(f"cudalink: slots must be 1..{wire.MAX_SLOTS}, got {slots!r}")
-        if not isinstance(max_consumers, int) or not 1 <= max_consumers <= wire.MAX_CONSUMERS:
-            raise LinkError(f"cudalink: max_consumers must be 1..{wire.MAX_CONSUMERS}, got {max_consumers!r}")
-        cap = self._spec.nbytes if capacity is None else int(capacity)
-        if cap < self._spec.nbytes:
-            raise FormatError(f"cudalink: capacity {cap} is smaller than one frame ({self._spec.nbytes} bytes)")
+        policy = _choice_arg(policy, "policy", ("drop", "block"))  # type: ignore[assignment]
+        slots = _int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
+        max_consumers = _int_arg(max_consumers, "max_consumers", 1, wire.MAX_CONSUMERS, "max_consumers=16")
+        nbytes = self._spec.nbytes
+        cap = nbytes if capacity is None else _int_arg(capacity, "capacity", 0, 2**62, f"capacity={nbytes}")
+        if cap < nbytes:
+            raise ArgumentError(
+                f"cudalink: capacity {cap} is smaller than one frame ({nbytes} bytes); pass capacity={nbytes} or more"
+            )
+        timeout = _seconds_arg(timeout, "timeout", "timeout=1.0", none_ok=True)
+        _choice_arg(handles, "handles", ("auto", "pool", "legacy"))
+        if not (isinstance(device, str) and device == "cpu"):
+            from .cuda import devices
+
+            devices.parse_device(device)
         self.policy: Policy = policy
         self.timeout = timeout
         self.capacity = cap
@@ -232,6 +317,8 @@ class Sender:
         self._ring = producer_ring(buf, self._layout)
         self._handler = _Handler(self)
         self._server.start(self._handler)
+        self._pid = os.getpid()
+        _register_open(self)
 
     # -- properties -----------------------------------------------------------------------------------
 
@@ -555,6 +642,7 @@ class Sender:
         """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule), then free everything."""
         if self._closed:
             return
+        _open_senders.discard(self)
         with self._lock:
             self._closing = True
             self._closed = True
@@ -705,16 +793,16 @@ class Receiver:
         source: Source | None = None,
         connect: bool = True,
     ) -> None:
-        if wait not in ("spin", "block", "hybrid"):
-            raise LinkError(f"cudalink: wait must be 'spin', 'block' or 'hybrid', got {wait!r}")
+        wait = _choice_arg(wait, "wait", ("spin", "block", "hybrid"))  # type: ignore[assignment]
+        self.timeout = _seconds_arg(timeout, "timeout", "timeout=5.0", none_ok=True)
+        spin_s = _seconds_arg(spin_us, "spin_us", "spin_us=50", unit="microseconds") / 1e6
         self._source: Source = source or open_source(
             name, transport=transport or default_transport(), device=device, copy=copy_mode(copy)
         )
         self.name = self._source.name
-        self.timeout = timeout
         self.latest = latest
         self.wait_mode: WaitMode = wait
-        self.spin_s = spin_us / 1e6
+        self.spin_s = spin_s
         self.wake_ahead = bool(wake_ahead)
         self._att: Attachment | None = None
         self._last = 0
@@ -727,7 +815,7 @@ class Receiver:
         self.reattached = 0
         self._closed = False
         if connect:
-            self._attach(timeout)
+            self._attach(self.timeout)
 
     # -- attaching ----------------------------------------------------------------------------------------
 
@@ -964,6 +1052,8 @@ class Receiver:
             try:
                 yield await self.recv_async(timeout=float("inf") if self.timeout is None else self.timeout)
             except ProducerGone:
+                if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
+                    raise
                 return
 
     def __iter__(self) -> Iterator[Frame]:
@@ -971,6 +1061,8 @@ class Receiver:
             try:
                 yield self.recv()
             except ProducerGone:
+                if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
+                    raise
                 return
 
     def stats(self) -> dict[str, int | str]:

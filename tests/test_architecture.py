@@ -63,6 +63,7 @@ LAYERS: list[set[str]] = [
         "cudalink.tools.bench",
         "cudalink.tools.monitor",
         "cudalink.tools.multigpu_bench",
+        "cudalink.tools.clean",
     },
     {"cudalink.tools.demo", "cudalink.tools.info", "cudalink.tools.report"},
     {"cudalink.tools.cli"},

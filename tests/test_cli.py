@@ -129,6 +129,31 @@ def test_info_prints_a_verdict() -> None:
         assert "CPU backend works" in proc.stdout
 
 
+def test_demo_rates_are_timed_on_the_counting_process_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live producer line said 46.2 fps where the summary said 57.2: it timed the reports by when they
+    reached the parent (behind a render and the consumers' reports), the summary by the producer's clock.
+    Now both use the producer's: a steady stream reads the same rate in both, however late reports arrive."""
+    state = demo._ProducerState()
+    parent_clock = iter([0.0, 0.61, 0.93, 1.72, 1.9, 2.8, 3.05, 3.5, 4.4, 4.45])  # jittered arrivals
+    monkeypatch.setattr(demo.time, "monotonic", lambda: next(parent_clock))
+    rates = []
+    for i in range(10):
+        elapsed = 0.5 * (i + 1)  # the producer reports every 0.5 s of its own time, 60 frames a second
+        demo._update_fps(state, int(60 * elapsed), elapsed)
+        rates.append(state.fps)
+    assert rates[1:] == [pytest.approx(60.0)] * 9, rates
+    assert int(60 * elapsed) / elapsed == pytest.approx(state.fps)  # the summary's average: the same figure
+    # once the producer is done, its line shows the summary's own figure, labelled as an average
+    from rich.console import Console
+
+    cfg = demo.DemoConfig("d", (2, 2), "uint8", 4, -1, "numpy", 1, 1.0, None, 60.0)
+    state.stats, state.status = {"published": 171, "elapsed": 3.0}, "done"
+    state.fps = demo._average_fps(state.stats)
+    console = Console(width=200, record=True)
+    console.print(demo._demo_view(cfg, "cpu", state, [], None))
+    assert "57.0 fps on average" in console.export_text()
+
+
 # -- monitor ----------------------------------------------------------------------------------------
 
 
@@ -172,6 +197,49 @@ def test_monitor_shows_consumers_and_leases(pair: PairFactory) -> None:
     assert "consumers (1 joined)" in proc.stdout
     assert str(os.getpid()) in proc.stdout
     assert re.search(rf"\d+:{seq} · 3 · ", proc.stdout), proc.stdout  # lease slot:seq, 3 frames behind
+
+
+def test_monitor_piped_prints_a_line_per_interval_and_exits_on_sigterm() -> None:
+    """Without a terminal (a pipe, a log, ``timeout``) the live view printed nothing: now one plain line a
+    sample, flushed, and SIGTERM ends it with status 0."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    name = f"clitest-monpipe-{os.getpid()}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8") as tx:
+        tx.send(np.zeros((4, 4), np.uint8))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cudalink", "monitor", name, "--interval", "0.1"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            got: queue.Queue[str] = queue.Queue()
+            threading.Thread(target=lambda: [got.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            lines = [got.get(timeout=15) for _ in range(3)]  # each line arrives as it is sampled (flushed)
+            tx.send(np.zeros((4, 4), np.uint8))
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            time.sleep(0.1)
+            rest = "".join(got.queue)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert all(name in ln and "published" in ln and "consumers 0" in ln for ln in lines), lines
+    assert "fps n/a" in lines[0] and re.search(r"fps \d", lines[2]), lines  # a rate from the second sample on
+    assert "published 2" in rest.splitlines()[-1], rest
+    assert "Traceback" not in err
 
 
 def test_monitor_missing_link_is_one_line() -> None:
@@ -301,6 +369,55 @@ def test_bench_only_refuses_an_unknown_part() -> None:
 def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
     proc = run_cli("bench", "--quick", "--json", str(tmp_path / "missing" / "x.json"))
     assert_one_line_error(proc)
+
+
+def _stub_bench(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], json_arg: str | None
+) -> tuple[int, str, str]:
+    """``cmd_bench`` with the measurements stubbed out: what it prints, and where."""
+    import argparse
+
+    from cudalink.tools import bench as bench_mod
+    from cudalink.tools import report as report_mod
+
+    fake = {"backend": "cpu", "floors": {}, "breakdown": None, "marker": "x" * 8, "rows": [], "wait_modes": []}
+
+    class Bench:
+        def __init__(self, **kw: object) -> None:
+            pass
+
+        def run(self) -> dict[str, object]:
+            return fake
+
+    monkeypatch.setattr(bench_mod, "Bench", Bench)
+    args = argparse.Namespace(
+        quick=True,
+        device="cpu",
+        json=json_arg,
+        frames=None,
+        fanout=8,
+        breakdown=True,
+        wake_ahead=True,
+        only=None,
+        mps=False,
+    )
+    code = report_mod.cmd_bench(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_prints_json_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``bench --quick`` used to print ~930 lines of JSON after its tables; now only ``--json PATH|-`` does."""
+    _code, out, _err = _stub_bench(monkeypatch, capsys, None)
+    assert "floors on cpu" in out and '"marker"' not in out and "{" not in out.splitlines()[-1]
+    _code, out, err = _stub_bench(monkeypatch, capsys, "-")
+    assert json.loads(out)["marker"] == "x" * 8  # stdout is the JSON alone, ready for a pipe
+    assert "floors on cpu" in err
+    path = tmp_path / "r.json"
+    _code, out, _err = _stub_bench(monkeypatch, capsys, str(path))
+    assert json.loads(path.read_text())["marker"] == "x" * 8 and '"marker"' not in out
 
 
 def test_summarize_percentiles() -> None:

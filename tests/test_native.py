@@ -843,3 +843,25 @@ def test_take_on_a_corrupt_ring_returns_or_raises_alike(
             assert leases == [rec.seq if s == slot else 0 for s in range(NSLOTS)]
     assert all(g == got[0] for g in got), got
     assert all(side.buf == sides[0].buf for side in sides)
+
+
+@pytest.mark.parametrize(
+    ("why", "says"),
+    [
+        (
+            'cudalink._native.driver: cuInit raised "cuda" is an NVIDIA driver library ...',
+            "built (unused: no CUDA driver",
+        ),
+        ("No module named 'cudalink._native.driver'", "python (not built: no C compiler or Cython"),
+        ("CUDALINK_PURE_PYTHON is set", "python (CUDALINK_PURE_PYTHON is set)"),
+    ],
+    ids=["built-no-driver", "not-built", "forced"],
+)
+def test_status_tells_a_built_driver_module_on_a_machine_without_a_driver(
+    monkeypatch: pytest.MonkeyPatch, why: str, says: str
+) -> None:
+    """``info`` showed "driver python (cuInit raised ...)" where the module was built and there is simply no
+    GPU: that reads as a broken build. A built module with no driver to call says so."""
+    monkeypatch.setattr(_native, "driver", None)
+    monkeypatch.setitem(_native.missing, "driver", why)
+    assert _native.status()["driver"].startswith(says)

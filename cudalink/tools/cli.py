@@ -1,4 +1,5 @@
-"""``python -m cudalink demo|info|monitor|bench``: see it work, check a machine, watch a link, measure.
+"""``python -m cudalink demo|info|monitor|bench|clean``: see it work, check a machine, watch a link, measure,
+remove what killed producers left.
 
 Every command prints one ``cudalink: ...`` line on failure (``--debug`` shows the traceback), so a
 user sees what to do instead of a stack. ``monitor`` maps the header segment read-only and never
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import LinkError
+from .clean import cmd_clean
 from .demo import cmd_demo
 from .info import cmd_info
 from .monitor import cmd_monitor
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="cudalink: zero-copy GPU (and CPU) frames between processes.",
     )
     parser.add_argument("--version", action="version", version=f"cudalink {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,info,monitor,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,info,monitor,bench,clean}")
 
     p = sub.add_parser("demo", parents=[common], help="one producer and N consumer processes on one link, live stats")
     p.add_argument("--device", default="auto", help="cpu | 0 | cuda:N | auto (default: a GPU if usable, else cpu)")
@@ -67,9 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
     p.set_defaults(func=cmd_monitor)
 
+    p = sub.add_parser(
+        "clean", parents=[common], help="remove what dead producers left (only links whose producer is dead)"
+    )
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these links (default: every link of yours here)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    p.set_defaults(func=cmd_clean)
+
     p = sub.add_parser("bench", parents=[common], help="latency/throughput vs torch.multiprocessing and other peers")
     p.add_argument("--quick", action="store_true", help="short CPU-backend run (CI: under a minute on 2 cores)")
-    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON report here (default: stdout)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the full JSON report to PATH ('-': stdout, and the tables go to stderr)",
+    )
     p.add_argument("--device", default=None, help="cpu | 0 | cuda:N | auto (default: auto; cpu with --quick)")
     p.add_argument("--frames", type=int, default=None, help="frames per latency run (overrides the plan)")
     p.add_argument("--fanout", type=int, default=8, help="consumers in the fan-out run (default 8)")

@@ -105,14 +105,27 @@ def summary(snap: Snapshot) -> str:
     )
 
 
+def _fps(snap: Snapshot, prev: Snapshot | None) -> float | None:
+    h = snap.segment.header
+    same = prev is not None and prev.segment.header.version == h.version
+    dt = snap.mono - prev.mono if same and prev is not None else 0.0
+    if same and prev is not None and dt > 0 and h.write_idx >= prev.segment.header.write_idx:
+        return (h.write_idx - prev.segment.header.write_idx) / dt
+    return None
+
+
+def plain_line(snap: Snapshot, prev: Snapshot | None) -> str:
+    """One line per sample for a pipe or a log (``monitor`` with no terminal)."""
+    fps = _fps(snap, prev)
+    return f"{time.strftime('%H:%M:%S')} {PREFIX}{snap.name} {summary(snap)} · " + (
+        f"{fps:,.1f} fps" if fps is not None else "fps n/a"
+    )
+
+
 def render(snap: Snapshot, prev: Snapshot | None) -> Group:
     s = snap.segment
     h = s.header
-    same = prev is not None and prev.segment.header.version == h.version
-    dt = snap.mono - prev.mono if same and prev is not None else 0.0
-    fps = None
-    if same and prev is not None and dt > 0 and h.write_idx >= prev.segment.header.write_idx:
-        fps = (h.write_idx - prev.segment.header.write_idx) / dt
+    fps = _fps(snap, prev)
     age = snap.perf - s.timestamp if s.timestamp > 0 else None
     events = sum(1 for e in s.event_handles if any(e))
     lines = [

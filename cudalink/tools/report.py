@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def _core_label(report: BenchReport) -> str:
     """Which implementation the figures came from: 'compiled core', 'pure-Python core', or a mix."""
     core = report.get("machine", {}).get("core", {})
-    kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)")}
+    kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)") and not v.startswith("built")}
     return (
         {"compiled": "compiled core", "python": "pure-Python core"}.get(kinds.pop(), "")
         if len(kinds) == 1
@@ -255,6 +255,19 @@ def _goals_table(report: BenchReport) -> Table:
     return gt
 
 
+def write_json(report: BenchReport, path: str | None, console: Console) -> None:
+    """The full report (hundreds of lines) only when asked for: ``--json PATH``, or ``--json -`` for stdout."""
+    if not path:
+        return
+    text = json.dumps(report, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    console.print(f"JSON written to {path}")
+
+
 def _only(text: str | None) -> frozenset[str] | None:
     """``--only a,b``: the parts to run, each one of ``bench.ONLY_CHOICES``."""
     from .bench import ONLY_CHOICES
@@ -273,12 +286,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from . import bench as _bench
 
-    console, err = _console(), _console(stderr=True)
+    to_stdout = args.json == "-"  # stdout is then the JSON alone (for a pipe); the tables go to stderr
+    console, err = _console(stderr=to_stdout), _console(stderr=True)
     device = args.device or ("cpu" if args.quick else "auto")
     backend = resolve_backend(device)
     if backend.note:
         err.print(Text(backend.note, style="yellow"))
-    if args.json:
+    if args.json and not to_stdout:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             raise LinkError(f"cudalink: cannot write --json {args.json}: no directory {parent}")
@@ -308,13 +322,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tables = _bench_tables(report) + tables + ([clock] if clock is not None else []) + [_goals_table(report)]
     for t in tables:
         console.print(t)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-        console.print(f"JSON written to {args.json}")
-    else:
-        sys.stdout.write(text + "\n")
+    write_json(report, args.json, console)
     errors = [r["reason"] for r in report.get("rows", []) if r["status"] == "error"]
     errors += [w["reason"] for w in report.get("wait_modes", []) if w["status"] == "error"]
     errors += [

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 from .. import _backends, _native, _platform, _trace
 from .._ring import consumer_ring
 from ..cuda import devices
-from ..errors import FormatError, ProtocolError
+from ..errors import FormatError, ProducerGone, ProtocolError
 from ..frames.frame import Frame, _Hold
 from . import wire
 from .base import Client, NoProducer, Transport
@@ -255,6 +255,8 @@ class RingSource:
         self, name: str, transport: Transport, *, device: int | str | None = None, copy: Copy = "auto"
     ) -> None:
         self.name = _platform.check_name(name)
+        if device is not None and device != "cpu":
+            devices.parse_device(device)  # a bad device= is an ArgumentError now, not at the first attach
         self.transport = transport
         self.want_device = device
         self.copy = copy
@@ -265,6 +267,20 @@ class RingSource:
             devices.check_ordinal(self._ordinal)
 
     def attach(self, deadline: float, dead_generation: int) -> Attachment:
+        try:
+            return self._attach(deadline, dead_generation)
+        except NoProducer as exc:
+            # a killed producer's leftovers answer nothing: say so now, not after the whole timeout. Not once
+            # this Receiver saw its own producer die: then it waits for the restart it was asked to wait for
+            if not dead_generation and self.transport.abandoned(self.name):
+                raise ProducerGone(
+                    f"cudalink: the producer of {self.name!r} died (killed or crashed) and left its link "
+                    "behind; start it again (a new Sender replaces the leftovers), or remove them with "
+                    "`python -m cudalink clean`"
+                ) from exc
+            raise
+
+    def _attach(self, deadline: float, dead_generation: int) -> Attachment:
         client = self.transport.connect(self.name)
         try:
             if wire.header_pending(client.header):

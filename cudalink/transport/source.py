@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from ..errors import FormatError
+from ..errors import ArgumentError, ArgumentTypeError
 
 if TYPE_CHECKING:
     from ..frames.frame import Frame
@@ -125,4 +125,5 @@ def copy_mode(copy: object) -> Copy:
         return "never"
     if copy in ("auto", "never", "always"):
         return copy  # type: ignore[return-value]
-    raise FormatError(f"cudalink: copy must be 'auto', 'never' or 'always' (or True/False), got {copy!r}")
+    kind = ArgumentError if isinstance(copy, str) else ArgumentTypeError
+    raise kind(f"cudalink: copy must be 'auto', 'never' or 'always' (or True/False), got {copy!r}")

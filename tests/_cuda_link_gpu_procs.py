@@ -24,15 +24,20 @@ def cl_producer(
     every: float = 0.002,
     base: int = 0,
     slots: int = 3,
+    attached: Any = None,
 ) -> None:
     """Once ``go`` is set: create the cuda-link Sender, publish ``n`` frames (pattern of ``seq + base``) every
-    ``every`` s, then close (shutdown flag, grace, unlink)."""
+    ``every`` s, then close (shutdown flag, grace, unlink). With ``attached``, the frames start once the
+    consumer says it attached (cuda-link has no consumer registration: a 0.6 s stream could end before a
+    consumer that is still importing its framework looks)."""
     import torch
 
     torch.cuda.init()
     torch.zeros(1, device="cuda")
     go.wait(120)
     with cudalink.Sender(name, shape=shape, dtype=dtype, slots=slots, device=0, protocol="cuda-link") as tx:
+        if attached is not None:
+            attached.wait(120)
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
             for seq in range(1, n + 1):
@@ -63,6 +68,7 @@ def cl_consumer(
     copy: str = "auto",
     bases: dict[tuple[int, ...], int] | None = None,
     max_frames: int = 1 << 30,
+    attached: Any = None,
 ) -> None:
     """Load the framework, set ``started``, attach (waiting for the segment), then verify each frame against
     the pattern of its seq (plus the base its shape names) on the GPU, holding
@@ -94,6 +100,8 @@ def cl_consumer(
             jnp.zeros(1).block_until_ready()
         started.set()  # frameworks loaded: the producer may start (the Receiver waits for its segment)
         with cudalink.Receiver("cuda-link:" + name, timeout=60.0, copy=copy) as rx:  # type: ignore[arg-type]
+            if attached is not None:
+                attached.set()
             while True:
                 if got >= max_frames:  # done while the producer still runs (its slots still allocated)
                     ended = "count"

@@ -28,9 +28,9 @@ def name() -> str:
 
 def _run(spawned: Spawned, name: str, framework: str, dtype: str = "uint8", **consumer: Any) -> tuple[Any, ...]:
     ctx = spawned.ctx
-    q, started, go = ctx.Queue(), ctx.Event(), ctx.Event()
-    spawned(clp.cl_consumer, name, framework, q, started, **consumer)
-    prod = spawned(clp.cl_producer, name, 300, SHAPE, dtype, go)
+    q, started, go, attached = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    spawned(clp.cl_consumer, name, framework, q, started, attached=attached, **consumer)
+    prod = spawned(clp.cl_producer, name, 300, SHAPE, dtype, go, attached=attached)
     assert started.wait(180), "consumer did not start"
     go.set()
     res = q.get(timeout=240)

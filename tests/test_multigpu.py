@@ -100,7 +100,8 @@ def test_in_process_frames_land_on_gpu_1(pair: PairFactory) -> None:
     again = cudalink.Receiver(tx.name, device=1, timeout=5.0)
     assert torch.cuda.current_device() == 1
     for seq in range(1, 51):
-        tx.send(_content.pattern(seq, SMALL, "uint8", torch))
+        with torch.cuda.device(0):  # the producer's side: its frames are made on the link's GPU
+            tx.send(_content.pattern(seq, SMALL, "uint8", torch))
         with rx.recv(timeout=5.0) as f:
             assert f.device == "cuda:1" and f.__dlpack_device__() == (2, 1)
             cai = f.__cuda_array_interface__

@@ -25,7 +25,8 @@ README = ROOT / "README.md"
 def use_snippets() -> dict[str, str]:
     """The Use section's python blocks, keyed by the file name their first line gives (``# producer.py``)."""
     text = README.read_text(encoding="utf-8")
-    use = text[text.index("\n## Use\n") : text.index("\n## How it works\n")]
+    start = text.index("\n## Use\n")
+    use = text[start : text.index("\n## ", start + 1)]
     out = {}
     for block in re.findall(r"```python\n(.*?)```", use, re.S):
         first = block.splitlines()[0]

@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
         "cudalink.transport.channel",
         "cudalink.transport.shm",
         "cudalink.transport.memory",
+        "cudalink.transport.ucx_wire",
         "cudalink._ring",
         "cudalink._backends",
     },

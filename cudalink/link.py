@@ -9,20 +9,22 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
 from numpy.typing import DTypeLike
 
-from . import _backends, _native, _platform, _trace
-from ._ring import consumer_ring, mask_bits, producer_ring
+from . import _backends, _platform, _trace
+from ._ring import mask_bits, producer_ring
 from .cuda import driver
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
-from .frames.frame import Frame, _Hold
+from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
-from .transport import wire
-from .transport.base import UNVERIFIED_UID, Client, NoProducer, Peer, Reply, ServerHandler, Transport
+from .transport import ring_source, wire
+from .transport.base import UNVERIFIED_UID, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
+from .transport.source import Attachment, Copy, Source, copy_mode
+from .transport.sources import open_source
 
 if TYPE_CHECKING:
     from .cuda.driver import RawEvent
@@ -600,98 +602,6 @@ class _Reservation:
 # ============================================================================================ Receiver
 
 
-class _Lease(_Hold):
-    """A received frame's hold: when the frame and its last export die, the lease on its slot ends.
-
-    The slot and seq live on the hold itself, so a frame costs no closure and no extra call.
-    """
-
-    __slots__ = ("att", "seq", "slot")
-
-    def __init__(self, att: _Attachment, slot: int, seq: int, owner: object, ptr: int) -> None:
-        self.owner = owner
-        self.ptr = ptr
-        self.streams = []
-        self.att: _Attachment | None = att
-        self.slot = slot
-        self.seq = seq
-
-    def end(self) -> None:
-        att = self.att
-        if att is not None:
-            self.att = None
-            att.release(self.slot, self.seq, self.streams)
-
-    def __del__(self) -> None:  # end(), inlined: this runs once per frame
-        att = self.att
-        if att is not None:
-            self.att = None
-            try:
-                att.release(self.slot, self.seq, self.streams)
-            except Exception:  # a finalizer must never raise
-                pass
-
-
-class _Attachment:
-    """One producer generation as seen by one Receiver. Lives until its last frame is released."""
-
-    def __init__(self, client: Client, fixed: wire.Fixed, index: int, view: _backends.ConsumerView) -> None:
-        self.client = client
-        self.fixed = fixed
-        self.ring = consumer_ring(client.header, fixed.layout, index, fixed.capacity)
-        self.view = view
-        self.handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
-        self.generation = fixed.generation
-        self.device = view.device
-        self.parts: list[_backends.SlotParts | None] = [None] * fixed.nslots  # per slot, for its last spec
-        self.counted = 0  # the received count last written to our consumer entry (for monitors)
-        #: seqs of frames still held. ``set.add``/``discard`` are single atomic operations under the GIL, so
-        #: a frame takes no lock; the lock guards only detaching and unmapping.
-        self.live: set[int] = set()
-        #: what the compiled sleep polls: the control socket's fd (-1: it calls ``client.wait_readable``)
-        self.fd = -1 if _platform.IS_WINDOWS else client.fileno()
-        self.detached = False
-        self.unmapped = False
-        self.lock = threading.Lock()
-
-    def release(self, slot: int, seq: int, streams: list[int]) -> None:
-        fenced = False
-        if streams:  # only frames exported to a stream have GPU reads to fence
-            try:
-                fenced = self.view.fence(slot, streams)
-            except Exception:
-                fenced = False
-        if self.ring.release(slot, seq, fenced) & wire.FLAG_PRODUCER_WAITING:
-            with contextlib.suppress(Exception):
-                self.client.hint()
-        live = self.live
-        live.discard(seq)
-        if self.detached and not live:  # detach() saw a frame still live; the last one unmaps
-            self._unmap()
-
-    def detach(self) -> None:
-        """Leave: unmap and close the connection now, or when the last frame goes.
-
-        The connection stays open while frames are alive, so a closing producer keeps waiting (bounded)
-        for us and never frees memory this process still maps: the driver's importer-first rule.
-        """
-        with self.lock:
-            if self.detached:
-                return
-            self.detached = True
-        if not self.live:  # read after ``detached`` is set: a release racing us is seen by one side or both
-            self._unmap()
-
-    def _unmap(self) -> None:
-        with self.lock:
-            if self.unmapped:
-                return
-            self.unmapped = True
-        with contextlib.suppress(Exception):
-            self.view.close()
-        self.client.close()
-
-
 class Receiver:
     """Receives frames from the producer named ``name``; attaches lazily, re-attaches after restarts.
 
@@ -705,7 +615,16 @@ class Receiver:
     claimed a slot rather than after it publishes: the OS wake-up then overlaps the producer's copy, and
     the woken receiver spins for what is left of the send (at most ``wire.AHEAD_SPIN_NS``, typically a
     few microseconds). ``False`` sleeps until the frame is published and never spins after a wake.
+
+    Where frames come from is a :class:`~cudalink.transport.source.Source` chosen by ``name``
+    (``transport.sources``): a link of this host by default. ``source=`` takes any other. ``device`` and
+    ``copy`` say where frames should land and whether the source may copy them there.
     """
+
+    #: the local ring's per-frame take and sleep (compiled where built); a Receiver whose source takes
+    #: frames otherwise binds its source's pair on its instance when it attaches
+    _try_take = cast("Callable[[Receiver, Attachment], Frame | None]", ring_source.receive)
+    _sleep_take = cast("Callable[[Receiver, Attachment, float, int, int], Frame | None]", ring_source.sleep_receive)
 
     def __init__(
         self,
@@ -716,19 +635,24 @@ class Receiver:
         wait: WaitMode = "hybrid",
         spin_us: float = 50.0,
         wake_ahead: bool = True,
+        device: int | str | None = None,
+        copy: bool | Copy = "auto",
         transport: Transport | None = None,
+        source: Source | None = None,
         connect: bool = True,
     ) -> None:
-        self.name = _platform.check_name(name)
         if wait not in ("spin", "block", "hybrid"):
             raise LinkError(f"cudalink: wait must be 'spin', 'block' or 'hybrid', got {wait!r}")
+        self._source: Source = source or open_source(
+            name, transport=transport or default_transport(), device=device, copy=copy_mode(copy)
+        )
+        self.name = self._source.name
         self.timeout = timeout
         self.latest = latest
         self.wait_mode: WaitMode = wait
         self.spin_s = spin_us / 1e6
         self.wake_ahead = bool(wake_ahead)
-        self._transport = transport or default_transport()
-        self._att: _Attachment | None = None
+        self._att: Attachment | None = None
         self._last = 0
         self._dead_generation = 0
         self._sticky_wake = False
@@ -744,8 +668,13 @@ class Receiver:
     # -- attaching ----------------------------------------------------------------------------------------
 
     @property
+    def source(self) -> Source:
+        """Where this Receiver's frames come from."""
+        return self._source
+
+    @property
     def generation(self) -> int:
-        return self._att.fixed.generation if self._att else 0
+        return self._att.generation if self._att else 0
 
     @property
     def connected(self) -> bool:
@@ -753,19 +682,17 @@ class Receiver:
 
     @property
     def device(self) -> str:
-        if self._att is None:
-            return "unknown"
-        f = self._att.fixed
-        return "cpu" if f.backend == wire.BACKEND_HOST else f"cuda:{self._att.view.device}"
+        """Where received frames live (``"cpu"``, ``"cuda:N"``), or ``"unknown"`` before attaching."""
+        return self._att.device if self._att is not None else "unknown"
 
     @property
     def backend(self) -> str:
-        """How the attached producer shares its slots: ``"host"``, ``"cuda-pool"`` or ``"cuda-legacy"``."""
-        return wire.BACKEND_NAMES[self._att.fixed.backend] if self._att is not None else "unknown"
+        """How the attached producer shares its frames: ``"host"``, ``"cuda-pool"``, ``"cuda-legacy"``, ..."""
+        return self._att.backend if self._att is not None else "unknown"
 
     @property
     def capacity(self) -> int:
-        return self._att.fixed.capacity if self._att else 0
+        return self._att.capacity if self._att else 0
 
     @property
     def mean_wait_s(self) -> float:
@@ -780,7 +707,7 @@ class Receiver:
     @property
     def producer_closing(self) -> bool:
         """The producer announced shutdown: copy what you must keep, then release your frames."""
-        return bool(self._att is not None and self._att.ring.flags() & wire.FLAG_SHUTDOWN)
+        return bool(self._att is not None and self._att.closing())
 
     def fileno(self) -> int:
         """Readable when a frame may be waiting (or the producer died): for selectors and event loops.
@@ -791,11 +718,11 @@ class Receiver:
         if self._att is None:
             raise LinkError("cudalink: not attached")
         self._sticky_wake = True
-        self._att.ring.set_waiting(wire.WAIT_ON)
-        return int(self._att.client.fileno())
+        self._att.set_waiting(wire.WAIT_ON)
+        return self._att.fileno()
 
-    def _unwait(self, att: _Attachment) -> None:
-        att.ring.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)
+    def _unwait(self, att: Attachment) -> None:
+        att.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)
 
     def _attach(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -803,8 +730,8 @@ class Receiver:
         last_error = "no producer"
         while True:
             try:
-                self._try_attach(deadline)
-                return
+                att = self._source.attach(deadline, self._dead_generation)
+                break
             except NoProducer as exc:
                 last_error = str(exc) or "no producer"
             left = deadline - time.monotonic()
@@ -815,122 +742,29 @@ class Receiver:
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.05)
-
-    def _try_attach(self, deadline: float) -> None:
-        client = self._transport.connect(self.name)
-        try:
-            if wire.header_pending(client.header):
-                raise NoProducer("producer is starting")
-            fixed = wire.read_fixed(client.header)
-            if not fixed.flags & wire.FLAG_READY or fixed.flags & wire.FLAG_SHUTDOWN:
-                raise NoProducer("producer is starting or stopping")
-            if fixed.generation == self._dead_generation:
-                raise NoProducer("only the dead producer's leftovers are there")
-            token = secrets.randbits(63)
-            hello = wire.pack_hello(wire.Hello(fixed.generation, token, os.getpid()))
-            try:
-                data, fds = client.handshake(hello, wire.WELCOME.size, max(0.05, deadline - time.monotonic()))
-            except (TimeoutError, ConnectionError) as exc:
-                raise NoProducer(f"handshake failed: {exc}") from exc
-            try:
-                welcome = wire.unpack_reply(data, fixed.nconsumers)
-            except ProtocolError as exc:
-                for fd in fds:
-                    os.close(fd)
-                if exc.reason.retryable or not data:
-                    raise NoProducer(str(exc)) from exc
-                raise
-            view = _backends.make_consumer_view(fixed, client, fds)
-            view.setup(client.header, fixed.layout, welcome.index)
-        except BaseException:
-            client.close()
-            raise
-        self._att = _Attachment(client, fixed, welcome.index, view)
+        kind = type(att)
+        if kind.receive is not type(self)._try_take:  # another source's per-frame pair, bound once here
+            self._try_take = functools.partial(kind.receive, self)  # type: ignore[method-assign]
+            self._sleep_take = functools.partial(kind.sleep_receive, self)  # type: ignore[method-assign]
+        self._att = att
         if self._sticky_wake:
-            self._att.ring.set_waiting(wire.WAIT_ON)
+            att.set_waiting(wire.WAIT_ON)
         self._last = 0
-        # frames published before we joined are not "skipped" by us
-        self._floor = wire.read_u64(client.header, wire.OFF_PUBLISHED)
+        self._floor = att.floor
 
     def _gone(self, why: str) -> ProducerGone:
         att = self._att
         if att is not None:
-            self._dead_generation = att.fixed.generation
+            self._dead_generation = att.generation
             att.detach()
             self._att = None
         return ProducerGone(f"cudalink: producer of {self.name!r} {why}; recv() again to wait for a new one")
 
     # -- receiving ------------------------------------------------------------------------------------------
 
-    def _try_take(self, att: _Attachment) -> Frame | None:
-        """Lease the next frame and build it, or None. The per-frame path: where the compiled core is
-        built, its twin ``_native.ring.receive`` (with ``_native.ring.Lease`` for ``_Lease``) runs instead."""
-        last = self._last
-        got = att.ring.take(last, self.latest)
-        if got is None:
-            return None
-        slot, rec = got
-        seq = rec[0]
-        if _trace.ON:
-            _trace.mark(_trace.LEASED)
-        floor = last if last > self._floor else self._floor
-        if seq > floor + 1:
-            self.skipped += seq - floor - 1
-        self._last = seq
-        self.received += 1
-        att.live.add(seq)
-        spec = rec[2]
-        parts = att.parts[slot]
-        if parts is None or parts[0] is not spec:  # the ring caches specs: identity is the common case
-            try:
-                parts = att.parts[slot] = att.view.slot(slot, att.handles[slot], spec)
-            except BaseException:
-                _Lease(att, slot, seq, None, 0).end()
-                raise
-        frame = Frame._received(
-            spec,
-            _Lease(att, slot, seq, parts[2], parts[1]),
-            att.device,
-            seq,
-            rec[1],
-            rec[3],
-            parts[3],
-            att.generation,
-            parts[4],
-            parts[5],
-        )
-        if _trace.ON:
-            _trace.mark(_trace.FRAME_BUILT)
-        return frame
-
-    def _sleep_take(self, att: _Attachment, timeout: float, waiting: int, after: int) -> Frame | None:
-        """Flag ``waiting`` in the ring, sleep until a wake-up (or ``timeout``), flag ``after``, and take
-        the frame the wake-up announces straight away, before any bookkeeping: or None.
-
-        A woken receiver usually runs on the producer's core (a socket wake-up asks the kernel for that)
-        once the producer sleeps, and after its memcpy every cache line is cold: each Python step here
-        costs microseconds. Where the compiled core is built, its twin ``_native.ring.sleep_receive``
-        runs instead, and sleeps in one ``poll()`` on ``att.fd``.
-        """
-        ring = att.ring
-        ring.set_waiting(waiting)
-        try:
-            frame = self._try_take(att)  # a frame published before our flag was visible
-            if frame is None:
-                att.client.wait_readable(timeout)
-                if _trace.ON:
-                    _trace.mark(_trace.WOKEN)
-        finally:
-            ring.set_waiting(after)
-        if frame is None:
-            frame = self._try_take(att)
-        return frame
-
-    def _publish_counts(self, att: _Attachment) -> None:
+    def _publish_counts(self, att: Attachment) -> None:
         """Tell monitors what we received. Done off the latency path: before sleeping, and while idle."""
-        if att.counted != self.received:
-            att.counted = self.received
-            att.ring.count(self.received, self.skipped)
+        att.count(self.received, self.skipped)
 
     def poll(self) -> Frame | None:
         """A new frame if one is there now, else None; never waits."""
@@ -943,7 +777,7 @@ class Receiver:
         frame = self._try_take(att)
         if frame is None:
             self._publish_counts(att)
-            if not att.client.drain():
+            if not att.alive():
                 raise self._gone("closed or died")
         return frame
 
@@ -979,11 +813,11 @@ class Receiver:
             frame = take(att)
             if frame is not None:
                 return self._arrived(frame, entered) if learn else frame
-            if att.ring.flags() & wire.FLAG_SHUTDOWN:
+            if att.closing():
                 raise self._gone("closed the link")
             now = time.monotonic()
             if now >= deadline:
-                if not att.client.drain():
+                if not att.alive():
                     raise self._gone("closed or died")
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
             if now < spin_until:
@@ -996,13 +830,13 @@ class Receiver:
                 self._publish_counts(att)
                 _platform.yield_cpu()
                 n += 1
-                if n & 15 == 0 and not att.client.drain():
+                if n & 15 == 0 and not att.alive():
                     raise self._gone("closed or died")
                 continue
             # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
             # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
             # syscall in between. It is drained the next time this receiver is about to sleep.
-            if not att.client.drain():
+            if not att.alive():
                 raise self._gone("closed or died")
             self._publish_counts(att)
             ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
@@ -1026,7 +860,7 @@ class Receiver:
         return frame
 
     async def recv_async(self, timeout: float | None = None) -> Frame:
-        """Await the next frame: the event loop watches the control socket, no thread and no polling."""
+        """Await the next frame: the event loop watches the source's fd, no thread and no polling."""
         import asyncio
 
         self._check_open()
@@ -1041,17 +875,17 @@ class Receiver:
                 return frame
             att = self._att
             assert att is not None
-            if att.ring.flags() & wire.FLAG_SHUTDOWN:
+            if att.closing():
                 raise self._gone("closed the link")
             left = deadline - loop.time()
             if left <= 0:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
-            att.ring.set_waiting(wire.WAIT_ON)
+            att.set_waiting(wire.WAIT_ON)
             try:
                 frame = self._try_take(att)  # published before our flag was visible
                 if frame is not None:
                     return frame
-                await att.client.wait_async(None if left == float("inf") else left)
+                await att.wait_async(None if left == float("inf") else left)
             finally:
                 self._unwait(att)
 
@@ -1093,6 +927,7 @@ class Receiver:
         if self._att is not None:
             self._att.detach()
             self._att = None
+        self._source.close()
 
     def __enter__(self) -> Receiver:
         return self
@@ -1105,9 +940,7 @@ class Receiver:
             self.close()
 
 
-#: the Python references of the per-frame take and sleep, kept by name for the tests that compare the two
-py_try_take = Receiver._try_take
-py_sleep_take = Receiver._sleep_take
-if _native.ring is not None:  # the compiled twins, step for step (see _native/ring.pyx)
-    Receiver._try_take = _native.ring.receive  # type: ignore[method-assign]
-    Receiver._sleep_take = _native.ring.sleep_receive  # type: ignore[method-assign]
+#: the Python references of the local ring's per-frame take and sleep, kept by name for the tests that compare
+#: them with their compiled twins (the class binds whichever ``ring_source`` picked)
+py_try_take = ring_source.py_receive
+py_sleep_take = ring_source.py_sleep_receive

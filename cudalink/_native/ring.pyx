@@ -446,11 +446,11 @@ cdef object _LEASED = _trace.LEASED, _FRAME_BUILT = _trace.FRAME_BUILT, _WOKEN =
 @cython.final
 @cython.no_gc_clear  # its death is the frame's release: the cycle collector must never clear it first
 cdef class Lease:
-    """A received frame's hold (the twin of ``link._Lease``): when the frame and its exports die, the
+    """A received frame's hold (the twin of ``transport.ring_source._Lease``): when the frame and its exports die, the
     lease on its slot ends.
 
     A frame never exported to a stream (every host frame) releases here, in C, straight on the compiled
-    ring; one with GPU reads to fence goes through ``_Attachment.release``, which records the fence.
+    ring; one with GPU reads to fence goes through ``RingAttachment.release``, which records the fence.
     """
 
     cdef public object owner
@@ -599,7 +599,7 @@ cdef object _receive(rx, att):
     if _received is None:
         _frame_type()
     frame = _frame(
-        spec, _lease(att, core, slot, seq, p[2], p[1]), att.device, seq, rec[1], rec[3], p[3], att.generation, p[4], p[5]
+        spec, _lease(att, core, slot, seq, p[2], p[1]), att.device_id, seq, rec[1], rec[3], p[3], att.generation, p[4], p[5]
     )
     if _trace.ON:
         _trace.mark(_FRAME_BUILT)

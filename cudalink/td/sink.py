@@ -13,7 +13,6 @@ from ..cuda import arrays, devices, driver
 from ..errors import LinkError, LinkTimeout, ProducerGone
 from ..frames.frame import Frame
 from ..link import Receiver
-from ..transport import wire
 from ..transport.base import Transport
 from .convert import _convert_cuda, _convert_host, _DeviceBuffer, _Plan, _sync, _td_default_shape
 from .formats import CUDAMemoryShapeLike, Method, ScriptTOPLike, ShapeFactory, Switch, td_format_name
@@ -306,7 +305,7 @@ def _producer_closing(rx: Receiver) -> bool:
     if att is None:
         return False
     try:
-        return bool(att.ring.flags() & wire.FLAG_SHUTDOWN)
+        return att.closing()
     except Exception:
         return False
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from ...errors import LinkTimeout, ProducerGone
+from ...transport.ring_source import RingAttachment
 from ..measure import Backend, GpuLib
 from . import ConsumerJob, JobFields
 
@@ -61,7 +62,7 @@ class LinkSource:
         """The ``view_read`` floor, paired: in this consumer, right after a wake, a numpy view of a slot
         (the slots in turn, as the producer fills them), made and read. No cudalink code runs in it."""
         att = self.rx._att  # the bench reads the mapped region the frames point into; users never need it
-        if att is None or self.lib is not None:
+        if not isinstance(att, RingAttachment) or self.lib is not None:
             return None
         region = att.view.region  # type: ignore[attr-defined]  # a HostView: host links only
         self._next = (self._next + 1) % len(att.handles)

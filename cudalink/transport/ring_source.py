@@ -1,0 +1,288 @@
+"""The local ring as a frame source: a producer's shared header on this host, its slots, its control channel.
+
+This is the hot path: ``receive``/``sleep_receive`` have compiled twins (``_native.ring``) that the Receiver
+binds where they were built, step for step the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import time
+from typing import TYPE_CHECKING, cast
+
+from .. import _backends, _native, _platform, _trace
+from .._ring import consumer_ring
+from ..cuda import devices
+from ..errors import FormatError, ProtocolError
+from ..frames.frame import Frame, _Hold
+from . import wire
+from .base import Client, NoProducer, Transport
+from .source import Copy, account
+
+if TYPE_CHECKING:
+    from .source import Counters
+
+__all__ = ["RingAttachment", "RingSource", "py_receive", "py_sleep_receive", "receive", "sleep_receive"]
+
+
+class _Lease(_Hold):
+    """A received frame's hold: when the frame and its last export die, the lease on its slot ends.
+
+    The slot and seq live on the hold itself, so a frame costs no closure and no extra call.
+    """
+
+    __slots__ = ("att", "seq", "slot")
+
+    def __init__(self, att: RingAttachment, slot: int, seq: int, owner: object, ptr: int) -> None:
+        self.owner = owner
+        self.ptr = ptr
+        self.streams = []
+        self.att: RingAttachment | None = att
+        self.slot = slot
+        self.seq = seq
+
+    def end(self) -> None:
+        att = self.att
+        if att is not None:
+            self.att = None
+            att.release(self.slot, self.seq, self.streams)
+
+    def __del__(self) -> None:  # end(), inlined: this runs once per frame
+        att = self.att
+        if att is not None:
+            self.att = None
+            try:
+                att.release(self.slot, self.seq, self.streams)
+            except Exception:  # a finalizer must never raise
+                pass
+
+
+def py_receive(rx: Counters, att: RingAttachment) -> Frame | None:
+    """Lease the next frame and build it, or None. The per-frame path: where the compiled core is built, its
+    twin ``_native.ring.receive`` (with ``_native.ring.Lease`` for ``_Lease``) runs instead."""
+    got = att.ring.take(rx._last, rx.latest)
+    if got is None:
+        return None
+    slot, rec = got
+    seq = rec[0]
+    if _trace.ON:
+        _trace.mark(_trace.LEASED)
+    account(rx, seq)
+    att.live.add(seq)
+    spec = rec[2]
+    parts = att.parts[slot]
+    if parts is None or parts[0] is not spec:  # the ring caches specs: identity is the common case
+        try:
+            parts = att.parts[slot] = att.view.slot(slot, att.handles[slot], spec)
+        except BaseException:
+            _Lease(att, slot, seq, None, 0).end()
+            raise
+    frame = Frame._received(
+        spec,
+        _Lease(att, slot, seq, parts[2], parts[1]),
+        att.device_id,
+        seq,
+        rec[1],
+        rec[3],
+        parts[3],
+        att.generation,
+        parts[4],
+        parts[5],
+    )
+    if _trace.ON:
+        _trace.mark(_trace.FRAME_BUILT)
+    return frame
+
+
+def py_sleep_receive(rx: Counters, att: RingAttachment, timeout: float, waiting: int, after: int) -> Frame | None:
+    """Flag ``waiting`` in the ring, sleep until a wake-up (or ``timeout``), flag ``after``, and take the frame
+    the wake-up announces straight away, before any bookkeeping: or None.
+
+    A woken receiver usually runs on the producer's core (a socket wake-up asks the kernel for that) once the
+    producer sleeps, and after its memcpy every cache line is cold: each Python step here costs microseconds.
+    Where the compiled core is built, its twin ``_native.ring.sleep_receive`` runs instead, and sleeps in one
+    ``poll()`` on ``att.fd``.
+    """
+    take = type(att).receive
+    ring = att.ring
+    ring.set_waiting(waiting)
+    try:
+        frame = take(rx, att)  # a frame published before our flag was visible
+        if frame is None:
+            att.client.wait_readable(timeout)
+            if _trace.ON:
+                _trace.mark(_trace.WOKEN)
+    finally:
+        ring.set_waiting(after)
+    if frame is None:
+        frame = take(rx, att)
+    return cast("Frame | None", frame)
+
+
+#: the per-frame functions the ring uses: the compiled twins where they were built
+receive = py_receive if _native.ring is None else _native.ring.receive
+sleep_receive = py_sleep_receive if _native.ring is None else _native.ring.sleep_receive
+
+
+class RingAttachment:
+    """One producer generation of the local ring as seen by one Receiver. Lives until its last frame is released."""
+
+    receive = staticmethod(receive)
+    sleep_receive = staticmethod(sleep_receive)
+
+    def __init__(self, client: Client, fixed: wire.Fixed, index: int, view: _backends.ConsumerView) -> None:
+        self.client = client
+        self.fixed = fixed
+        self.ring = consumer_ring(client.header, fixed.layout, index, fixed.capacity)
+        self.view = view
+        self.handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
+        self.generation = fixed.generation
+        self.device_id = view.device  #: the CUDA ordinal frames are built with (-1: host)
+        self.backend = wire.BACKEND_NAMES[fixed.backend]
+        self.capacity = fixed.capacity
+        #: frames published before we joined are not "skipped" by us
+        self.floor = wire.read_u64(client.header, wire.OFF_PUBLISHED)
+        self.parts: list[_backends.SlotParts | None] = [None] * fixed.nslots  # per slot, for its last spec
+        self.counted = 0  # the received count last written to our consumer entry (for monitors)
+        #: seqs of frames still held. ``set.add``/``discard`` are single atomic operations under the GIL, so
+        #: a frame takes no lock; the lock guards only detaching and unmapping.
+        self.live: set[int] = set()
+        #: what the compiled sleep polls: the control socket's fd (-1: it calls ``client.wait_readable``)
+        self.fd = -1 if _platform.IS_WINDOWS else client.fileno()
+        self.detached = False
+        self.unmapped = False
+        self.lock = threading.Lock()
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.fixed.backend == wire.BACKEND_HOST else f"cuda:{self.device_id}"
+
+    def closing(self) -> bool:
+        return bool(self.ring.flags() & wire.FLAG_SHUTDOWN)
+
+    def alive(self) -> bool:
+        return self.client.drain()
+
+    def set_waiting(self, state: int) -> None:
+        self.ring.set_waiting(state)
+
+    def count(self, received: int, skipped: int) -> None:
+        if self.counted != received:
+            self.counted = received
+            self.ring.count(received, skipped)
+
+    def fileno(self) -> int:
+        return int(self.client.fileno())
+
+    async def wait_async(self, timeout: float | None) -> None:
+        await self.client.wait_async(timeout)
+
+    def release(self, slot: int, seq: int, streams: list[int]) -> None:
+        fenced = False
+        if streams:  # only frames exported to a stream have GPU reads to fence
+            try:
+                fenced = self.view.fence(slot, streams)
+            except Exception:
+                fenced = False
+        if self.ring.release(slot, seq, fenced) & wire.FLAG_PRODUCER_WAITING:
+            with contextlib.suppress(Exception):
+                self.client.hint()
+        live = self.live
+        live.discard(seq)
+        if self.detached and not live:  # detach() saw a frame still live; the last one unmaps
+            self._unmap()
+
+    def detach(self) -> None:
+        """Leave: unmap and close the connection now, or when the last frame goes.
+
+        The connection stays open while frames are alive, so a closing producer keeps waiting (bounded)
+        for us and never frees memory this process still maps: the driver's importer-first rule.
+        """
+        with self.lock:
+            if self.detached:
+                return
+            self.detached = True
+        if not self.live:  # read after ``detached`` is set: a release racing us is seen by one side or both
+            self._unmap()
+
+    def _unmap(self) -> None:
+        with self.lock:
+            if self.unmapped:
+                return
+            self.unmapped = True
+        with contextlib.suppress(Exception):
+            self.view.close()
+        self.client.close()
+
+
+class RingSource:
+    """A producer on this host, found by name through a :class:`~cudalink.transport.base.Transport`.
+
+    ``device``: None (or the producer's GPU) takes frames where the producer made them, with no copy.
+    """
+
+    def __init__(
+        self, name: str, transport: Transport, *, device: int | str | None = None, copy: Copy = "auto"
+    ) -> None:
+        self.name = _platform.check_name(name)
+        self.transport = transport
+        self.want_device = device
+        self.copy = copy
+
+    def attach(self, deadline: float, dead_generation: int) -> RingAttachment:
+        client = self.transport.connect(self.name)
+        try:
+            if wire.header_pending(client.header):
+                raise NoProducer("producer is starting")
+            fixed = wire.read_fixed(client.header)
+            if not fixed.flags & wire.FLAG_READY or fixed.flags & wire.FLAG_SHUTDOWN:
+                raise NoProducer("producer is starting or stopping")
+            if fixed.generation == dead_generation:
+                raise NoProducer("only the dead producer's leftovers are there")
+            token = secrets.randbits(63)
+            hello = wire.pack_hello(wire.Hello(fixed.generation, token, os.getpid()))
+            try:
+                data, fds = client.handshake(hello, wire.WELCOME.size, max(0.05, deadline - time.monotonic()))
+            except (TimeoutError, ConnectionError) as exc:
+                raise NoProducer(f"handshake failed: {exc}") from exc
+            try:
+                welcome = wire.unpack_reply(data, fixed.nconsumers)
+            except ProtocolError as exc:
+                for fd in fds:
+                    os.close(fd)
+                if exc.reason.retryable or not data:
+                    raise NoProducer(str(exc)) from exc
+                raise
+            view = _backends.make_consumer_view(fixed, client, fds)
+            view.setup(client.header, fixed.layout, welcome.index)
+            att = RingAttachment(client, fixed, welcome.index, view)
+            self._check_device(att)
+        except BaseException:
+            client.close()
+            raise
+        return att
+
+    def _check_device(self, att: RingAttachment) -> None:
+        want = self.want_device
+        if want is None:
+            return
+        if att.device_id < 0:
+            if want != "cpu":
+                att.detach()
+                raise FormatError(
+                    f"cudalink: {self.name!r} carries host frames; a Receiver cannot put them on {want!r} "
+                    "(drop device=, or copy the frame to the GPU yourself)"
+                )
+            return
+        if want == "cpu" or devices.parse_device(want) != att.device_id:
+            att.detach()
+            raise FormatError(
+                f"cudalink: {self.name!r} carries frames on cuda:{att.device_id}; delivering them to {want!r} "
+                "is not supported by this version (drop device=, or pass the producer's GPU)"
+            )
+
+    def close(self) -> None:
+        pass

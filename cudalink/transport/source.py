@@ -1,0 +1,125 @@
+"""The seam behind ``Receiver``: where frames come from (the local ring, a network peer, a foreign segment).
+
+``Receiver`` owns what users see, once: the wait modes, ``recv``/``poll``/``recv_async``/``async for``,
+timeouts, ``ProducerGone``/``LinkTimeout``, ``stats()``. A :class:`Source` owns only how it reaches one producer
+and hands over frames: it attaches (and re-attaches after a restart) and returns an :class:`Attachment`, which
+the facade's loops drive. The cut follows httpx's transports: each source is one module, and a mock source in
+the tests drives the facade with no process at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from ..errors import FormatError
+
+if TYPE_CHECKING:
+    from ..frames.frame import Frame
+
+__all__ = ["Attachment", "Copy", "Counters", "Source", "account", "copy_mode"]
+
+#: when a source may copy a frame into memory the Receiver owns (see each source's docs for what ``auto`` means)
+Copy = Literal["auto", "never", "always"]
+
+
+class Counters(Protocol):
+    """The part of a Receiver a source's ``receive`` updates, per frame."""
+
+    latest: bool
+    received: int
+    skipped: int
+    _last: int
+    _floor: int
+
+
+class Attachment(Protocol):
+    """One producer generation as one Receiver sees it; lives until its last frame is released.
+
+    ``receive`` and ``sleep_receive`` are plain functions on the class (staticmethods), so a compiled
+    function can serve as the local ring's does; the Receiver binds them once per attach, not per frame.
+    """
+
+    generation: int  #: changes when the producer restarts (its seqs start again)
+    backend: str  #: how frames reach us: "host", "cuda-pool", "cuda-legacy", "cuda-link", "ucx", ...
+    capacity: int  #: bytes a frame may have
+    floor: int  #: frames published before we joined: not counted as skipped
+
+    #: ``(rx, att) -> Frame | None``: take the next frame now, or None; never blocks
+    receive: Callable[..., Frame | None]
+    #: ``(rx, att, timeout, waiting, after) -> Frame | None``: flag ``waiting`` (``wire.WAIT_ON`` or
+    #: ``WAIT_AHEAD``; a source with no wake-ahead treats both alike), sleep until a frame may be there or
+    #: ``timeout`` seconds pass, flag ``after``, then take once
+    sleep_receive: Callable[..., Frame | None]
+
+    @property
+    def device(self) -> str:
+        """Where this Receiver's frames live: ``"cpu"`` or ``"cuda:N"``."""
+        ...
+
+    def closing(self) -> bool:
+        """The producer announced shutdown."""
+        ...
+
+    def alive(self) -> bool:
+        """Drain pending wake-ups; False once the producer is gone (its end of the channel closed)."""
+        ...
+
+    def set_waiting(self, state: int) -> None:
+        """Tell the producer whether (and how early) to wake us: ``wire.WAIT_OFF``/``WAIT_ON``/``WAIT_AHEAD``."""
+        ...
+
+    def count(self, received: int, skipped: int) -> None:
+        """Publish this Receiver's counters for monitors (off the latency path; may do nothing)."""
+        ...
+
+    def fileno(self) -> int:
+        """Readable when a frame may be waiting or the producer died: for selectors and event loops."""
+        ...
+
+    async def wait_async(self, timeout: float | None) -> None:
+        """Return when :meth:`fileno` is readable or ``timeout`` seconds passed."""
+        ...
+
+    def detach(self) -> None:
+        """Leave: now, or once the last frame still held is released."""
+        ...
+
+
+class Source(Protocol):
+    """Where one Receiver's frames come from, for its whole life."""
+
+    name: str
+
+    def attach(self, deadline: float, dead_generation: int) -> Attachment:
+        """Attach to the producer now. Raise ``transport.base.NoProducer`` to be retried until ``deadline``
+        (``time.monotonic()``); never attach to ``dead_generation``, the producer this Receiver saw die."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the source itself holds (attachments are detached by the Receiver)."""
+        ...
+
+
+def account(rx: Counters, seq: int) -> None:
+    """Count one taken frame on ``rx``: every source's ``receive`` calls this (the ring's compiled twin inlines it).
+
+    Frames between the last one taken (or the floor at attach) and ``seq`` were skipped.
+    """
+    last = rx._last
+    floor = last if last > rx._floor else rx._floor
+    if seq > floor + 1:
+        rx.skipped += seq - floor - 1
+    rx._last = seq
+    rx.received += 1
+
+
+def copy_mode(copy: object) -> Copy:
+    """``copy=`` as given by a user (True/False or a word) as one of :data:`Copy`."""
+    if copy is True:
+        return "always"
+    if copy is False:
+        return "never"
+    if copy in ("auto", "never", "always"):
+        return copy  # type: ignore[return-value]
+    raise FormatError(f"cudalink: copy must be 'auto', 'never' or 'always' (or True/False), got {copy!r}")

@@ -1,0 +1,14 @@
+"""Which :class:`~cudalink.transport.source.Source` serves a Receiver's name: one line per kind of address."""
+
+from __future__ import annotations
+
+from .base import Transport
+from .ring_source import RingSource
+from .source import Copy, Source
+
+__all__ = ["open_source"]
+
+
+def open_source(name: str, *, transport: Transport, device: int | str | None, copy: Copy) -> Source:
+    """The source for ``name``: a link of this host by default."""
+    return RingSource(name, transport, device=device, copy=copy)

@@ -644,7 +644,7 @@ class Receiver:
         if wait not in ("spin", "block", "hybrid"):
             raise LinkError(f"cudalink: wait must be 'spin', 'block' or 'hybrid', got {wait!r}")
         self._source: Source = source or open_source(
-            name, transport=transport or default_transport(), device=device, copy=copy_mode(copy)
+            name, transport=transport or default_transport(), device=device, copy=copy_mode(copy), latest=latest
         )
         self.name = self._source.name
         self.timeout = timeout

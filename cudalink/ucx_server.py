@@ -14,13 +14,11 @@ the frames this consumer missed are counted (seq gaps) by both sides, never push
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import secrets
-import sys
 import time
 from typing import Any
 
@@ -32,6 +30,7 @@ from .frames.frame import Frame
 from .frames.spec import FrameSpec
 from .link import Receiver
 from .transport import ucx_engine, ucx_wire
+from .transport import wire as shm_wire
 
 log = logging.getLogger("cudalink.ucx")
 
@@ -92,6 +91,7 @@ class _Consumer:
         except (asyncio.CancelledError, Exception) as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 log.info("cudalink serve: a consumer left (%s: %s)", type(exc).__name__, exc)
+                log.debug("cudalink serve: why", exc_info=True)
         finally:
             self._close()
 
@@ -126,11 +126,11 @@ class _Consumer:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"{name!r}: {exc}"))
             return False
         self.rx = rx
-        att = rx._att
-        assert att is not None
         self.credits = min(hello.credits, MAX_GRANT)
-        backend = att.fixed.backend
-        await self._send(ucx_wire.pack_welcome(ucx_wire.Welcome(rx.generation, rx.capacity, self.credits, backend)))
+        backend = {v: k for k, v in shm_wire.BACKEND_NAMES.items()}.get(rx.backend, shm_wire.BACKEND_HOST)
+        await self._send(
+            ucx_wire.pack_welcome(ucx_wire.Welcome(rx.generation, rx.capacity, self.credits, backend, rx._floor))
+        )
         self.credit.set()
         log.info("cudalink serve: a consumer joined %r (latest=%s)", name, hello.latest)
         return True
@@ -265,23 +265,16 @@ class Server:
                 return
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cudalink serve NAME --listen ucx://HOST:PORT``"""
-    p = argparse.ArgumentParser(prog="cudalink serve", description="Serve a local link to other hosts over UCX.")
-    p.add_argument("name", help="the local link to serve")
-    p.add_argument("--listen", default=f"ucx://127.0.0.1:{ucx_wire.DEFAULT_PORT}", help="ucx://HOST:PORT")
-    p.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    try:
-        name = _platform.check_name(args.name)
-        addr = ucx_wire.parse_address(args.listen, need_name=False)
-        ucx_engine.load()
-        key, created = ucx_engine.load_key(create=True)
-    except LinkError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> int:
+    """``python -m cudalink serve NAME --listen ucx://HOST:PORT``: serve until interrupted (or ``parent`` dies)."""
+    logging.basicConfig(
+        level=(logging.DEBUG if os.environ.get("CUDALINK_DEBUG") else logging.INFO) if verbose else logging.WARNING,
+        format="%(message)s",
+    )
+    name = _platform.check_name(name)
+    addr = ucx_wire.parse_address(listen, need_name=False)
+    ucx_engine.load()
+    key, created = ucx_engine.load_key(create=True)
     if created:
         print(
             f"cudalink: made a new key in {created}. On each consumer's host run:\n"
@@ -295,12 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     def ready(port: int) -> None:
         print(f"cudalink: serving {name!r} at ucx://{addr.host}:{port}/{name}", flush=True)
 
-    server = Server(addr.port, key, name, args.parent)
-    try:
+    server = Server(addr.port, key, name, parent)
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.run(ready))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
-__all__ = ["Server", "main"]
+__all__ = ["Server", "serve"]

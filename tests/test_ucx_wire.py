@@ -65,9 +65,10 @@ def test_hello_limits() -> None:
     cap=st.integers(1, uw.CAPACITY_MAX),
     credits=st.integers(1, uw.MAX_CREDITS),
     backend=st.sampled_from(sorted(wire.BACKEND_NAMES)),
+    floor=st.integers(0, 2**64 - 1),
 )
-def test_welcome_roundtrip(gen: int, cap: int, credits: int, backend: int) -> None:
-    w = uw.Welcome(gen, cap, credits, backend)
+def test_welcome_roundtrip(gen: int, cap: int, credits: int, backend: int, floor: int) -> None:
+    w = uw.Welcome(gen, cap, credits, backend, floor)
     assert uw.unpack_welcome(uw.pack_welcome(w)) == w
 
 

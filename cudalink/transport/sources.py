@@ -9,6 +9,12 @@ from .source import Copy, Source
 __all__ = ["open_source"]
 
 
-def open_source(name: str, *, transport: Transport, device: int | str | None, copy: Copy) -> Source:
+def open_source(
+    name: str, *, transport: Transport, device: int | str | None, copy: Copy, latest: bool = True
+) -> Source:
     """The source for ``name``: a link of this host by default."""
+    if name.startswith("ucx://"):  # another host (issue 33); ``latest`` tells the server how to pick frames
+        from .ucx_source import UcxSource
+
+        return UcxSource(name, device=device, copy=copy, latest=latest)
     return RingSource(name, transport, device=device, copy=copy)

@@ -44,9 +44,11 @@ def load() -> ModuleType:
         return _ucxx
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables this UCX build does not know
     try:
-        import ucxx  # noqa: I001
+        import ucxx
     except ImportError as exc:
-        raise LinkError(f"cudalink: ucx:// addresses need UCXX, which is not installed ({exc}); {INSTALL_HINT}") from exc
+        raise LinkError(
+            f"cudalink: ucx:// addresses need UCXX, which is not installed ({exc}); {INSTALL_HINT}"
+        ) from exc
     _ucxx = ucxx
     mod: ModuleType = ucxx
     return mod

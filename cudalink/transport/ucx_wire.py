@@ -15,7 +15,8 @@ Kinds and bodies::
 
     CHALLENGE  server -> client  32s nonce                                   (sent at connect)
     HELLO      client -> server  32s proof, u8 latest, u8 wants device, u16 credits, u16 name length, name
-    WELCOME    server -> client  u64 generation, u64 capacity, u16 credits, u8 producer backend
+    WELCOME    server -> client  u64 generation, u64 capacity, u16 credits, u8 producer backend,
+                                 u64 floor (frames published before this consumer joined)
     REJECT     server -> client  u16 reason, u16 text length, text (at most REJECT_TEXT_MAX bytes of UTF-8)
     FRAME      server -> client  u64 generation, u64 server skipped, 256s slot record (transport.wire.RECORD:
                                  seq, timestamp, spec, meta); then one message of exactly ``nbytes`` bytes:
@@ -73,7 +74,7 @@ KIND_NAMES = {
 }
 
 _HELLO = struct.Struct("<32sBBHH")
-_WELCOME = struct.Struct("<QQHB")
+_WELCOME = struct.Struct("<QQHBxxxxxQ")
 _TEXT = struct.Struct("<HH")
 _FRAME = struct.Struct("<QQ")
 _CREDIT = struct.Struct("<I")
@@ -203,6 +204,7 @@ class Welcome:
     capacity: int
     credits: int
     backend: int  #: transport.wire.BACKEND_* of the producer's slots
+    floor: int = 0  #: frames published before the server attached for this consumer (not skipped by it)
 
 
 #: the largest frame a client accepts to allocate landing buffers for (a lie beyond it is a ProtocolError)
@@ -210,7 +212,7 @@ CAPACITY_MAX = 1 << 34
 
 
 def pack_welcome(w: Welcome) -> bytes:
-    return _message(WELCOME, _WELCOME.pack(w.generation, w.capacity, w.credits, w.backend))
+    return _message(WELCOME, _WELCOME.pack(w.generation, w.capacity, w.credits, w.backend, w.floor))
 
 
 def unpack_welcome(msg: bytes | bytearray | memoryview) -> Welcome:
@@ -218,7 +220,7 @@ def unpack_welcome(msg: bytes | bytearray | memoryview) -> Welcome:
     expect(msg, WELCOME, REJECT, BYE)
     if HEAD.unpack_from(msg)[2] != WELCOME:
         raise refusal(msg)
-    gen, capacity, credits, backend = _WELCOME.unpack_from(msg, BODY_OFF)
+    gen, capacity, credits, backend, floor = _WELCOME.unpack_from(msg, BODY_OFF)
     if gen == 0:
         raise ProtocolError("cudalink: WELCOME names generation 0")
     if not 0 < capacity <= CAPACITY_MAX:
@@ -227,7 +229,7 @@ def unpack_welcome(msg: bytes | bytearray | memoryview) -> Welcome:
         raise ProtocolError(f"cudalink: WELCOME grants {credits} credits")
     if backend not in wire.BACKEND_NAMES:
         raise ProtocolError(f"cudalink: WELCOME names backend {backend}")
-    return Welcome(gen, capacity, credits, backend)
+    return Welcome(gen, capacity, credits, backend, floor)
 
 
 # -- refusals and goodbyes ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from .cuda import driver
 from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
-from .transport import ring_source, wire
+from .transport import ring_source, ucx_engine, wire
 from .transport.base import UNVERIFIED_UID, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
 from .transport.source import Attachment, Copy, Source, copy_mode
@@ -148,8 +148,11 @@ class Sender:
         max_consumers: int = 16,
         handles: str = "auto",
         transport: Transport | None = None,
+        serve: str | None = None,
     ) -> None:
         self.name = _platform.check_name(name)
+        if serve is not None:  # before anything is allocated: a bad address or a missing extra fails first
+            ucx_engine.check_listen(serve)
         self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
         if policy not in ("drop", "block"):
             raise LinkError(f"cudalink: policy must be 'drop' or 'block', got {policy!r}")
@@ -216,6 +219,8 @@ class Sender:
         self._ring = producer_ring(buf, self._layout)
         self._handler = _Handler(self)
         self._server.start(self._handler)
+        #: ``serve=``: the UCX server for remote consumers, in a process of its own (its own GIL)
+        self._remote = ucx_engine.spawn_server(self.name, serve) if serve is not None else None
 
     # -- properties -----------------------------------------------------------------------------------
 
@@ -528,6 +533,9 @@ class Sender:
         """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule), then free everything."""
         if self._closed:
             return
+        remote = getattr(self, "_remote", None)
+        if remote is not None:
+            ucx_engine.stop_server(remote)
         with self._lock:
             self._closing = True
             self._closed = True

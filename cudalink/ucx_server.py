@@ -165,19 +165,26 @@ class _Consumer:
                 return
 
     async def _serve(self) -> None:
-        reader = asyncio.ensure_future(self._reader())
-        watchdog = asyncio.ensure_future(self._watchdog())
-        sender = asyncio.ensure_future(self._sender())
+        tasks = {
+            asyncio.ensure_future(self._reader()),
+            asyncio.ensure_future(self._watchdog()),
+            asyncio.ensure_future(self._sender()),
+        }
         try:
-            done, _ = await asyncio.wait({reader, watchdog, sender}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 exc = task.exception()
                 if exc is not None:
                     raise exc
         finally:
-            for task in (reader, watchdog, sender):
+            # Give the leases back within the second: cancel, abort the endpoint (its pending requests
+            # end), and close the local Receiver even if a task is still unwinding out of UCX.
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(reader, watchdog, sender, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                self.ep.abort()
+            await asyncio.wait(tasks, timeout=0.3)
+            self._close()
         log.info("cudalink serve: a consumer %s", self.why or "left")
 
     async def _sender(self) -> None:
@@ -205,22 +212,28 @@ class _Consumer:
                 await self._bye(ucx_wire.R_PRODUCER_GONE, str(exc))
                 self.why = "lost its producer"
                 return
+            data: Any = None
             try:
                 spec = frame.spec
                 if frame.device.startswith("cuda"):
                     if spec.strides is not None:
                         raise LinkError("cudalink serve: strided GPU frames cannot be served; send contiguous ones")
-                    data: Any = await _gpu_ready(frame)
+                    data = await _gpu_ready(frame)
                 elif spec.strides is not None:  # a padded crop: one host copy, sent contiguous
                     data = np.ascontiguousarray(frame.numpy())
                     spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
                 else:
                     data = frame.numpy()
-                head = ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta)
-                await self.ep.send(head)
+                await self.ep.send(
+                    ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta)
+                )
                 await self.ep.send(data)
             finally:
+                # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease
+                # outlives this frame (a cancelled send's traceback would keep them)
+                data = None
                 frame.release()
+                del frame
             self.credits -= 1
             self.sent += 1
             last_sent = time.monotonic()

@@ -17,6 +17,8 @@ import concurrent.futures
 import contextlib
 import os
 import secrets
+import subprocess
+import sys
 import threading
 from collections.abc import Coroutine
 from types import ModuleType
@@ -89,6 +91,34 @@ def describe() -> dict[str, object]:
         out["usable"] = False
         out["why"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+# -- Sender(serve=...) -----------------------------------------------------------------------------------------
+
+
+def check_listen(listen: str) -> None:
+    """Fail in the producer, before it allocates anything, on a bad address or a missing extra."""
+    import importlib.util
+
+    ucx_wire.parse_address(listen, need_name=False)
+    if importlib.util.find_spec("ucxx") is None:
+        raise LinkError(f"cudalink: serve={listen!r} needs UCXX, which is not installed; {INSTALL_HINT}")
+
+
+def spawn_server(name: str, listen: str) -> subprocess.Popen[bytes]:
+    """``python -m cudalink serve NAME --listen ADDR`` as a child that exits when this process does."""
+    cmd = [sys.executable, "-m", "cudalink", "serve", name, "--listen", listen, "--parent", str(os.getpid())]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout: float = 2.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
 
 
 # -- the shared key ---------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class UcxSource:
         self.latest = latest
         self._device_arg = device
         self._device: int | None = None
+        self._last: UcxAttachment | None = None
         self._closed = False
 
     def attach(self, deadline: float, dead_generation: int) -> UcxAttachment:
@@ -101,9 +102,13 @@ class UcxSource:
             raise NoProducer(f"no answer from {self.addr.host}:{self.addr.port}") from exc
         except Exception as exc:  # UCX's connection errors (refused, reset, unreachable)
             raise NoProducer(f"cannot reach {self.addr.host}:{self.addr.port} ({type(exc).__name__}: {exc})") from exc
-        if att.generation == dead_generation:
+        # ``dead_generation`` is the producer this Receiver saw die; a lost connection (the server died or
+        # the network went) says nothing about the producer, which may still be the same one
+        last = self._last
+        if att.generation == dead_generation and (last is None or last.producer_gone):
             att.detach()
             raise NoProducer("only the dead producer is there")
+        self._last = att
         return att
 
     async def _connect(self, eng: ucx_engine.Engine, timeout: float) -> UcxAttachment:
@@ -212,6 +217,7 @@ class UcxAttachment:
         self.free = list(range(n))
         self.ready: collections.deque[tuple[ucx_wire.FrameHeader, int]] = collections.deque()
         self.dead = ""  # why the connection ended ("" while it lives)
+        self.producer_gone = False  # the server said the producer closed or died (not just: the connection ended)
         self.heard = time.monotonic()
         self.sent = time.monotonic()
         self.rfd, self.wfd = os.pipe()
@@ -255,6 +261,7 @@ class UcxAttachment:
                     continue
                 if kind == ucx_wire.BYE:
                     reason, text = ucx_wire.unpack_text(msg)
+                    self.producer_gone = reason == ucx_wire.R_PRODUCER_GONE
                     self._end(f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {text}")
                     return
                 head = ucx_wire.unpack_frame(msg, self.capacity)

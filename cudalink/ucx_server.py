@@ -36,6 +36,8 @@ log = logging.getLogger("cudalink.ucx")
 
 #: landing buffers (credits) a consumer may hold at once; each is one frame in flight or queued there
 MAX_GRANT = 4
+#: how long a server started on a port still held by a crashed predecessor keeps trying it
+BUSY_RETRY_S = 15.0
 
 
 class _DeviceBytes:
@@ -260,6 +262,8 @@ class Server:
         self.listener: Any = None
 
     async def run(self, ready: Any = None) -> None:
+        # a server restarted after a crash takes its port back at once (else: busy for TIME_WAIT, 60 s)
+        os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
         ucxx = ucx_engine.load()
         ucx_engine.init_here(ucxx)
 
@@ -268,7 +272,15 @@ class Server:
             self.consumers.add(c)
             await c.run()
 
-        self.listener = ucxx.create_listener(accept, port=self.port)
+        deadline = time.monotonic() + BUSY_RETRY_S
+        while True:
+            try:
+                self.listener = ucxx.create_listener(accept, port=self.port)
+                break
+            except Exception as exc:  # a port a moment ago in use (TIME_WAIT after a crash): UCXXBusyError
+                if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
+                    raise LinkError(f"cudalink serve: cannot listen on port {self.port}: {exc}") from exc
+                await asyncio.sleep(0.2)
         if ready is not None:
             ready(self.listener.port)
         while True:

@@ -46,8 +46,8 @@ def producer(args: argparse.Namespace) -> None:
     period = 1.0 / args.fps
     nxt = time.monotonic()
     for i in range(1, args.frames + 1):
-        if shape2 is not None and i == args.frames // 2 + 1:
-            tx.reconfigure(shape2)
+        if shape2 is not None and i % args.every == 0:  # toggle between the two shapes
+            tx.reconfigure(shape2 if tx.shape == shape else shape)
         frame = pattern(tx.shape, tx.seq + 1)
         t0 = time.monotonic()
         tx.send(frame, meta=struct.pack("<Q", tx.seq + 1))
@@ -81,6 +81,7 @@ def main() -> None:
     q.add_argument("--fps", type=float, default=200.0)
     q.add_argument("--shape", default="32,32,4")
     q.add_argument("--reshape", default="")
+    q.add_argument("--every", type=int, default=100, help="frames between toggling --reshape")
     q.add_argument("--slots", type=int, default=8)
     q.add_argument("--policy", default="drop")
     q.add_argument("--report", action="store_true")

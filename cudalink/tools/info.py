@@ -13,6 +13,7 @@ import sys
 import tempfile
 from typing import TypedDict
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -58,6 +59,7 @@ class Info(_InfoFields, total=False):
     shm: ShmInfo
     runtime_dir: str
     runtime_dir_error: str
+    ucx: dict[str, object]  # ucx_engine.describe(): usable, versions, transports (or why not)
 
 
 def _version(dist: str) -> str | None:
@@ -125,6 +127,13 @@ def gather_info() -> Info:
     }
     cuda_v, kernel_v = _driver_versions()
     out["driver"] = {"cuda": cuda_v, "kernel": kernel_v}
+    from ..transport import ucx_engine
+
+    out["ucx"] = (
+        ucx_engine.describe()
+        if importlib.util.find_spec("ucxx")
+        else {"usable": False, "why": (f"UCXX is not installed; {ucx_engine.INSTALL_HINT}")}
+    )
     _native.load_driver()  # so the report says why the compiled driver calls are (not) in use
     out["core"] = _native.status()  # after the driver probe, which decides the driver calls' module
     gpus: list[GpuInfo] = []
@@ -250,6 +259,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         table.add_row("shared memory", f"{shm['path']}: {shm.get('error')}")
     table.add_row("control sockets", info.get("runtime_dir") or f"ERROR {info.get('runtime_dir_error')}")
+    ucx = info.get("ucx", {})
+    if ucx.get("usable"):
+        tls = ", ".join(map(str, ucx.get("transports", []))) or "none found"  # type: ignore[call-overload]
+        table.add_row("across hosts (ucx://)", f"UCXX {ucx.get('ucxx')} · UCX {ucx.get('ucx')} · transports: {tls}")
+    else:
+        table.add_row("across hosts (ucx://)", escape(f"not usable: {ucx.get('why', '?')}"))
     console.print(table)
     ok, line = _verdict(info)
     console.print(Text("verdict: " + line, style="bold green" if ok else "bold red"), soft_wrap=True)

@@ -8,6 +8,7 @@ __all__ = [
     "CudaError",
     "CudaUnavailable",
     "FormatError",
+    "LandingFull",
     "LinkClosed",
     "LinkError",
     "LinkTimeout",
@@ -63,6 +64,11 @@ class ProtocolError(LinkError):
 
     def __reduce__(self) -> tuple[type[ProtocolError], tuple[str, ProtocolReason]]:
         return type(self), (str(self), self.reason)
+
+
+class LandingFull(LinkError):
+    """Every buffer of a landing pool (frames copied to this Receiver's GPU) is held by a frame, or a tensor
+    made from one, that was never released."""
 
 
 class LinkClosed(LinkError):

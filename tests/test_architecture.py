@@ -18,7 +18,13 @@ LAYERS: list[set[str]] = [
     {"cudalink.errors", "cudalink._version", "cudalink._trace", "cudalink._native", "cudalink._platform"},
     {"cudalink.cuda", "cudalink.cuda.objects", "cudalink.cuda.driver"},
     {"cudalink.cuda.devices"},
-    {"cudalink.cuda.arrays", "cudalink.cuda.memory", "cudalink.transport.base", "cudalink.cuda.ucx"},
+    {
+        "cudalink.cuda.arrays",
+        "cudalink.cuda.memory",
+        "cudalink.cuda.landing",
+        "cudalink.transport.base",
+        "cudalink.cuda.ucx",
+    },
     {"cudalink.frames", "cudalink.frames.spec", "cudalink.frames.frame"},
     {
         "cudalink.transport",

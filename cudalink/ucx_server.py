@@ -40,24 +40,11 @@ MAX_GRANT = 4
 BUSY_RETRY_S = 15.0
 
 
-class _DeviceBytes:
-    """A GPU frame's bytes as UCXX takes them (CAI, no stream: the server has already waited)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "version": 3,
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "strides": None,
-            "stream": None,
-        }
-
-
 async def _gpu_ready(frame: Frame) -> Any:
     """Order after the frame's ready event without blocking the loop: queue a marker and poll it."""
     from .cuda import ucx as cuda_ucx
 
+    cuda_ucx.use_device(int(frame.device.split(":")[1]))
     cai = frame.__cuda_array_interface__  # makes one of our streams wait on the frame's ready event
     marker = cuda_ucx.mark(cai.get("stream"))
     try:
@@ -66,7 +53,7 @@ async def _gpu_ready(frame: Frame) -> Any:
     finally:
         cuda_ucx.forget(marker)
     ptr = cai["data"][0]  # type: ignore[index]
-    return _DeviceBytes(int(ptr), frame.nbytes)
+    return cuda_ucx.DeviceBytes(int(ptr), frame.nbytes)
 
 
 class _Consumer:

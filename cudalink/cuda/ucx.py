@@ -9,7 +9,27 @@ from __future__ import annotations
 
 from typing import Any, SupportsInt, cast
 
-from . import driver
+from . import devices, driver
+
+
+class DeviceBytes:
+    """``nbytes`` of GPU memory at ``ptr`` as UCXX takes them (CAI v3 without a stream: the caller has
+    ordered everything before posting)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "stream": None,
+        }
+
+
+def use_device(ordinal: int) -> None:
+    """Make GPU ``ordinal`` current on this thread (the UCX loop's, before it touches CUDA)."""
+    devices.device(ordinal)
 
 
 def mark(stream: object) -> tuple[Any, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CudaUnavailable, FormatError, LinkError, ProtocolError
+from ..errors import FormatError, LinkError, ProtocolError
 from ..frames.frame import Frame, _Hold
 from ..frames.spec import FrameSpec
 from . import ucx_engine, ucx_wire, wire
@@ -145,20 +145,25 @@ class UcxSource:
 
 
 class _Landing(_Hold):
-    """A received frame's hold: when the frame and its last export die, its buffer (and a credit) go back."""
+    """A received frame's hold: when the frame and its last export die, its buffer (and a credit) go back.
 
-    __slots__ = ("att", "idx")
+    ``slot`` is a host buffer's index, or a GPU buffer's ``cuda.landing.Landed``, which fences itself on
+    the streams the frame was exported to before it is reused."""
 
-    def __init__(self, att: UcxAttachment, idx: int, owner: object, ptr: int) -> None:
+    __slots__ = ("att", "slot")
+
+    def __init__(self, att: UcxAttachment, slot: Any, owner: object, ptr: int) -> None:
         super().__init__(owner, ptr)
         self.att: UcxAttachment | None = att
-        self.idx = idx
+        self.slot = slot
 
     def end(self) -> None:
         att = self.att
         if att is not None:
             self.att = None
-            att.give_back(self.idx)
+            if not isinstance(self.slot, int):
+                self.slot.give_back(self.streams)
+            att.give_back(self.slot)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -176,6 +181,14 @@ def _receive(rx: Counters, att: Any) -> Frame | None:
     head, idx = q.popleft()
     account(rx, head.seq)
     spec: FrameSpec = head.spec
+    if not isinstance(idx, int):  # a GPU landing buffer (cuda.landing.Landed): its sync orders consumers
+        from ..cuda import arrays
+
+        hold = _Landing(att, idx, idx, idx.ptr)
+        export = arrays.dlpack_exporter(idx.ptr, spec, att.device_id)
+        return Frame._received(
+            spec, hold, att.device_id, head.seq, head.timestamp_ns, head.meta, idx, att.generation, None, export
+        )
     raw = att.buffers[idx]
     arr = raw[: spec.nbytes].view(spec.dtype).reshape(spec.shape)
     ro = arr.view()
@@ -211,11 +224,20 @@ class UcxAttachment:
         self.device_id = device
         self._device = "cpu" if device < 0 else f"cuda:{device}"
         n = welcome.credits
-        if device >= 0:
-            raise CudaUnavailable("cudalink: GPU landing for ucx:// is not built yet; pass device='cpu'")
-        self.buffers = [np.empty(self.capacity, np.uint8) for _ in range(n)]
-        self.free = list(range(n))
-        self.ready: collections.deque[tuple[ucx_wire.FrameHeader, int]] = collections.deque()
+        self.pool: Any = None
+        if device >= 0:  # GPU landing: UCX's CUDA transports write straight into buffers of this pool
+            from ..cuda import landing
+            from ..cuda import ucx as cuda_ucx
+
+            cuda_ucx.use_device(device)  # this runs on the UCX loop's thread, which touches CUDA from now on
+            self.pool = landing.Landing(device, self.capacity, limit=n)
+            self.buffers = []
+            self.free = [-1] * n  # credits only; the pool picks the buffer
+        else:
+            self.buffers = [np.empty(self.capacity, np.uint8) for _ in range(n)]
+            self.free = list(range(n))
+        #: landed frames: (header, host buffer index or GPU ``Landed``)
+        self.ready: collections.deque[tuple[ucx_wire.FrameHeader, Any]] = collections.deque()
         self.dead = ""  # why the connection ended ("" while it lives)
         self.producer_gone = False  # the server said the producer closed or died (not just: the connection ended)
         self.heard = time.monotonic()
@@ -270,7 +292,10 @@ class UcxAttachment:
                 if not self.free:
                     raise ProtocolError("cudalink: the ucx server sent a frame beyond its credits")
                 idx = self.free.pop()
-                await self.ep.recv(self.buffers[idx][: head.nbytes])
+                if self.pool is not None:
+                    idx = await self._land(head.nbytes)
+                else:
+                    await self.ep.recv(self.buffers[idx][: head.nbytes])
                 self.heard = time.monotonic()
                 self.ready.append((head, idx))
                 self._wake()
@@ -280,6 +305,28 @@ class UcxAttachment:
             self._end(f"sent a bad message ({exc})")
         except Exception as exc:
             self._end(f"connection lost ({type(exc).__name__})")
+
+    async def _land(self, nbytes: int) -> Any:
+        """Receive ``nbytes`` into a GPU landing buffer once every consumer fence on it has passed.
+
+        UCX writes with its own stream and ignores ours, so the fences are waited for on the CPU (polled,
+        never blocking the loop); the landed buffer's ready event is recorded after UCX has finished."""
+        from ..cuda import ucx as cuda_ucx
+
+        landed, stream = self.pool.take()
+        marker = cuda_ucx.mark(stream)
+        try:
+            while not cuda_ucx.done(marker):
+                await asyncio.sleep(0.0001)
+        finally:
+            cuda_ucx.forget(marker)
+        try:
+            await self.ep.recv(cuda_ucx.DeviceBytes(landed.ptr, nbytes))
+            landed.mark_ready(stream)
+        except BaseException:
+            landed.give_back([])
+            raise
+        return landed
 
     async def _watchdog(self) -> None:
         while not self.dead:
@@ -308,8 +355,8 @@ class UcxAttachment:
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
 
-    def _returned(self, idx: int) -> None:
-        self.free.append(idx)
+    def _returned(self, idx: Any) -> None:
+        self.free.append(idx if isinstance(idx, int) else -1)
         if not self.dead and not self.detached:
             self._post(ucx_wire.pack_credit(1))
 
@@ -326,7 +373,7 @@ class UcxAttachment:
 
     # -- on the Receiver's thread ---------------------------------------------------------------------------
 
-    def give_back(self, idx: int) -> None:
+    def give_back(self, idx: Any) -> None:
         self.eng.call_soon(self._returned, idx)
 
     def closing(self) -> bool:

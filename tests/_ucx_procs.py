@@ -38,9 +38,19 @@ def producer(args: argparse.Namespace) -> None:
     shape = tuple(int(x) for x in args.shape.split(","))
     shape2 = tuple(int(x) for x in args.reshape.split(",")) if args.reshape else None
     cap = max(int(np.prod(shape)), int(np.prod(shape2)) if shape2 else 0)
+    device = "cpu" if args.device == "cpu" else int(args.device)
     tx = cudalink.Sender(
-        args.name, shape=shape, dtype="uint8", slots=args.slots, capacity=cap, policy=args.policy, timeout=5.0
+        args.name,
+        shape=shape,
+        dtype="uint8",
+        slots=args.slots,
+        capacity=cap,
+        policy=args.policy,
+        timeout=5.0,
+        device=device,
     )
+    if device != "cpu":
+        import torch
     print("ready", flush=True)
     worst = 0.0
     period = 1.0 / args.fps
@@ -49,6 +59,8 @@ def producer(args: argparse.Namespace) -> None:
         if shape2 is not None and i % args.every == 0:  # toggle between the two shapes
             tx.reconfigure(shape2 if tx.shape == shape else shape)
         frame = pattern(tx.shape, tx.seq + 1)
+        if device != "cpu":
+            frame = torch.from_numpy(frame).to(f"cuda:{device}")
         t0 = time.monotonic()
         tx.send(frame, meta=struct.pack("<Q", tx.seq + 1))
         worst = max(worst, time.monotonic() - t0)
@@ -72,6 +84,31 @@ def consumer(args: argparse.Namespace) -> None:
     time.sleep(60)
 
 
+def gpu_consumer(args: argparse.Namespace) -> None:
+    """Receive ``--frames`` frames on ``--device`` and check each through ``--lib`` (torch, cupy or numpy)."""
+    import cudalink
+
+    device = "cpu" if args.device == "cpu" else int(args.device)
+    rx = cudalink.Receiver(args.url, timeout=20.0, latest=False, device=device)
+    bad = 0
+    for _ in range(args.frames):
+        with rx.recv(timeout=10.0) as f:
+            seq = struct.unpack("<Q", f.meta)[0]
+            want = pattern(f.shape, seq)
+            if args.lib == "torch":
+                import torch
+
+                got = torch.from_dlpack(f).cpu().numpy()
+            elif args.lib == "cupy":
+                import cupy
+
+                got = cupy.from_dlpack(f).get()
+            else:
+                got = f.to_numpy()
+            bad += int(not np.array_equal(got, want))
+    print(f"checked {args.frames} bad {bad} device {rx.device} stats {rx.stats()}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -86,10 +123,16 @@ def main() -> None:
     q.add_argument("--policy", default="drop")
     q.add_argument("--report", action="store_true")
     q.add_argument("--linger", type=float, default=0.0)
+    q.add_argument("--device", default="cpu")
     q = sub.add_parser("consumer")
     q.add_argument("url")
+    q = sub.add_parser("gpu-consumer")
+    q.add_argument("url")
+    q.add_argument("--device", default="0")
+    q.add_argument("--lib", default="torch")
+    q.add_argument("--frames", type=int, default=100)
     args = p.parse_args()
-    {"producer": producer, "consumer": consumer}[args.cmd](args)
+    {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer}[args.cmd](args)
     sys.exit(0)
 
 

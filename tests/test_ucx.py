@@ -55,8 +55,10 @@ class Proc:
     """A child process whose stdout lines are read by a thread, so a test can wait for one."""
 
     def __init__(self, args: list[str], **env: str) -> None:
+        netns = env.pop("_NETNS", None)  # run inside that network namespace
+        prefix = ["ip", "netns", "exec", netns] if netns else []
         self.p = subprocess.Popen(
-            [sys.executable, *args],
+            [*prefix, sys.executable, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=_env(**env),
@@ -486,3 +488,80 @@ def test_sender_serve_without_the_extra_fails_before_allocating(monkeypatch: pyt
         cudalink.Sender(unique("x"), shape=(4, 4), serve="ucx://127.0.0.1:5000")
     with pytest.raises(cudalink.LinkError, match="ucx://HOST:PORT"):
         cudalink.Sender(unique("x"), shape=(4, 4), serve="tcp://nope")
+
+
+# -- two "hosts" ----------------------------------------------------------------------------------------------
+
+
+def _netns_reason() -> str | None:
+    import shutil
+
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return "needs root on Linux to make network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip`"
+    probe = f"cltest{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode:
+        return f"`ip netns add` failed here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def test_two_network_namespaces_joined_by_a_veth_pair() -> None:
+    """The producer and its server in one network namespace, the consumer in another: two hosts, as far as
+    the network goes (they share /dev/shm, which only the producer and server use)."""
+    reason = _netns_reason()
+    if reason:
+        pytest.skip(reason)
+    tag = f"{os.getpid() % 100000}"
+    a, b = f"cla{tag}", f"clb{tag}"
+    va, vb = f"va{tag}", f"vb{tag}"
+    sub = 10 + os.getpid() % 200
+    ip_a, ip_b = f"10.{sub}.77.1", f"10.{sub}.77.2"
+
+    def run(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    made: list[str] = []
+    prod = srv = cons = None
+    try:
+        for ns in (a, b):
+            run("ip", "netns", "add", ns)
+            made.append(ns)
+        run("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
+        run("ip", "link", "set", va, "netns", a)
+        run("ip", "link", "set", vb, "netns", b)
+        for ns, dev, ip in ((a, va, ip_a), (b, vb, ip_b)):
+            run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            run("ip", "-n", ns, "link", "set", dev, "up")
+            run("ip", "-n", ns, "link", "set", "lo", "up")
+        name = unique("n")
+        prod = Proc(["-m", "tests._ucx_procs", "producer", name, "--frames", "1000000", "--fps", "100"])
+        prod.expect("ready")
+        port = free_port()
+        srv = Proc(["-m", "cudalink", "serve", name, "--listen", f"ucx://0.0.0.0:{port}", "-v"], _NETNS=a)
+        srv.expect("cudalink: serving", 30.0)
+        cons = Proc(
+            [
+                "-m",
+                "tests._ucx_procs",
+                "gpu-consumer",
+                f"ucx://{ip_a}:{port}/{name}",
+                "--device",
+                "cpu",
+                "--lib",
+                "numpy",
+                "--frames",
+                "30",
+            ],
+            _NETNS=b,
+        )
+        line = cons.expect("checked", 60.0)
+        assert " bad 0 " in line, line
+    finally:
+        for p in (cons, srv, prod):
+            if p is not None:
+                p.stop()
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -425,13 +425,6 @@ def test_malformed_messages_close_that_connection_and_the_server_serves_on(
                 check(f)
 
 
-def test_an_address_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ucx_engine, "_ucxx", None)
-    monkeypatch.setitem(sys.modules, "ucxx", None)
-    with pytest.raises(cudalink.LinkError, match=r'pip install "cudalink\[ucx\]"'):
-        cudalink.Receiver("ucx://127.0.0.1:5000/cam", timeout=0.1)
-
-
 # -- the commands and Sender(serve=) --------------------------------------------------------------------------
 
 
@@ -477,17 +470,6 @@ def test_sender_serve_starts_and_stops_its_server() -> None:
             check(f)
     t.join(5)
     assert proc.poll() is not None  # close() stopped it
-
-
-def test_sender_serve_without_the_extra_fails_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "ucxx" else real(n, *a))
-    with pytest.raises(cudalink.LinkError, match=r"cudalink\[ucx\]"):
-        cudalink.Sender(unique("x"), shape=(4, 4), serve="ucx://127.0.0.1:5000")
-    with pytest.raises(cudalink.LinkError, match="ucx://HOST:PORT"):
-        cudalink.Sender(unique("x"), shape=(4, 4), serve="tcp://nope")
 
 
 # -- two "hosts" ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from .errors import (
 )
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
-from .transport import ring_source, wire
+from .transport import ring_source, ucx_engine, wire
 from .transport.base import UNVERIFIED_UID, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
 from .transport.source import Attachment, Copy, Source, copy_mode
@@ -237,6 +237,7 @@ class Sender:
         handles: str = "auto",
         transport: Transport | None = None,
         protocol: str = "cudalink",
+        serve: str | None = None,
     ) -> None:
         # every argument is checked before anything is made: a cudalink error that is also the
         # ValueError / TypeError Python users expect, naming the fix
@@ -245,6 +246,8 @@ class Sender:
             raise ArgumentTypeError(
                 f"cudalink: Sender({name!r}) needs the frame shape, e.g. shape=(1080, 1920, 4) with dtype='uint8'"
             )
+        if serve is not None:  # before anything is allocated: a bad address or a missing extra fails first
+            ucx_engine.check_listen(serve)
         self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
         policy = _choice_arg(policy, "policy", ("drop", "block"))  # type: ignore[assignment]
         slots = _int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
@@ -319,6 +322,8 @@ class Sender:
         self._server.start(self._handler)
         self._pid = os.getpid()
         _register_open(self)
+        #: ``serve=``: the UCX server for remote consumers, in a process of its own (its own GIL)
+        self._remote = ucx_engine.spawn_server(self.name, serve) if serve is not None else None
 
     # -- properties -----------------------------------------------------------------------------------
 
@@ -643,6 +648,9 @@ class Sender:
         if self._closed:
             return
         _open_senders.discard(self)
+        remote = getattr(self, "_remote", None)
+        if remote is not None:
+            ucx_engine.stop_server(remote)
         with self._lock:
             self._closing = True
             self._closed = True
@@ -797,7 +805,7 @@ class Receiver:
         self.timeout = _seconds_arg(timeout, "timeout", "timeout=5.0", none_ok=True)
         spin_s = _seconds_arg(spin_us, "spin_us", "spin_us=50", unit="microseconds") / 1e6
         self._source: Source = source or open_source(
-            name, transport=transport or default_transport(), device=device, copy=copy_mode(copy)
+            name, transport=transport or default_transport(), device=device, copy=copy_mode(copy), latest=latest
         )
         self.name = self._source.name
         self.latest = latest

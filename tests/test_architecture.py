@@ -18,7 +18,13 @@ LAYERS: list[set[str]] = [
     {"cudalink.errors", "cudalink._version", "cudalink._trace", "cudalink._native", "cudalink._platform"},
     {"cudalink.cuda", "cudalink.cuda.objects", "cudalink.cuda.driver"},
     {"cudalink.cuda.devices"},
-    {"cudalink.cuda.arrays", "cudalink.cuda.memory", "cudalink.cuda.landing", "cudalink.transport.base"},
+    {
+        "cudalink.cuda.arrays",
+        "cudalink.cuda.memory",
+        "cudalink.cuda.landing",
+        "cudalink.transport.base",
+        "cudalink.cuda.ucx",
+    },
     {"cudalink.frames", "cudalink.frames.spec", "cudalink.frames.frame"},
     {
         "cudalink.transport",
@@ -30,6 +36,9 @@ LAYERS: list[set[str]] = [
         "cudalink.transport.shm",
         "cudalink.transport.landed",
         "cudalink.transport.memory",
+        "cudalink.transport.ucx_wire",
+        "cudalink.transport.ucx_engine",
+        "cudalink.transport.ucx_source",
         "cudalink.transport.source",
         "cudalink.transport.ring_source",
         "cudalink.transport.sources",
@@ -46,6 +55,7 @@ LAYERS: list[set[str]] = [
         "cudalink.td.source",
         "cudalink.td.convert",
         "cudalink.td.sink",
+        "cudalink.ucx_server",
     },
     {
         "cudalink.tools",
@@ -65,7 +75,13 @@ LAYERS: list[set[str]] = [
         "cudalink.tools.multigpu_bench",
         "cudalink.tools.clean",
     },
-    {"cudalink.tools.demo", "cudalink.tools.info", "cudalink.tools.report"},
+    {
+        "cudalink.tools.demo",
+        "cudalink.tools.info",
+        "cudalink.tools.report",
+        "cudalink.tools.serve",
+        "cudalink.tools.relay",
+    },
     {"cudalink.tools.cli"},
     {"cudalink.__main__"},
 ]

@@ -1,5 +1,5 @@
-"""``python -m cudalink demo|info|monitor|bench|clean``: see it work, check a machine, watch a link, measure,
-remove what killed producers left.
+"""``python -m cudalink demo|info|monitor|bench|clean|serve|relay``: see it work, check a machine, watch a
+link, measure, remove what killed producers left, and cross hosts.
 
 Every command prints one ``cudalink: ...`` line on failure (``--debug`` shows the traceback), so a
 user sees what to do instead of a stack. ``monitor`` maps the header segment read-only and never
@@ -20,7 +20,9 @@ from .clean import cmd_clean
 from .demo import cmd_demo
 from .info import cmd_info
 from .monitor import cmd_monitor
+from .relay import cmd_relay
 from .report import cmd_bench
+from .serve import cmd_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="cudalink: zero-copy GPU (and CPU) frames between processes.",
     )
     parser.add_argument("--version", action="version", version=f"cudalink {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,info,monitor,bench,clean}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,info,monitor,bench,clean,serve,relay}")
 
     p = sub.add_parser("demo", parents=[common], help="one producer and N consumer processes on one link, live stats")
     p.add_argument("--device", default="auto", help="cpu | 0 | cuda:N | auto (default: a GPU if usable, else cpu)")
@@ -118,6 +120,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="a consumer on GPU 1 of a producer on GPU 0 against one on GPU 0 and a bare torch .to('cuda:1')",
     )
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("serve", parents=[common], help="serve a local link to other hosts over UCX (cudalink[ucx])")
+    p.add_argument("name", help="the local link to serve")
+    p.add_argument("--listen", default="ucx://127.0.0.1:13337", help="ucx://HOST:PORT (default 127.0.0.1:13337)")
+    p.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("-v", "--verbose", action="store_true", help="log consumers joining and leaving")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("relay", parents=[common], help="republish a remote ucx:// stream as a local link")
+    p.add_argument("url", help="ucx://HOST:PORT/NAME")
+    p.add_argument("--as", dest="local", required=True, help="the local link name to publish")
+    p.add_argument("--device", default="cpu", help="cpu | 0 | cuda:N: where the local link's slots live")
+    p.add_argument("--slots", type=int, default=4, help="local ring slots (default 4)")
+    p.add_argument("--in-order", action="store_true", help="every frame in order (latest=False) instead of the newest")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
+    p.set_defaults(func=cmd_relay)
     return parser
 
 

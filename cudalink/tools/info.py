@@ -14,6 +14,7 @@ import sys
 import tempfile
 from typing import TypedDict
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -65,6 +66,7 @@ class Info(_InfoFields, total=False):
     shm: ShmInfo
     runtime_dir: str
     runtime_dir_error: str
+    ucx: dict[str, object]  # ucx_engine.describe(): usable, versions, transports (or why not)
 
 
 def _version(dist: str) -> str | None:
@@ -132,6 +134,13 @@ def gather_info() -> Info:
     }
     cuda_v, kernel_v = _driver_versions()
     out["driver"] = {"cuda": cuda_v, "kernel": kernel_v}
+    from ..transport import ucx_engine
+
+    out["ucx"] = (
+        ucx_engine.describe()
+        if importlib.util.find_spec("ucxx")
+        else {"usable": False, "why": (f"UCXX is not installed; {ucx_engine.INSTALL_HINT}")}
+    )
     _native.load_driver()  # so the report says why the compiled driver calls are (not) in use
     out["core"] = _native.status()  # after the driver probe, which decides the driver calls' module
     gpus: list[GpuInfo] = []
@@ -322,6 +331,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         except LinkError as exc:
             line = str(exc)
         table.add_row(cuda_link_view.PREFIX + cuda_link_view.strip_prefix(name), line)
+    ucx = info.get("ucx", {})
+    if ucx.get("usable"):
+        tls = ", ".join(map(str, ucx.get("transports", []))) or "none found"  # type: ignore[call-overload]
+        table.add_row("across hosts (ucx://)", f"UCXX {ucx.get('ucxx')} · UCX {ucx.get('ucx')} · transports: {tls}")
+    else:
+        table.add_row("across hosts (ucx://)", escape(f"not usable: {ucx.get('why', '?')}"))
     console.print(table)
     ok, line = _verdict(info)
     console.print(Text("verdict: " + line, style="bold green" if ok else "bold red"), soft_wrap=True)

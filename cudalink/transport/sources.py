@@ -9,9 +9,15 @@ from .source import Copy, Source
 __all__ = ["open_source"]
 
 
-def open_source(name: str, *, transport: Transport, device: int | str | None, copy: Copy) -> Source:
+def open_source(
+    name: str, *, transport: Transport, device: int | str | None, copy: Copy, latest: bool = True
+) -> Source:
     """The source for ``name``: a link of this host by default."""
-    if isinstance(name, str) and name.startswith("cuda-link:"):  # its own layout; the name taken as given
+    if name.startswith("ucx://"):  # another host (issue 33); ``latest`` tells the server how to pick frames
+        from .ucx_source import UcxSource
+
+        return UcxSource(name, device=device, copy=copy, latest=latest)
+    if name.startswith("cuda-link:"):  # its own layout; the name taken as given
         from .cuda_link_source import CudaLinkSource
 
         return CudaLinkSource(name, device=device, copy=copy)

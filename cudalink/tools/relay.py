@@ -1,0 +1,72 @@
+"""``python -m cudalink relay ucx://HOST:PORT/NAME --as LOCAL``: a remote stream as a local link.
+
+Unmodified local consumers (a TouchDesigner Script TOP, say) read ``LOCAL`` as any link. Each remote frame
+is written once into a slot taken with ``Sender.reserve()``; a format change upstream reconfigures the
+local link (its slots are sized to the remote link's capacity, so every format the producer may send fits).
+A producer restart upstream keeps the local link up: consumers see a gap, not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from ..errors import LinkTimeout, ProducerGone
+from ..link import Receiver, Sender
+
+
+def relay(
+    url: str,
+    local: str,
+    *,
+    device: str = "cpu",
+    slots: int = 4,
+    latest: bool = True,
+    seconds: float | None = None,
+    quiet: bool = False,
+) -> int:
+    """Republish ``url`` as ``local`` until ``seconds`` pass (None: forever); returns the frames relayed."""
+    stop = None if seconds is None else time.monotonic() + seconds
+    relayed = 0
+    with Receiver(url, device="cpu" if device == "cpu" else device, latest=latest, timeout=5.0) as rx:
+        tx: Sender | None = None
+        try:
+            while stop is None or time.monotonic() < stop:
+                try:
+                    frame = rx.recv(timeout=0.5 if stop is None else max(0.01, min(0.5, stop - time.monotonic())))
+                except (LinkTimeout, ProducerGone):
+                    continue
+                with frame:
+                    spec = frame.spec
+                    if tx is None:
+                        tx = Sender(
+                            local,
+                            shape=spec.shape,
+                            dtype=spec.dtype,
+                            slots=slots,
+                            device=device,
+                            pixel_format=spec.pixel_format,
+                            origin=spec.origin,
+                            capacity=max(rx.capacity, spec.nbytes),
+                        )
+                        if not quiet:
+                            print(f"cudalink: relaying {url} as {local!r} ({spec.label})", flush=True)
+                    elif tx.spec != spec:
+                        tx.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
+                    if tx.device == "cpu":
+                        with tx.reserve(meta=frame.meta) as slot:
+                            np.copyto(slot.numpy(), frame.numpy())
+                    else:  # a GPU link: send() copies from the landed frame (host or GPU) into the slot
+                        tx.send(frame.numpy() if frame.device == "cpu" else frame, meta=frame.meta)
+                    relayed += 1
+        finally:
+            if tx is not None:
+                tx.close()
+    return relayed
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    relay(args.url, args.local, device=args.device, slots=args.slots, latest=not args.in_order, seconds=args.seconds)
+    return 0

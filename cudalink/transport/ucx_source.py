@@ -1,0 +1,428 @@
+"""Frames from another host: ``Receiver("ucx://HOST:PORT/NAME")`` (the server: ``cudalink.ucx_server``).
+
+One UCX endpoint per attachment (one producer generation). The process's UCX loop (``ucx_engine``) runs
+a reader per attachment that receives each frame's header and then its bytes straight into a landing
+buffer this Receiver owns, queues it, and writes one byte to a pipe: the pipe's read end is what
+``fileno()`` returns and what ``recv`` sleeps on, so selectors and asyncio work as for a local link.
+
+Landing buffers: ``credits`` of them, each ``capacity`` bytes (the link's, from WELCOME), host numpy
+arrays where ``device="cpu"`` or no GPU is usable (a GPU producer can feed a CPU-only consumer), else
+GPU buffers from ``cuda.landing`` (UCX's CUDA transports write there). The server may send only as many
+frames as it has credits; a frame released here returns its buffer and one credit.
+
+``copy``: frames always land in memory this Receiver owns, so ``"auto"`` and ``"always"`` mean the same,
+and ``"never"`` is refused (the network has no zero-copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import select
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError, LinkError, ProtocolError
+from ..frames.frame import Frame, _Hold
+from ..frames.spec import FrameSpec
+from . import ucx_engine, ucx_wire, wire
+from .base import NoProducer
+from .source import Copy, Counters, account
+
+__all__ = ["UcxAttachment", "UcxSource"]
+
+#: landing buffers (and so frames in flight or queued) per Receiver
+CREDITS = 3
+
+
+def _pick_device(device: int | str | None) -> int:
+    """-1 for host landing, else the GPU ordinal. ``None``: the first usable GPU, else the host."""
+    if device in ("cpu", -1):
+        return -1
+    if device is None:
+        try:
+            from ..cuda import devices
+
+            devices.device(0)
+        except Exception:  # no driver, no GPU, no cuda.core: land on the host
+            return -1
+        return 0
+    from ..cuda import devices
+
+    return devices.parse_device(device)
+
+
+class UcxSource:
+    """A remote link: ``ucx://HOST:PORT/NAME``."""
+
+    def __init__(self, url: str, *, device: int | str | None = None, copy: Copy = "auto", latest: bool = True) -> None:
+        self.addr = ucx_wire.parse_address(url, need_name=True)
+        assert self.addr.name is not None
+        if len(self.addr.name.encode()) > ucx_wire.NAME_MAX:
+            raise FormatError(f"cudalink: link name {self.addr.name!r} is longer than {ucx_wire.NAME_MAX} bytes")
+        if copy == "never":
+            raise FormatError(
+                "cudalink: frames from another host always land in buffers this Receiver owns; "
+                "use copy='auto' with a ucx:// address"
+            )
+        ucx_engine.load()  # the clear error naming the extra, now rather than at the first recv
+        self.key, _ = ucx_engine.load_key()
+        self.name = url
+        self.latest = latest
+        self._device_arg = device
+        self._device: int | None = None
+        self._last: UcxAttachment | None = None
+        self._closed = False
+
+    def attach(self, deadline: float, dead_generation: int) -> UcxAttachment:
+        if self._device is None:
+            self._device = _pick_device(self._device_arg)
+        eng = ucx_engine.engine()
+        left = max(0.2, deadline - time.monotonic())
+        try:
+            att = eng.run(self._connect(eng, min(left, ucx_engine.HANDSHAKE_S)), left + 1.0)
+        except ucx_wire.Refused as exc:
+            if exc.code == ucx_wire.R_KEY:
+                raise ProtocolError(
+                    f"cudalink: {self.name}: the server refused our key; copy the server's key file to "
+                    f"{ucx_engine.key_path()} or set CUDALINK_KEY",
+                    exc.reason,
+                ) from exc
+            if exc.reason.retryable:
+                raise NoProducer(str(exc)) from exc
+            raise
+        except ProtocolError:
+            raise
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            raise NoProducer(f"no answer from {self.addr.host}:{self.addr.port}") from exc
+        except Exception as exc:  # UCX's connection errors (refused, reset, unreachable)
+            raise NoProducer(f"cannot reach {self.addr.host}:{self.addr.port} ({type(exc).__name__}: {exc})") from exc
+        # ``dead_generation`` is the producer this Receiver saw die; a lost connection (the server died or
+        # the network went) says nothing about the producer, which may still be the same one
+        last = self._last
+        if att.generation == dead_generation and (last is None or last.producer_gone):
+            att.detach()
+            raise NoProducer("only the dead producer is there")
+        self._last = att
+        return att
+
+    async def _connect(self, eng: ucx_engine.Engine, timeout: float) -> UcxAttachment:
+        ucxx = eng.ucxx
+        ep = await asyncio.wait_for(
+            ucxx.create_endpoint(self.addr.host, self.addr.port, connect_timeout=timeout), timeout + 0.5
+        )
+        try:
+            buf = bytearray(ucx_wire.MSG_SIZE)
+            msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)
+            nonce = ucx_wire.unpack_challenge(msg)
+            assert self.addr.name is not None
+            hello = ucx_wire.Hello(
+                ucx_wire.proof(self.key, nonce),
+                self.latest,
+                self._device is not None and self._device >= 0,
+                CREDITS,
+                self.addr.name,
+            )
+            await ep.send(ucx_wire.pack_hello(hello))
+            msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)
+            welcome = ucx_wire.unpack_welcome(msg)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ep.abort()
+            raise
+        assert self._device is not None
+        att = UcxAttachment(eng, ep, welcome, self._device)
+        att.start()
+        return att
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class _Landing(_Hold):
+    """A received frame's hold: when the frame and its last export die, its buffer (and a credit) go back.
+
+    ``slot`` is a host buffer's index, or a GPU buffer's ``cuda.landing.Landed``, which fences itself on
+    the streams the frame was exported to before it is reused."""
+
+    __slots__ = ("att", "slot")
+
+    def __init__(self, att: UcxAttachment, slot: Any, owner: object, ptr: int) -> None:
+        super().__init__(owner, ptr)
+        self.att: UcxAttachment | None = att
+        self.slot = slot
+
+    def end(self) -> None:
+        att = self.att
+        if att is not None:
+            self.att = None
+            if not isinstance(self.slot, int):
+                self.slot.give_back(self.streams)
+            att.give_back(self.slot)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.end()
+
+
+def _receive(rx: Counters, att: Any) -> Frame | None:
+    q = att.ready
+    if not q:
+        return None
+    if rx.latest:
+        while len(q) > 1:  # the newest wins: older ones go back at once (counted as skipped by seq)
+            _, old = q.popleft()
+            att.give_back(old)
+    head, idx = q.popleft()
+    account(rx, head.seq)
+    spec: FrameSpec = head.spec
+    if not isinstance(idx, int):  # a GPU landing buffer (cuda.landing.Landed): its sync orders consumers
+        from ..cuda import arrays
+
+        hold = _Landing(att, idx, idx, idx.ptr)
+        export = arrays.dlpack_exporter(idx.ptr, spec, att.device_id)
+        return Frame._received(
+            spec, hold, att.device_id, head.seq, head.timestamp_ns, head.meta, idx, att.generation, None, export
+        )
+    raw = att.buffers[idx]
+    arr = raw[: spec.nbytes].view(spec.dtype).reshape(spec.shape)
+    ro = arr.view()
+    ro.flags.writeable = False
+    ptr = int(raw.ctypes.data)
+    hold = _Landing(att, idx, raw, ptr)
+    return Frame._received(spec, hold, -1, head.seq, head.timestamp_ns, head.meta, None, att.generation, (arr, ro))
+
+
+def _sleep_receive(rx: Counters, att: Any, timeout: float, waiting: int, after: int) -> Frame | None:
+    frame = _receive(rx, att)
+    if frame is not None:
+        return frame
+    with contextlib.suppress(InterruptedError):
+        select.select([att.rfd], [], [], max(0.0, timeout))
+    return _receive(rx, att)
+
+
+class UcxAttachment:
+    """One connection to a server: one producer generation, ``credits`` landing buffers."""
+
+    backend = "ucx"
+    receive = staticmethod(_receive)
+    sleep_receive = staticmethod(_sleep_receive)
+
+    def __init__(self, eng: ucx_engine.Engine, ep: Any, welcome: ucx_wire.Welcome, device: int) -> None:
+        self.eng = eng
+        self.ep = ep
+        self.generation = welcome.generation
+        self.capacity = welcome.capacity
+        self.floor = welcome.floor
+        self.producer_backend = wire.BACKEND_NAMES[welcome.backend]
+        self.device_id = device
+        self._device = "cpu" if device < 0 else f"cuda:{device}"
+        self.path = "network"  # stats()["path"]: received into buffers this Receiver owns
+        n = welcome.credits
+        self.pool: Any = None
+        if device >= 0:  # GPU landing: UCX's CUDA transports write straight into buffers of this pool
+            from ..cuda import landing
+            from ..cuda import ucx as cuda_ucx
+
+            cuda_ucx.use_device(device)  # this runs on the UCX loop's thread, which touches CUDA from now on
+            self.pool = landing.Landing(device, self.capacity, limit=n)
+            self.buffers = []
+            self.free = [-1] * n  # credits only; the pool picks the buffer
+        else:
+            self.buffers = [np.empty(self.capacity, np.uint8) for _ in range(n)]
+            self.free = list(range(n))
+        #: landed frames: (header, host buffer index or GPU ``Landed``)
+        self.ready: collections.deque[tuple[ucx_wire.FrameHeader, Any]] = collections.deque()
+        self.dead = ""  # why the connection ended ("" while it lives)
+        self.producer_gone = False  # the server said the producer closed or died (not just: the connection ended)
+        self.heard = time.monotonic()
+        self.sent = time.monotonic()
+        self.rfd, self.wfd = os.pipe()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self.wfd, False)
+        self.detached = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sends: set[asyncio.Future[None]] = set()
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    # -- on the UCX loop ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._reader()), asyncio.ensure_future(self._watchdog())]
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.wfd, b"\x01")
+
+    def _end(self, why: str) -> None:
+        if not self.dead:
+            self.dead = why
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        with contextlib.suppress(Exception):
+            self.ep.abort()
+        self._wake()
+
+    async def _reader(self) -> None:
+        buf = bytearray(ucx_wire.MSG_SIZE)
+        try:
+            while True:
+                msg = await ucx_engine.recv_msg(self.ep, buf, None)
+                self.heard = time.monotonic()
+                kind = ucx_wire.expect(msg, ucx_wire.FRAME, ucx_wire.PING, ucx_wire.BYE)
+                if kind == ucx_wire.PING:
+                    continue
+                if kind == ucx_wire.BYE:
+                    reason, text = ucx_wire.unpack_text(msg)
+                    self.producer_gone = reason == ucx_wire.R_PRODUCER_GONE
+                    self._end(f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {text}")
+                    return
+                head = ucx_wire.unpack_frame(msg, self.capacity)
+                if head.generation != self.generation:
+                    raise ProtocolError(f"cudalink: frame of generation {head.generation} on {self.generation}")
+                if not self.free:
+                    raise ProtocolError("cudalink: the ucx server sent a frame beyond its credits")
+                idx = self.free.pop()
+                if self.pool is not None:
+                    idx = await self._land(head.nbytes)
+                else:
+                    await self.ep.recv(self.buffers[idx][: head.nbytes])
+                self.heard = time.monotonic()
+                self.ready.append((head, idx))
+                self._wake()
+        except asyncio.CancelledError:
+            raise
+        except ProtocolError as exc:
+            self._end(f"sent a bad message ({exc})")
+        except Exception as exc:
+            self._end(f"connection lost ({type(exc).__name__})")
+
+    async def _land(self, nbytes: int) -> Any:
+        """Receive ``nbytes`` into a GPU landing buffer once every consumer fence on it has passed.
+
+        UCX writes with its own stream and ignores ours, so the fences are waited for on the CPU (polled,
+        never blocking the loop); the landed buffer's ready event is recorded after UCX has finished."""
+        from ..cuda import ucx as cuda_ucx
+
+        landed, stream = self.pool.take()
+        marker = cuda_ucx.mark(stream)
+        try:
+            while not cuda_ucx.done(marker):
+                await asyncio.sleep(0.0001)
+        finally:
+            cuda_ucx.forget(marker)
+        try:
+            await self.ep.recv(cuda_ucx.DeviceBytes(landed.ptr, nbytes))
+            landed.mark_ready(stream)
+        except BaseException:
+            landed.give_back([])
+            raise
+        return landed
+
+    async def _watchdog(self) -> None:
+        while not self.dead:
+            await asyncio.sleep(ucx_engine.PING_S)
+            now = time.monotonic()
+            if now - self.heard > ucx_engine.DEAD_AFTER_S:
+                self._end(f"went silent for {now - self.heard:.1f}s")
+                return
+            if now - self.sent >= ucx_engine.PING_S:
+                self._post(ucx_wire.pack_ping())
+
+    def _post(self, msg: bytes) -> None:
+        self.sent = time.monotonic()
+
+        async def send() -> None:
+            try:
+                await self.ep.send(msg)
+            except Exception as exc:
+                self._end(f"connection lost ({type(exc).__name__})")
+
+        if not self.dead:
+            self._spawn(send())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    def _returned(self, idx: Any) -> None:
+        self.free.append(idx if isinstance(idx, int) else -1)
+        if not self.dead and not self.detached:
+            self._post(ucx_wire.pack_credit(1))
+
+    def _close_on_loop(self) -> None:
+        if not self.dead:
+            msg = ucx_wire.pack_bye(ucx_wire.R_CLIENT_CLOSE, "consumer closed")
+
+            async def bye() -> None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.ep.send(msg), 0.5)
+                self._end("closed")
+
+            self._spawn(bye())
+
+    # -- on the Receiver's thread ---------------------------------------------------------------------------
+
+    def give_back(self, idx: Any) -> None:
+        self.eng.call_soon(self._returned, idx)
+
+    def closing(self) -> bool:
+        return False
+
+    def alive(self) -> bool:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self.rfd, 4096):
+                pass
+        return not self.dead or bool(self.ready)
+
+    def set_waiting(self, state: int) -> None:
+        pass
+
+    def count(self, received: int, skipped: int) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return self.rfd
+
+    async def wait_async(self, timeout: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        loop.add_reader(self.rfd, ready)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(self.rfd)
+
+    def detach(self) -> None:
+        """Say goodbye and close the endpoint; landed frames still held stay valid (numpy owns the memory)."""
+        if self.detached:
+            return
+        self.detached = True
+        self.eng.call_soon(self._close_on_loop)
+
+    def __del__(self) -> None:
+        for fd in (self.rfd, self.wfd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def error_without_ucx(url: str) -> LinkError:
+    return LinkError(f"cudalink: {url} needs UCXX; {ucx_engine.INSTALL_HINT}")

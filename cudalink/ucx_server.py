@@ -1,0 +1,309 @@
+"""Serve a local link to remote consumers over UCX (``python -m cudalink serve``, ``Sender(serve=...)``).
+
+Each remote consumer gets its own local :class:`Receiver` on the link (its own lease column, with the
+latest/in-order mode it asked for), so a slow consumer never touches another, and the producer never
+waits on the network: the server holds at most one lease per consumer, only while that frame's bytes
+are on the wire. The server runs in its own process (its own GIL). Frames go out straight from the
+leased slot: host memory as it is, GPU memory through UCX's CUDA transports once the frame's ready
+event has completed (polled, never blocking the loop).
+
+Flow control is by credits: a consumer grants as many as it has landing buffers and returns one per
+frame it has released. With no credit left the server takes nothing: the local ring moves on and
+the frames this consumer missed are counted (seq gaps) by both sides, never pushed back to the producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+
+from . import _platform
+from .errors import LinkError, LinkTimeout, ProducerGone, ProtocolError
+from .frames.frame import Frame
+from .frames.spec import FrameSpec
+from .link import Receiver
+from .transport import ucx_engine, ucx_wire
+from .transport import wire as shm_wire
+
+log = logging.getLogger("cudalink.ucx")
+
+#: landing buffers (credits) a consumer may hold at once; each is one frame in flight or queued there
+MAX_GRANT = 4
+#: how long a server started on a port still held by a crashed predecessor keeps trying it
+BUSY_RETRY_S = 15.0
+
+
+async def _gpu_ready(frame: Frame) -> Any:
+    """Order after the frame's ready event without blocking the loop: queue a marker and poll it."""
+    from .cuda import ucx as cuda_ucx
+
+    cuda_ucx.use_device(int(frame.device.split(":")[1]))
+    cai = frame.__cuda_array_interface__  # makes one of our streams wait on the frame's ready event
+    marker = cuda_ucx.mark(cai.get("stream"))
+    try:
+        while not cuda_ucx.done(marker):
+            await asyncio.sleep(0.0001)
+    finally:
+        cuda_ucx.forget(marker)
+    ptr = cai["data"][0]  # type: ignore[index]
+    return cuda_ucx.DeviceBytes(int(ptr), frame.nbytes)
+
+
+class _Consumer:
+    """One remote consumer: the handshake, then frames out and credits in until either side goes."""
+
+    def __init__(self, server: Server, ep: Any) -> None:
+        self.server = server
+        self.ep = ep
+        self.credits = 0
+        self.credit = asyncio.Event()
+        self.heard = time.monotonic()
+        self.rx: Receiver | None = None
+        self.sent = 0
+        self.gone = asyncio.Event()
+        self.why = ""
+
+    async def run(self) -> None:
+        try:
+            if await self._handshake():
+                await self._serve()
+        except ProtocolError as exc:
+            log.warning("cudalink serve: closing a connection: %s", exc)
+            await self._bye(ucx_wire.R_BAD_MESSAGE, str(exc))
+        except (asyncio.CancelledError, Exception) as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                log.info("cudalink serve: a consumer left (%s: %s)", type(exc).__name__, exc)
+                log.debug("cudalink serve: why", exc_info=True)
+        finally:
+            self._close()
+
+    async def _handshake(self) -> bool:
+        buf = bytearray(ucx_wire.MSG_SIZE)
+        nonce = secrets.token_bytes(ucx_wire.NONCE_SIZE)
+        await self.ep.send(ucx_wire.pack_challenge(nonce))
+        try:
+            msg = await asyncio.wait_for(ucx_engine.recv_msg(self.ep, buf, None), ucx_engine.HANDSHAKE_S)
+        except asyncio.TimeoutError:
+            log.warning("cudalink serve: a connection sent no HELLO within %.0fs", ucx_engine.HANDSHAKE_S)
+            return False
+        hello = ucx_wire.unpack_hello(msg)
+        if not ucx_wire.check_proof(self.server.key, nonce, hello.proof):
+            log.warning("cudalink serve: refused a connection with the wrong key")
+            await self._send(ucx_wire.pack_reject(ucx_wire.R_KEY, "wrong key: copy the server's key"))
+            return False
+        try:
+            name = _platform.check_name(hello.name)
+        except LinkError as exc:
+            await self._send(ucx_wire.pack_reject(ucx_wire.R_NAME, str(exc)))
+            return False
+        if self.server.name is not None and name != self.server.name:
+            await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"this server serves {self.server.name!r}"))
+            return False
+        try:
+            rx = await asyncio.to_thread(Receiver, name, timeout=0.0, latest=hello.latest)
+        except LinkTimeout:
+            await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"no producer publishes {name!r} here now"))
+            return False
+        except LinkError as exc:
+            await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"{name!r}: {exc}"))
+            return False
+        self.rx = rx
+        self.credits = min(hello.credits, MAX_GRANT)
+        backend = {v: k for k, v in shm_wire.BACKEND_NAMES.items()}.get(rx.backend, shm_wire.BACKEND_HOST)
+        await self._send(
+            ucx_wire.pack_welcome(ucx_wire.Welcome(rx.generation, rx.capacity, self.credits, backend, rx._floor))
+        )
+        self.credit.set()
+        log.info("cudalink serve: a consumer joined %r (latest=%s)", name, hello.latest)
+        return True
+
+    async def _send(self, msg: bytes) -> None:
+        await self.ep.send(msg)
+
+    async def _bye(self, reason: int, text: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ep.send(ucx_wire.pack_bye(reason, text)), 0.5)
+
+    async def _reader(self) -> None:
+        """Credits, pings and goodbyes from the consumer; anything else closes the connection."""
+        buf = bytearray(ucx_wire.MSG_SIZE)
+        while True:
+            msg = await ucx_engine.recv_msg(self.ep, buf, None)
+            self.heard = time.monotonic()
+            kind = ucx_wire.expect(msg, ucx_wire.CREDIT, ucx_wire.PING, ucx_wire.BYE)
+            if kind == ucx_wire.CREDIT:
+                self.credits = min(self.credits + ucx_wire.unpack_credit(msg), ucx_wire.MAX_CREDITS)
+                self.credit.set()
+            elif kind == ucx_wire.BYE:
+                self.why = "said goodbye"
+                return
+
+    async def _watchdog(self) -> None:
+        """A consumer silent for DEAD_AFTER_S (a pulled cable: no RST ever comes) is gone."""
+        while True:
+            await asyncio.sleep(ucx_engine.PING_S)
+            if time.monotonic() - self.heard > ucx_engine.DEAD_AFTER_S:
+                self.why = "went silent"
+                return
+
+    async def _serve(self) -> None:
+        tasks = {
+            asyncio.ensure_future(self._reader()),
+            asyncio.ensure_future(self._watchdog()),
+            asyncio.ensure_future(self._sender()),
+        }
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is not None:
+                    raise exc
+        finally:
+            # Give the leases back within the second: cancel, abort the endpoint (its pending requests
+            # end), and close the local Receiver even if a task is still unwinding out of UCX.
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                self.ep.abort()
+            await asyncio.wait(tasks, timeout=0.3)
+            self._close()
+        log.info("cudalink serve: a consumer %s", self.why or "left")
+
+    async def _sender(self) -> None:
+        rx = self.rx
+        assert rx is not None
+        gen = rx.generation
+        last_sent = time.monotonic()
+        while True:
+            if self.credits <= 0:
+                self.credit.clear()
+                try:
+                    await asyncio.wait_for(self.credit.wait(), ucx_engine.PING_S)
+                except asyncio.TimeoutError:
+                    await self._send(ucx_wire.pack_ping())
+                    last_sent = time.monotonic()
+                continue
+            wait = max(0.001, ucx_engine.PING_S - (time.monotonic() - last_sent))
+            try:
+                frame = await rx.recv_async(timeout=wait)
+            except LinkTimeout:
+                await self._send(ucx_wire.pack_ping())
+                last_sent = time.monotonic()
+                continue
+            except ProducerGone as exc:
+                await self._bye(ucx_wire.R_PRODUCER_GONE, str(exc))
+                self.why = "lost its producer"
+                return
+            data: Any = None
+            try:
+                spec = frame.spec
+                if frame.device.startswith("cuda"):
+                    if spec.strides is not None:
+                        raise LinkError("cudalink serve: strided GPU frames cannot be served; send contiguous ones")
+                    data = await _gpu_ready(frame)
+                elif spec.strides is not None:  # a padded crop: one host copy, sent contiguous
+                    data = np.ascontiguousarray(frame.numpy())
+                    spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
+                else:
+                    data = frame.numpy()
+                await self.ep.send(
+                    ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta)
+                )
+                await self.ep.send(data)
+            finally:
+                # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease
+                # outlives this frame (a cancelled send's traceback would keep them)
+                data = None
+                frame.release()
+                del frame
+            self.credits -= 1
+            self.sent += 1
+            last_sent = time.monotonic()
+
+    def _close(self) -> None:
+        if self.rx is not None:
+            self.rx.close()
+            self.rx = None
+        with contextlib.suppress(Exception):
+            self.ep.abort()
+        self.server.consumers.discard(self)
+
+
+class Server:
+    """A UCX listener that serves local links (``name``: only that one; None: any the client names)."""
+
+    def __init__(self, port: int, key: bytes, name: str | None = None, parent: int = 0) -> None:
+        self.port = port
+        self.key = key
+        self.name = name
+        self.parent = parent
+        self.consumers: set[_Consumer] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.listener: Any = None
+
+    async def run(self, ready: Any = None) -> None:
+        # a server restarted after a crash takes its port back at once (else: busy for TIME_WAIT, 60 s)
+        os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+        ucxx = ucx_engine.load()
+        ucx_engine.init_here(ucxx)
+
+        async def accept(ep: Any) -> None:
+            c = _Consumer(self, ep)
+            self.consumers.add(c)
+            await c.run()
+
+        deadline = time.monotonic() + BUSY_RETRY_S
+        while True:
+            try:
+                self.listener = ucxx.create_listener(accept, port=self.port)
+                break
+            except Exception as exc:  # a port a moment ago in use (TIME_WAIT after a crash): UCXXBusyError
+                if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
+                    raise LinkError(f"cudalink serve: cannot listen on port {self.port}: {exc}") from exc
+                await asyncio.sleep(0.2)
+        if ready is not None:
+            ready(self.listener.port)
+        while True:
+            await asyncio.sleep(0.2)
+            if self.parent and not _platform.pid_alive(self.parent):
+                log.info("cudalink serve: the producer process %d is gone; stopping", self.parent)
+                return
+
+
+def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> int:
+    """``python -m cudalink serve NAME --listen ucx://HOST:PORT``: serve until interrupted (or ``parent`` dies)."""
+    logging.basicConfig(
+        level=(logging.DEBUG if os.environ.get("CUDALINK_DEBUG") else logging.INFO) if verbose else logging.WARNING,
+        format="%(message)s",
+    )
+    name = _platform.check_name(name)
+    addr = ucx_wire.parse_address(listen, need_name=False)
+    ucx_engine.load()
+    key, created = ucx_engine.load_key(create=True)
+    if created:
+        print(
+            f"cudalink: made a new key in {created}. On each consumer's host run:\n"
+            f"  mkdir -p ~/.config/cudalink && scp {os.uname().nodename}:{created} ~/.config/cudalink/ucx.key\n"
+            "or set CUDALINK_KEY to its contents there.",
+            flush=True,
+        )
+    if addr.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"cudalink: serving {name!r} beyond this host; frames are not encrypted (use a VPN).", flush=True)
+
+    def ready(port: int) -> None:
+        print(f"cudalink: serving {name!r} at ucx://{addr.host}:{port}/{name}", flush=True)
+
+    server = Server(addr.port, key, name, parent)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(server.run(ready))
+    return 0
+
+
+__all__ = ["Server", "serve"]

@@ -1,0 +1,140 @@
+"""Processes for the ucx:// tests: a producer, and a consumer to kill. Run as ``python -m tests._ucx_procs``.
+
+Frames carry their own checksum: every byte of frame ``seq`` is a function of its index and ``seq``
+(:func:`pattern`), and ``meta`` is ``seq`` as 8 bytes, so a consumer verifies every frame on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+import time
+
+import numpy as np
+
+
+def pattern(shape: tuple[int, ...], seq: int) -> np.ndarray:
+    n = int(np.prod(shape))
+    return ((np.arange(n, dtype=np.uint32) * 7 + seq * 13) % 251).astype(np.uint8).reshape(shape)
+
+
+def check(frame: object, relayed: bool = False) -> None:
+    """Raise AssertionError unless ``frame``'s bytes and meta are those its producer wrote for its seq
+    (``relayed``: a relay republished it, with seqs of its own; the meta still names the producer's)."""
+    import cudalink
+
+    assert isinstance(frame, cudalink.Frame)
+    seq = struct.unpack("<Q", frame.meta)[0]
+    assert relayed or seq == frame.seq, (seq, frame.seq)
+    got = frame.numpy()
+    want = pattern(frame.shape, seq)
+    assert np.array_equal(got, want), f"frame {seq}: content differs"
+
+
+def producer(args: argparse.Namespace) -> None:
+    import cudalink
+
+    shape = tuple(int(x) for x in args.shape.split(","))
+    shape2 = tuple(int(x) for x in args.reshape.split(",")) if args.reshape else None
+    cap = max(int(np.prod(shape)), int(np.prod(shape2)) if shape2 else 0)
+    device = "cpu" if args.device == "cpu" else int(args.device)
+    tx = cudalink.Sender(
+        args.name,
+        shape=shape,
+        dtype="uint8",
+        slots=args.slots,
+        capacity=cap,
+        policy=args.policy,
+        timeout=5.0,
+        device=device,
+    )
+    if device != "cpu":
+        import torch
+    print("ready", flush=True)
+    worst = 0.0
+    period = 1.0 / args.fps
+    nxt = time.monotonic()
+    for i in range(1, args.frames + 1):
+        if shape2 is not None and i % args.every == 0:  # toggle between the two shapes
+            tx.reconfigure(shape2 if tx.shape == shape else shape)
+        frame = pattern(tx.shape, tx.seq + 1)
+        if device != "cpu":
+            frame = torch.from_numpy(frame).to(f"cuda:{device}")
+        t0 = time.monotonic()
+        tx.send(frame, meta=struct.pack("<Q", tx.seq + 1))
+        worst = max(worst, time.monotonic() - t0)
+        if args.report and i % 10 == 0:
+            print(f"consumers {tx.stats()['consumers']}", flush=True)
+        nxt += period
+        time.sleep(max(0.0, nxt - time.monotonic()))
+    print(f"done worst_send={worst:.6f} dropped={tx.stats()['dropped']}", flush=True)
+    if args.linger:
+        time.sleep(args.linger)
+    tx.close()
+
+
+def consumer(args: argparse.Namespace) -> None:
+    """Receive and keep every frame (never release): a consumer that holds what it can, then is killed."""
+    import cudalink
+
+    rx = cudalink.Receiver(args.url, timeout=10.0, latest=False, device="cpu")
+    held = [rx.recv(timeout=10.0) for _ in range(2)]
+    print(f"holding {len(held)}", flush=True)
+    time.sleep(60)
+
+
+def gpu_consumer(args: argparse.Namespace) -> None:
+    """Receive ``--frames`` frames on ``--device`` and check each through ``--lib`` (torch, cupy or numpy)."""
+    import cudalink
+
+    device = "cpu" if args.device == "cpu" else int(args.device)
+    rx = cudalink.Receiver(args.url, timeout=20.0, latest=False, device=device)
+    bad = 0
+    for _ in range(args.frames):
+        with rx.recv(timeout=10.0) as f:
+            seq = struct.unpack("<Q", f.meta)[0]
+            want = pattern(f.shape, seq)
+            if args.lib == "torch":
+                import torch
+
+                got = torch.from_dlpack(f).cpu().numpy()
+            elif args.lib == "cupy":
+                import cupy
+
+                got = cupy.from_dlpack(f).get()
+            else:
+                got = f.to_numpy()
+            bad += int(not np.array_equal(got, want))
+    print(f"checked {args.frames} bad {bad} device {rx.device} stats {rx.stats()}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("producer")
+    q.add_argument("name")
+    q.add_argument("--frames", type=int, default=100)
+    q.add_argument("--fps", type=float, default=200.0)
+    q.add_argument("--shape", default="32,32,4")
+    q.add_argument("--reshape", default="")
+    q.add_argument("--every", type=int, default=100, help="frames between toggling --reshape")
+    q.add_argument("--slots", type=int, default=8)
+    q.add_argument("--policy", default="drop")
+    q.add_argument("--report", action="store_true")
+    q.add_argument("--linger", type=float, default=0.0)
+    q.add_argument("--device", default="cpu")
+    q = sub.add_parser("consumer")
+    q.add_argument("url")
+    q = sub.add_parser("gpu-consumer")
+    q.add_argument("url")
+    q.add_argument("--device", default="0")
+    q.add_argument("--lib", default="torch")
+    q.add_argument("--frames", type=int, default=100)
+    args = p.parse_args()
+    {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer}[args.cmd](args)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,549 @@
+"""ucx:// links between real processes over TCP on 127.0.0.1: a producer process, ``python -m cudalink serve``
+in another, consumers here or in a third. Every frame's content is checked (``_ucx_procs.pattern``).
+
+Each test takes fresh ports (a listener re-bound to a port just used can fail with UCXXBusyError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import cudalink
+from cudalink.transport import ucx_engine, ucx_wire
+
+from ._ucx_procs import check, pattern
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "5a" * 32
+pytestmark = pytest.mark.timeout(120)
+
+ucxx = pytest.importorskip("ucxx", reason='ucxx is not installed: pip install "cudalink[ucx]" (Linux, Python 3.11+)')
+
+# the engine of this process reads these when it starts; TCP only, as across hosts
+os.environ.setdefault("UCX_TLS", "tcp")
+os.environ["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+os.environ["CUDALINK_KEY"] = KEY
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process whose stdout lines are read by a thread, so a test can wait for one."""
+
+    def __init__(self, args: list[str], **env: str) -> None:
+        netns = env.pop("_NETNS", None)  # run inside that network namespace
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        self.p = subprocess.Popen(
+            [*prefix, sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=_env(**env),
+            cwd=ROOT,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.log.append(line)
+            self.lines.put(line.strip())
+
+    def expect(self, prefix: str, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {prefix!r} line within {timeout}s; output:\n{''.join(self.log)}")
+            try:
+                line = self.lines.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                if self.p.poll() is not None and self.lines.empty():
+                    time.sleep(0.1)  # the reader thread may still be queueing the last lines
+                    if self.lines.empty():
+                        raise AssertionError(
+                            f"exited ({self.p.returncode}) before {prefix!r}:\n{''.join(self.log)}"
+                        ) from None
+                continue
+            if line.startswith(prefix):
+                return line
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(10)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(5)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
+
+
+def producer(name: str, *args: str) -> Proc:
+    p = Proc(["-m", "tests._ucx_procs", "producer", name, *args])
+    p.expect("ready")
+    return p
+
+
+def server(name: str, port: int | None = None) -> tuple[Proc, str]:
+    port = port or free_port()
+    p = Proc(["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}", "-v"])
+    p.expect("cudalink: serving")
+    return p, f"ucx://127.0.0.1:{port}/{name}"
+
+
+def unique(tag: str) -> str:
+    return f"ucx{tag}{os.getpid()}{time.monotonic_ns() % 10**7}"
+
+
+@pytest.fixture(scope="module")
+def stream() -> Iterator[tuple[Proc, Proc, str]]:
+    """One long stream (200 fps, 32x32x4, 16 slots) served for the tests that only read it."""
+    name = unique("s")
+    prod = producer(name, "--frames", "1000000", "--fps", "200", "--slots", "16")
+    srv, url = server(name)
+    yield prod, srv, url
+    srv.stop()
+    prod.stop()
+
+
+# -- content, order, flow -----------------------------------------------------------------------------------
+
+
+def test_every_frame_arrives_in_order_with_its_content(stream: tuple[Proc, Proc, str]) -> None:
+    _, _, url = stream
+    with cudalink.Receiver(url, latest=False, timeout=10.0) as rx:
+        assert rx.backend == "ucx" and rx.device == "cpu"
+        seqs = []
+        for _ in range(120):
+            with rx.recv(timeout=5.0) as f:
+                check(f)
+                seqs.append(f.seq)
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        gaps = seqs[-1] - seqs[0] + 1 - len(seqs)
+        # frames the server could not send in time are counted (those before the join point are not skips)
+        assert rx.stats()["skipped"] <= gaps
+        assert gaps <= 12, f"{gaps} frames of {len(seqs)} lost at 200 fps with 16 slots"
+
+
+def test_latest_wins_for_a_slow_consumer(stream: tuple[Proc, Proc, str]) -> None:
+    _, _, url = stream
+    with cudalink.Receiver(url, latest=True, timeout=10.0) as rx:
+        last = 0
+        for _ in range(6):
+            with rx.recv(timeout=5.0) as f:
+                check(f)
+                assert f.seq > last
+                last = f.seq
+            time.sleep(0.1)  # 20 frames published meanwhile
+        assert rx.stats()["skipped"] >= 5 * 10
+
+
+def test_fileno_poll_and_asyncio(stream: tuple[Proc, Proc, str]) -> None:
+    import selectors
+
+    _, _, url = stream
+    with cudalink.Receiver(url, timeout=10.0) as rx:
+        rx.recv(timeout=5.0).release()
+        sel = selectors.DefaultSelector()
+        sel.register(rx.fileno(), selectors.EVENT_READ)
+        assert sel.select(5.0)
+        deadline = time.monotonic() + 5
+        while (f := rx.poll()) is None:
+            assert time.monotonic() < deadline
+            sel.select(0.1)
+        check(f)
+        f.release()
+
+        async def two() -> list[int]:
+            out = []
+            async for frame in rx:
+                check(frame)
+                out.append(frame.seq)
+                frame.release()
+                if len(out) == 2:
+                    break
+            got = await rx.recv_async(timeout=5.0)
+            out.append(got.seq)
+            return out
+
+        seqs = asyncio.run(two())
+        assert seqs == sorted(seqs)
+
+
+def test_back_pressure_stops_at_the_server() -> None:
+    """A consumer that holds every frame it gets: the producer (policy="block"!) never waits on it."""
+    name = unique("b")
+    prod = producer(name, "--frames", "900", "--fps", "300", "--slots", "4", "--policy", "block", "--linger", "5")
+    srv, url = server(name)
+    try:
+        with cudalink.Receiver(url, latest=False, timeout=10.0) as rx:
+            held = [rx.recv(timeout=5.0) for _ in range(3)]  # every landing buffer, never released
+            for f in held:
+                check(f)
+            done = prod.expect("done", 30.0)
+            worst = float(done.split("worst_send=")[1].split()[0])
+            assert worst < 0.5, done  # a blocked send would wait its 5 s timeout
+            assert rx.poll() is None  # no credit, nothing sent
+            del f
+            held.clear()  # credits go back; the stream resumes from what the ring still holds
+            f = rx.recv(timeout=5.0)
+            check(f)
+            assert rx.stats()["skipped"] > 100
+            f.release()
+    finally:
+        srv.stop()
+        prod.stop()
+
+
+def test_reconfigure_reaches_the_remote_consumer() -> None:
+    name = unique("r")
+    prod = producer(name, "--frames", "1000000", "--fps", "200", "--reshape", "16,24,4", "--every", "40")
+    srv, url = server(name)
+    try:
+        shapes = set()
+        with cudalink.Receiver(url, latest=False, timeout=10.0) as rx:
+            while len(shapes) < 2:
+                with rx.recv(timeout=5.0) as f:
+                    check(f)
+                    shapes.add(f.shape)
+        assert shapes == {(32, 32, 4), (16, 24, 4)}
+    finally:
+        srv.stop()
+        prod.stop()
+
+
+# -- faults -------------------------------------------------------------------------------------------------
+
+
+def test_producer_death_and_restart_are_visible_and_followed() -> None:
+    name = unique("p")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    srv, url = server(name)
+    try:
+        with cudalink.Receiver(url, latest=False, timeout=10.0) as rx:
+            f = rx.recv(timeout=5.0)
+            gen1 = rx.generation
+            check(f)
+            f.release()
+            killed = time.monotonic()
+            prod.kill()
+            with pytest.raises(cudalink.ProducerGone):
+                while True:
+                    rx.recv(timeout=5.0).release()
+            assert time.monotonic() - killed <= 1.0
+            prod = producer(name, "--frames", "1000000", "--fps", "100")
+            f = rx.recv(timeout=10.0)
+            check(f)
+            assert rx.generation != gen1
+            assert rx.stats()["reattached"] == 1
+            f.release()
+    finally:
+        srv.stop()
+        prod.stop()
+
+
+def test_server_sigkill_gives_producer_gone_within_a_second() -> None:
+    name = unique("k")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    srv, url = server(name)
+    try:
+        with cudalink.Receiver(url, timeout=10.0) as rx:
+            rx.recv(timeout=5.0).release()
+            errors: list[float] = []
+
+            def consume() -> None:
+                try:
+                    while True:
+                        rx.recv(timeout=10.0).release()
+                except cudalink.ProducerGone:
+                    errors.append(time.monotonic())
+
+            t = threading.Thread(target=consume)
+            t.start()
+            time.sleep(0.2)
+            killed = time.monotonic()
+            srv.p.send_signal(signal.SIGKILL)
+            t.join(5.0)
+            assert errors, "recv() never raised ProducerGone"
+            assert errors[0] - killed <= 1.0, f"ProducerGone after {errors[0] - killed:.2f}s"
+    finally:
+        srv.kill()
+        prod.stop()
+
+
+def test_receiver_reconnects_when_the_server_comes_back() -> None:
+    name = unique("c")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    port = free_port()
+    srv, url = server(name, port)
+    try:
+        with cudalink.Receiver(url, timeout=10.0) as rx:
+            rx.recv(timeout=5.0).release()
+            srv.kill()
+            with pytest.raises(cudalink.ProducerGone):
+                while True:
+                    rx.recv(timeout=5.0).release()
+            # the same port: the new server retries while the dead one's port is still busy
+            srv = Proc(["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}", "-v"])
+            srv.expect("cudalink: serving", 20.0)
+            f = rx.recv(timeout=10.0)
+            check(f)
+            f.release()
+    finally:
+        srv.stop()
+        prod.stop()
+
+
+def test_consumer_sigkill_gives_its_leases_back_within_a_second() -> None:
+    name = unique("d")
+    prod = producer(name, "--frames", "1000000", "--fps", "200", "--report")
+    srv, url = server(name)
+    cons = Proc(["-m", "tests._ucx_procs", "consumer", url])
+    try:
+        cons.expect("holding", 30.0)
+        prod.expect("consumers 1", 10.0)
+        killed = time.monotonic()
+        cons.p.send_signal(signal.SIGKILL)
+        try:
+            prod.expect("consumers 0", 5.0)
+        except AssertionError:
+            raise AssertionError("".join(srv.log)) from None
+        assert time.monotonic() - killed <= 1.0 + 0.1  # the producer reports every 50 ms
+    finally:
+        cons.kill()
+        srv.stop()
+        prod.stop()
+
+
+# -- security and hostile peers --------------------------------------------------------------------------------
+
+
+def test_a_wrong_key_is_refused_and_says_so(stream: tuple[Proc, Proc, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _, srv, url = stream
+    monkeypatch.setenv("CUDALINK_KEY", "77" * 32)
+    t0 = time.monotonic()
+    with pytest.raises(cudalink.ProtocolError, match=r"refused our key.*CUDALINK_KEY"):
+        cudalink.Receiver(url, timeout=10.0)
+    assert time.monotonic() - t0 < 5.0
+    srv.expect("cudalink serve: refused a connection with the wrong key", 5.0)
+
+
+def test_a_missing_key_names_the_way_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("CUDALINK_KEY")
+    monkeypatch.setenv("CUDALINK_KEY_FILE", str(tmp_path / "none"))
+    with pytest.raises(cudalink.LinkError, match="CUDALINK_KEY"):
+        cudalink.Receiver("ucx://127.0.0.1:9/x", timeout=0.1)
+
+
+async def _raw_client(url: str, send: list[bytes], proof: bool) -> str:
+    """Connect as a hostile peer: answer the challenge (or not), then send ``send``; say how it ended."""
+    addr = ucx_wire.parse_address(url, need_name=True)
+    eng = ucx_engine.engine()
+    ep = await eng.ucxx.create_endpoint(addr.host, addr.port)
+    buf = bytearray(ucx_wire.MSG_SIZE)
+    nonce = ucx_wire.unpack_challenge(await ucx_engine.recv_msg(ep, buf, None))
+    if proof:
+        key = bytes.fromhex(KEY)
+        hello = ucx_wire.Hello(ucx_wire.proof(key, nonce), True, False, 2, addr.name or "")
+        await ep.send(ucx_wire.pack_hello(hello))
+        ucx_wire.unpack_welcome(await ucx_engine.recv_msg(ep, buf, None))
+    for msg in send:
+        await ep.send(msg)
+    try:
+        while True:
+            msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), 5.0)
+            if ucx_wire.kind_of(msg) == ucx_wire.BYE:
+                return ucx_wire.unpack_text(msg)[1]
+            if ucx_wire.kind_of(msg) == ucx_wire.FRAME:  # its payload follows
+                await ep.recv(bytearray(ucx_wire.unpack_frame(msg, 1 << 30).nbytes))
+    except asyncio.TimeoutError:
+        return "still open"
+    except Exception as exc:
+        return f"closed ({type(exc).__name__})"
+    finally:
+        ep.abort()
+
+
+@pytest.mark.parametrize(
+    ("case", "proof"),
+    [
+        ("garbage hello", False),
+        ("oversized hello", False),
+        ("garbage after welcome", True),
+        ("credit lie", True),
+    ],
+)
+def test_malformed_messages_close_that_connection_and_the_server_serves_on(
+    stream: tuple[Proc, Proc, str], case: str, proof: bool
+) -> None:
+    _, srv, url = stream
+    junk = bytes(range(256)) + bytes(ucx_wire.MSG_SIZE - 256)
+    send = {
+        "garbage hello": [junk],
+        "oversized hello": [bytes(ucx_wire.MSG_SIZE * 3)],
+        "garbage after welcome": [junk],
+        "credit lie": [ucx_wire.pack_credit(1)[:8] + struct.pack("<I", 10**6) + ucx_wire.pack_credit(1)[12:]],
+    }[case]
+    with cudalink.Receiver(url, timeout=10.0) as rx:
+        rx.recv(timeout=5.0).release()
+        ended = ucx_engine.engine().run(_raw_client(url, send, proof), 20.0)
+        assert ended != "still open", case
+        srv.expect("cudalink serve: closing a connection", 5.0)
+        for _ in range(3):  # the honest consumer is still served
+            with rx.recv(timeout=5.0) as f:
+                check(f)
+
+
+# -- the commands and Sender(serve=) --------------------------------------------------------------------------
+
+
+def test_relay_republishes_a_remote_stream_as_a_local_link(stream: tuple[Proc, Proc, str]) -> None:
+    _, _, url = stream
+    local = unique("l")
+    relay = Proc(["-m", "cudalink", "relay", url, "--as", local, "--in-order"])
+    try:
+        relay.expect("cudalink: relaying", 20.0)
+        with cudalink.Receiver(local, latest=False, timeout=10.0) as rx:
+            for _ in range(20):
+                with rx.recv(timeout=5.0) as f:
+                    check(f, relayed=True)
+    finally:
+        relay.stop()
+
+
+def test_sender_serve_starts_and_stops_its_server() -> None:
+    name = unique("v")
+    port = free_port()
+    with cudalink.Sender(name, shape=(8, 8, 4), serve=f"ucx://127.0.0.1:{port}") as tx:
+        proc = tx._remote
+        assert proc is not None
+        deadline = time.monotonic() + 20
+
+        def feed() -> None:
+            while not tx.closed:
+                try:
+                    tx.send(pattern((8, 8, 4), tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
+                except cudalink.LinkError:
+                    return
+                time.sleep(0.01)
+
+        t = threading.Thread(target=feed, daemon=True)
+        t.start()
+        while True:
+            try:
+                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0)
+                break
+            except cudalink.LinkTimeout:
+                assert time.monotonic() < deadline
+        with rx, rx.recv(timeout=5.0) as f:
+            check(f)
+    t.join(5)
+    assert proc.poll() is not None  # close() stopped it
+
+
+# -- two "hosts" ----------------------------------------------------------------------------------------------
+
+
+def _netns_reason() -> str | None:
+    import shutil
+
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return "needs root on Linux to make network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip`"
+    probe = f"cltest{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode:
+        return f"`ip netns add` failed here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def test_two_network_namespaces_joined_by_a_veth_pair() -> None:
+    """The producer and its server in one network namespace, the consumer in another: two hosts, as far as
+    the network goes (they share /dev/shm, which only the producer and server use)."""
+    reason = _netns_reason()
+    if reason:
+        pytest.skip(reason)
+    tag = f"{os.getpid() % 100000}"
+    a, b = f"cla{tag}", f"clb{tag}"
+    va, vb = f"va{tag}", f"vb{tag}"
+    sub = 10 + os.getpid() % 200
+    ip_a, ip_b = f"10.{sub}.77.1", f"10.{sub}.77.2"
+
+    def run(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    made: list[str] = []
+    prod = srv = cons = None
+    try:
+        for ns in (a, b):
+            run("ip", "netns", "add", ns)
+            made.append(ns)
+        run("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
+        run("ip", "link", "set", va, "netns", a)
+        run("ip", "link", "set", vb, "netns", b)
+        for ns, dev, ip in ((a, va, ip_a), (b, vb, ip_b)):
+            run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            run("ip", "-n", ns, "link", "set", dev, "up")
+            run("ip", "-n", ns, "link", "set", "lo", "up")
+        name = unique("n")
+        prod = Proc(["-m", "tests._ucx_procs", "producer", name, "--frames", "1000000", "--fps", "100"])
+        prod.expect("ready")
+        port = free_port()
+        srv = Proc(["-m", "cudalink", "serve", name, "--listen", f"ucx://0.0.0.0:{port}", "-v"], _NETNS=a)
+        srv.expect("cudalink: serving", 30.0)
+        cons = Proc(
+            [
+                "-m",
+                "tests._ucx_procs",
+                "gpu-consumer",
+                f"ucx://{ip_a}:{port}/{name}",
+                "--device",
+                "cpu",
+                "--lib",
+                "numpy",
+                "--frames",
+                "30",
+            ],
+            _NETNS=b,
+        )
+        line = cons.expect("checked", 60.0)
+        assert " bad 0 " in line, line
+    finally:
+        for p in (cons, srv, prod):
+            if p is not None:
+                p.stop()
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

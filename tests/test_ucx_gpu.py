@@ -1,0 +1,79 @@
+"""ucx:// with GPUs (run on a GPU machine with ucxx installed: ``python -m pytest -m gpu tests/test_ucx_gpu.py -s``).
+
+A GPU producer process, ``cudalink serve`` in another, and a consumer process per case, over loopback:
+``UCX_TLS=tcp,cuda_copy`` stages through host memory as across hosts without RDMA; adding ``cuda_ipc``
+lets UCX use the same-host GPU path. Every frame is checked through torch or cupy (or, for a consumer
+without a GPU, numpy). The server runs with ``UCX_PROTO_INFO=y`` and the test prints the protocol lines
+UCX chose, so the run shows which transports carried the frames.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .test_ucx import Proc, free_port, unique
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("ucxx", reason='ucxx is not installed: pip install "cudalink[ucx]"')
+
+
+@pytest.mark.parametrize("tls", ["tcp,cuda_copy", "tcp,cuda_copy,cuda_ipc"])
+@pytest.mark.parametrize(("device", "lib"), [("0", "torch"), ("0", "cupy"), ("cpu", "numpy")])
+def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str) -> None:
+    if lib != "numpy":
+        pytest.importorskip(lib)
+    pytest.importorskip("torch")  # the producer makes its frames with torch
+    name = unique("g")
+    env = {"UCX_TLS": tls}
+    prod = Proc(
+        [
+            "-m",
+            "tests._ucx_procs",
+            "producer",
+            name,
+            "--frames",
+            "1000000",
+            "--fps",
+            "100",
+            "--device",
+            "0",
+            "--shape",
+            "1080,1920,4",
+            "--slots",
+            "4",
+        ],
+        **env,
+    )
+    prod.expect("ready", 60.0)
+    port = free_port()
+    srv = Proc(
+        ["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}", "-v"], UCX_PROTO_INFO="y", **env
+    )
+    try:
+        srv.expect("cudalink: serving", 60.0)
+        cons = Proc(
+            [
+                "-m",
+                "tests._ucx_procs",
+                "gpu-consumer",
+                f"ucx://127.0.0.1:{port}/{name}",
+                "--device",
+                device,
+                "--lib",
+                lib,
+                "--frames",
+                "60",
+            ],
+            **env,
+        )
+        line = cons.expect("checked", 120.0)
+        print(f"\n[{tls} -> {device}/{lib}] {line}")
+        used = sorted({ln.strip() for ln in srv.log if "cuda" in ln.lower() or "tcp" in ln.lower()})
+        print("UCX protocols on the server:\n  " + "\n  ".join(used[:30]))
+        assert " bad 0 " in line, line
+        assert f"device {'cpu' if device == 'cpu' else 'cuda:0'}" in line, line
+        cons.stop()
+    finally:
+        srv.stop()
+        prod.stop()

@@ -1,0 +1,195 @@
+"""The ucx:// network messages under hypothesis: every message round-trips, and any bytes a peer sends
+either decode to a message within its limits or give a cudalink ProtocolError (never another exception)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cudalink
+from cudalink.frames import FrameSpec
+from cudalink.transport import ucx_wire as uw
+from cudalink.transport import wire
+
+from .test_wire import specs
+
+names = st.text(st.sampled_from("abcXYZ019_-."), min_size=1, max_size=uw.NAME_MAX)
+
+
+def _decoders(msg: bytes, cap: int) -> list[object]:
+    return [
+        lambda: uw.unpack_challenge(msg),
+        lambda: uw.unpack_hello(msg),
+        lambda: uw.unpack_welcome(msg),
+        lambda: uw.unpack_text(msg),
+        lambda: uw.unpack_frame(msg, cap),
+        lambda: uw.unpack_credit(msg),
+        lambda: uw.kind_of(msg),
+    ]
+
+
+@given(nonce=st.binary(min_size=32, max_size=32), key=st.binary(min_size=32, max_size=32))
+def test_challenge_and_proof(nonce: bytes, key: bytes) -> None:
+    msg = uw.pack_challenge(nonce)
+    assert len(msg) == uw.MSG_SIZE
+    got = uw.unpack_challenge(msg)
+    assert got == nonce
+    answer = uw.proof(key, got)
+    assert uw.check_proof(key, nonce, answer)
+    assert not uw.check_proof(bytes(32) if key != bytes(32) else b"\1" * 32, nonce, answer)
+    assert not uw.check_proof(key, nonce, answer[:-1])
+
+
+@given(
+    proof=st.binary(min_size=32, max_size=32),
+    latest=st.booleans(),
+    device=st.booleans(),
+    credits=st.integers(1, uw.MAX_CREDITS),
+    name=names,
+)
+def test_hello_roundtrip(proof: bytes, latest: bool, device: bool, credits: int, name: str) -> None:
+    h = uw.Hello(proof, latest, device, credits, name)
+    assert uw.unpack_hello(uw.pack_hello(h)) == h
+
+
+def test_hello_limits() -> None:
+    with pytest.raises(cudalink.ProtocolError, match="name"):
+        uw.pack_hello(uw.Hello(bytes(32), True, False, 2, "x" * (uw.NAME_MAX + 1)))
+    with pytest.raises(cudalink.ProtocolError, match="credits"):
+        uw.pack_hello(uw.Hello(bytes(32), True, False, 0, "x"))
+
+
+@given(
+    gen=st.integers(1, 2**64 - 1),
+    cap=st.integers(1, uw.CAPACITY_MAX),
+    credits=st.integers(1, uw.MAX_CREDITS),
+    backend=st.sampled_from(sorted(wire.BACKEND_NAMES)),
+    floor=st.integers(0, 2**64 - 1),
+)
+def test_welcome_roundtrip(gen: int, cap: int, credits: int, backend: int, floor: int) -> None:
+    w = uw.Welcome(gen, cap, credits, backend, floor)
+    assert uw.unpack_welcome(uw.pack_welcome(w)) == w
+
+
+@given(reason=st.integers(0, 65535), text=st.text(max_size=300))
+def test_reject_and_bye_carry_reason_and_text(reason: int, text: str) -> None:
+    for pack in (uw.pack_reject, uw.pack_bye):
+        code, got = uw.unpack_text(pack(reason, text))
+        assert code == reason
+        assert text.encode()[: uw.REJECT_TEXT_MAX].decode("utf-8", "replace") == got
+    with pytest.raises(uw.Refused) as info:
+        uw.unpack_welcome(uw.pack_reject(reason, text))
+    assert info.value.code == reason
+    assert info.value.reason.retryable == (reason in uw.RETRYABLE or reason == uw.R_KEY)
+
+
+def test_refusals_say_what_happened() -> None:
+    with pytest.raises(uw.Refused, match="wrong key") as info:
+        uw.unpack_challenge(uw.pack_reject(uw.R_KEY, "set CUDALINK_KEY"))
+    assert info.value.reason is cudalink.ProtocolReason.STALE_KEY
+
+
+@settings(max_examples=200)
+@given(
+    spec=specs,
+    gen=st.integers(1, 2**64 - 1),
+    skipped=st.integers(0, 2**64 - 1),
+    seq=st.integers(1, 2**62),
+    ts=st.integers(0, 2**63),
+    meta=st.binary(max_size=wire.META_MAX),
+)
+def test_frame_header_roundtrip(spec: FrameSpec, gen: int, skipped: int, seq: int, ts: int, meta: bytes) -> None:
+    h = uw.unpack_frame(uw.pack_frame(gen, skipped, seq, ts, spec, meta), spec.nbytes)
+    got = (h.generation, h.server_skipped, h.seq, h.timestamp_ns, h.spec, h.meta)
+    assert got == (gen, skipped, seq, ts, spec, meta)
+    assert h.nbytes == spec.nbytes
+
+
+def test_frame_larger_than_the_landing_buffers_is_refused_before_use() -> None:
+    spec = FrameSpec((1080, 1920, 4), "uint8")
+    msg = uw.pack_frame(1, 0, 1, 0, spec, b"")
+    with pytest.raises(cudalink.ProtocolError, match="slot holds"):
+        uw.unpack_frame(msg, spec.nbytes - 1)
+    strided = uw.pack_frame(1, 0, 1, 0, FrameSpec((4, 6), "float32", strides=(32, 4)), b"")
+    with pytest.raises(cudalink.ProtocolError, match="contiguous"):
+        uw.unpack_frame(strided, 1 << 20)
+
+
+@given(n=st.integers(1, uw.MAX_CREDITS))
+def test_credit_roundtrip(n: int) -> None:
+    assert uw.unpack_credit(uw.pack_credit(n)) == n
+    assert uw.kind_of(uw.pack_ping()) == uw.PING
+
+
+def test_framing_lies() -> None:
+    good = uw.pack_credit(1)
+    cases = {
+        "bytes, expected": good[:-1],
+        "magic": b"XXXX" + good[4:],
+        "version": good[:4] + b"\x09\x00" + good[6:],
+        "trailer": good[:-4] + b"\0\0\0\0",
+        "kind": good[:6] + b"\x63\x00" + good[8:],
+        "expected a ucx HELLO": good,
+    }
+    for what, msg in cases.items():
+        with pytest.raises(cudalink.ProtocolError, match=what):
+            uw.unpack_hello(msg)
+    with pytest.raises(cudalink.ProtocolError, match="credits"):
+        uw.unpack_credit(uw.pack_credit(0))
+    with pytest.raises(cudalink.ProtocolError, match="capacity"):
+        uw.unpack_welcome(uw.pack_welcome(uw.Welcome(1, uw.CAPACITY_MAX + 1, 1, 0)))
+
+
+@settings(max_examples=400)
+@given(data=st.binary(min_size=0, max_size=uw.MSG_SIZE + 8), cap=st.integers(1, 1 << 24))
+def test_random_bytes_are_refused_cleanly(data: bytes, cap: int) -> None:
+    for decode in _decoders(data, cap):
+        try:
+            decode()  # type: ignore[operator]
+        except cudalink.ProtocolError:
+            pass
+
+
+@settings(max_examples=400)
+@given(
+    kind=st.sampled_from(sorted(uw.KIND_NAMES)),
+    body=st.binary(max_size=uw.TRAILER_OFF - uw.BODY_OFF),
+    cap=st.integers(1, 1 << 24),
+)
+def test_well_framed_random_bodies_decode_within_limits_or_are_refused(kind: int, body: bytes, cap: int) -> None:
+    msg = uw.HEAD.pack(uw.MAGIC, uw.VERSION, kind) + body.ljust(uw.TRAILER_OFF - uw.BODY_OFF, b"\0") + uw.TRAILER
+    assert uw.kind_of(msg) == kind
+    for decode in _decoders(msg, cap):
+        try:
+            got = decode()  # type: ignore[operator]
+        except cudalink.ProtocolError:
+            continue
+        if isinstance(got, uw.FrameHeader):
+            assert got.nbytes <= cap and len(got.meta) <= wire.META_MAX
+        elif isinstance(got, uw.Hello):
+            assert 1 <= got.credits <= uw.MAX_CREDITS and 1 <= len(got.name.encode()) <= uw.NAME_MAX
+        elif isinstance(got, uw.Welcome):
+            assert 0 < got.capacity <= uw.CAPACITY_MAX
+
+
+@pytest.mark.parametrize(
+    ("url", "need_name", "want"),
+    [
+        ("ucx://127.0.0.1:5000/cam0", True, uw.Address("127.0.0.1", 5000, "cam0")),
+        ("ucx://host.lan/cam0", True, uw.Address("host.lan", uw.DEFAULT_PORT, "cam0")),
+        ("ucx://[::1]:7000/a", True, uw.Address("::1", 7000, "a")),
+        ("ucx://0.0.0.0:9", False, uw.Address("0.0.0.0", 9, None)),
+    ],
+)
+def test_addresses(url: str, need_name: bool, want: uw.Address) -> None:
+    assert uw.parse_address(url, need_name=need_name) == want
+
+
+@pytest.mark.parametrize(
+    ("url", "need_name"),
+    [("tcp://h:1/a", True), ("ucx://h:0/a", True), ("ucx://h:x/a", True), ("ucx://h:5", True), ("ucx://h:5/a", False)],
+)
+def test_bad_addresses_name_the_form(url: str, need_name: bool) -> None:
+    with pytest.raises(cudalink.LinkError, match="ucx://HOST:PORT"):
+        uw.parse_address(url, need_name=need_name)

@@ -12,12 +12,14 @@ __all__ = ["open_source"]
 def open_source(
     name: str, *, transport: Transport, device: int | str | None, copy: Copy, latest: bool = True
 ) -> Source:
-    """The source for ``name``: a link of this host by default."""
-    if name.startswith("ucx://"):  # another host (issue 33); ``latest`` tells the server how to pick frames
+    """The source for ``name``: a link of this host by default (which also refuses a name that is no name)."""
+    if isinstance(name, str) and name.startswith(
+        "ucx://"
+    ):  # another host (issue 33); ``latest`` tells the server how to pick frames
         from .ucx_source import UcxSource
 
         return UcxSource(name, device=device, copy=copy, latest=latest)
-    if name.startswith("cuda-link:"):  # its own layout; the name taken as given
+    if isinstance(name, str) and name.startswith("cuda-link:"):  # its own layout; the name taken as given
         from .cuda_link_source import CudaLinkSource
 
         return CudaLinkSource(name, device=device, copy=copy)

@@ -303,7 +303,10 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> 
     server = Server(addr.port, key, name, parent)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.run(ready))
-    return 0
+    # Leave now: UCX's own threads (its "thread" progress mode) can keep an interpreter from exiting, and a
+    # server whose producer process is gone must not linger. The OS returns the leases (the link sees EOF).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 __all__ = ["Server", "serve"]

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="the breakdown's consumer sleeps until each frame is published (Receiver(wake_ahead=False))",
     )
+    p.add_argument(
+        "--remote",
+        action="store_true",
+        help="ucx:// on loopback against a bare UCXX send/recv and a plain TCP socket (needs cudalink[ucx])",
+    )
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("serve", parents=[common], help="serve a local link to other hosts over UCX (cudalink[ucx])")

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import secrets
+import sys
 import time
 from typing import Any
 

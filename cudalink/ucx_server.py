@@ -214,10 +214,10 @@ class _Consumer:
                     spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
                 else:
                     data = frame.numpy()
-                await self.ep.send(
-                    ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta)
-                )
-                await self.ep.send(data)
+                head = ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta)
+                # both posted at once (UCX keeps one endpoint's messages of one tag in order): the pixels
+                # need not wait for the header's completion to be reported
+                await asyncio.gather(self.ep.send(head), self.ep.send(data))
             finally:
                 # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease
                 # outlives this frame (a cancelled send's traceback would keep them)

@@ -278,12 +278,14 @@ def tcp_stream(nbytes: int, count: int) -> dict[str, float]:
 def run(quick: bool = False) -> dict[str, Any]:
     import secrets
 
+    from ..transport import ucx_engine
+
     os.environ.setdefault("CUDALINK_KEY", secrets.token_hex(32))  # this run's own key, for its children too
     frames = 100 if quick else 500
     secs = 2.0 if quick else 5.0
     out: dict[str, Any] = {
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
-        "progress": os.environ.get("CUDALINK_UCX_PROGRESS", "blocking"),
+        "progress": os.environ.get("CUDALINK_UCX_PROGRESS", ucx_engine.PROGRESS),
         "handoff": {},
         "stream": {},
     }
@@ -345,6 +347,8 @@ def _main() -> None:
     elif role == "tcp":
         port, nbytes, count = rest
         _tcp_sender(int(port), int(nbytes), int(count))
+    sys.stdout.flush()
+    os._exit(0)  # UCX's progress thread can keep an interpreter from exiting
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ LAYERS: list[set[str]] = [
     {"cudalink.tools", "cudalink.tools.measure", "cudalink.tools.ui", "cudalink.tools.peers"},
     {"cudalink.tools.peers.link", "cudalink.tools.peers.shm", "cudalink.tools.peers.mpqueue"},
     {"cudalink.tools.floors", "cudalink.tools.breakdown", "cudalink.tools.bench", "cudalink.tools.monitor"},
+    {"cudalink.tools.remote_bench"},
     {
         "cudalink.tools.demo",
         "cudalink.tools.info",

@@ -11,6 +11,8 @@ Importing cudalink never touches the GPU; CUDA is initialised by the first CUDA 
 
 from ._version import __version__
 from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
     CudaError,
     CudaUnavailable,
     FormatError,
@@ -26,6 +28,8 @@ from .frames import Frame, FrameSpec, PixelFormat, RowOrigin
 from .link import Receiver, Sender
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "CudaError",
     "CudaUnavailable",
     "FormatError",

@@ -7,6 +7,7 @@ on the GPU). Host and CUDA links therefore share every line of protocol code.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
@@ -15,7 +16,7 @@ import numpy.typing as npt
 
 from . import _platform, _trace
 from .cuda import arrays, devices, driver, memory
-from .errors import FormatError, LinkError
+from .errors import ArgumentError, FormatError, LinkError, ProtocolError
 from .frames.frame import Frame, FrameSync, HostViews, _Hold
 from .frames.spec import FrameSpec
 from .transport import wire
@@ -27,6 +28,16 @@ if TYPE_CHECKING:
     from .cuda.objects import Event, Stream
 
 SLOT_ALIGN = 4096
+#: what a consumer requires of a host slot's offset: the largest itemsize, so every dtype's view is aligned
+HOST_SLOT_ALIGN = 16
+#: a CUDA slot's memory may be rounded up (to the pool's granularity), never beyond this
+MAX_SLOT_BYTES = 1 << 41
+
+#: send()'s GPU work (the copy into the slot and its ready event) as one CUDA graph launch per frame
+#: (:class:`cudalink.cuda.driver.CopyGraph`) instead of ``cuMemcpyDtoDAsync`` + ``cuEventRecord``. Off: an
+#: experiment the bench compares in one run (``wait_block_graph``); read at each copy, so it can be flipped
+#: at any time. ``CUDALINK_SEND_GRAPH=1`` turns it on at import. Pitched (padded-row) sources never use it.
+SEND_GRAPH = os.environ.get("CUDALINK_SEND_GRAPH", "") == "1"
 
 
 def align(n: int, a: int = SLOT_ALIGN) -> int:
@@ -52,7 +63,16 @@ class ProducerSlots(Protocol):
     def bind(self, region: Region | None) -> None: ...
     def handles(self) -> list[wire.SlotHandle]: ...
     def fds(self) -> list[int]: ...
-    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None: ...
+    def source(self, spec: FrameSpec, src: object, stream: object) -> object:
+        """Refuse a source that cannot go into these slots (:class:`FormatError`), before any slot is claimed.
+
+        What it returns is what ``copy_in`` reads: the checks are not repeated per slot.
+        """
+        ...
+
+    def copy_in(
+        self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent], checked: object
+    ) -> None: ...
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[RawEvent]) -> Frame: ...
     def commit(self, slot: int, streams: list[int], stream: object) -> None: ...
     def close(self, timeout: float) -> None: ...
@@ -73,6 +93,13 @@ class ConsumerView(Protocol):
     """A consumer's side of one producer generation's slots: frames out, release fences back."""
 
     device: int
+
+    def check(self, handles: list[wire.SlotHandle], capacity: int) -> None:
+        """Refuse (:class:`ProtocolError`) slot handles whose memory could not hold ``capacity`` bytes each.
+
+        Run once per attach (each producer generation), so a frame's spec, already checked against
+        ``capacity``, always fits the memory it is viewed on."""
+        ...
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None: ...
     def slot(self, slot: int, handle: wire.SlotHandle, spec: FrameSpec) -> SlotParts:
@@ -129,7 +156,7 @@ class HostSlots:
             got = self._views[key] = (spec, view)
         return got[1]
 
-    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None:
+    def source(self, spec: FrameSpec, src: object, stream: object) -> npt.NDArray[np.generic]:
         if type(src) is np.ndarray and src.shape == spec.shape and src.dtype == spec.dtype:
             arr: npt.NDArray[np.generic] = src  # the common case, without describing the array
         else:
@@ -143,7 +170,12 @@ class HostSlots:
             arr = cast("npt.NDArray[np.generic]", info.owner)  # host_info's owner is the ndarray
         if _trace.ON:
             _trace.mark(_trace.SOURCE_READ)
-        np.copyto(self._array(slot, spec), arr, casting="no")
+        return arr
+
+    def copy_in(
+        self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent], checked: object
+    ) -> None:
+        np.copyto(self._array(slot, spec), cast("npt.NDArray[np.generic]", checked), casting="no")
         if _trace.ON:
             _trace.mark(_trace.COPY_QUEUED)
 
@@ -190,6 +222,16 @@ def _row_pitch(spec: FrameSpec, strides: tuple[int, ...] | None) -> int:
     )
 
 
+class _Source(NamedTuple):
+    """A checked source of a CUDA send: its description, row pitch (0: one flat copy) and the stream its
+    copy goes on (``own``: the framework's current stream, which a pending release fence changes)."""
+
+    info: arrays.ArrayInfo
+    pitch: int
+    stream: int
+    own: bool
+
+
 class CudaSlots:
     """Slots on the GPU: a cuda.core IPC pool (or legacy cuIpc handles), one IPC ready-event per slot."""
 
@@ -213,6 +255,9 @@ class CudaSlots:
         self._sources: list[object] = [None] * nslots  # what each slot's pending copy reads from
         self._join: RawEvent | None = None
         self._tls = threading.local()
+        self._graphs: list[driver.CopyGraph | None] = [None] * nslots  # SEND_GRAPH's, per slot, lazily
+        #: why SEND_GRAPH fell back to the plain calls for good on this link (the driver refused a graph)
+        self.graph_error = ""
 
     def bind(self, region: Region | None) -> None:
         pass
@@ -236,39 +281,38 @@ class CudaSlots:
             self.dev.set_current()
             self._tls.ok = True
 
-    def copy_in(self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent]) -> None:
-        """One copy into ``slot`` and the slot's ready event, queued without blocking the CPU.
+    def source(self, spec: FrameSpec, src: object, stream: object) -> object:
+        """Read and check ``src`` before a slot is claimed: a ``(pointer, stream)`` pair for the one-pass read
+        (a compact array of the link's spec on its framework's current stream), else a :class:`_Source`.
 
-        With no ``stream`` the copy goes on the source's own stream where the framework names it cheaply
-        (torch's current stream): it is then ordered after the source's producer for free. Only when a
-        consumer's release fence is still pending does it go on the link's stream instead, so that waiting
-        for a slow consumer never stalls the caller's own stream.
+        Reading it here orders it once: a source read with a stream (DLPack/CAI ``stream=``) is read with the
+        stream its copy goes on, so ``copy_in`` reads it again only in the rare case a release fence moves a
+        copy off the source's own stream.
         """
         if not getattr(self._tls, "ok", False):  # _current(), inlined: this runs once per frame
             self._current()
-        if stream is None and not fences:
+        own: int | None = None
+        if stream is None:
             want = self._want
             if want is None or spec is not self._want_spec:  # built once per spec
                 want = self._want = arrays.source_want(spec, self.device)
                 self._want_spec = spec
             fast = arrays.fast_source(src, want)
             if fast is not None:
-                # the common case, on the framework's current stream: after the array's producer, nothing
-                # to order
                 if _trace.ON:
                     _trace.mark(_trace.SOURCE_READ)
-                    _trace.mark(_trace.FENCES_WAITED)
-                self._copy(slot, spec, fast[0], 0, fast[1], src)
-                return
-        if stream is not None:
-            s = order = driver.stream_handle(stream)
-        else:
-            own = None if fences else arrays.current_stream_of(src)
+                return fast
+            own = arrays.current_stream_of(src)
             s = self.stream_int if own is None else own
             order = s if own is None else -1  # on the source's own stream there is nothing to order
+        else:
+            s = order = driver.stream_handle(stream)
         info = arrays.describe_array(src, stream_ptr=order)
         if _trace.ON:
             _trace.mark(_trace.SOURCE_READ)
+        return _Source(info, self._checked_pitch(spec, info), s, own is not None)
+
+    def _checked_pitch(self, spec: FrameSpec, info: arrays.ArrayInfo) -> int:
         if info.shape != spec.shape or info.dtype != spec.dtype:
             spec.check_array(info.shape, info.dtype)
         if info.device_id != self.device:
@@ -278,17 +322,46 @@ class CudaSlots:
                     f"the GPU first (torch: x.cuda(); cupy: cupy.asarray(x)), or use a device='cpu' link"
                 )
             raise FormatError(f"cudalink: array is on cuda:{info.device_id}, the link on cuda:{self.device}")
-        pitch = _row_pitch(spec, info.strides)
+        return _row_pitch(spec, info.strides)
+
+    def copy_in(
+        self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent], checked: object
+    ) -> None:
+        """One copy into ``slot`` and the slot's ready event, queued without blocking the CPU.
+
+        With no ``stream`` the copy goes on the source's own stream where the framework names it cheaply
+        (torch's current stream): it is then ordered after the source's producer for free. Only when a
+        consumer's release fence is still pending does it go on the link's stream instead, so that waiting
+        for a slow consumer never stalls the caller's own stream. ``checked`` is what :meth:`source` made.
+        """
+        got: _Source | None
+        if type(checked) is _Source:
+            got = None if fences and checked.own else checked
+        else:  # the one-pass read's (pointer, stream) of a compact array on its own stream
+            if not fences:
+                if _trace.ON:
+                    _trace.mark(_trace.FENCES_WAITED)
+                fast = cast("tuple[int, int]", checked)
+                self._copy(slot, spec, fast[0], 0, fast[1], src)
+                return
+            got = None
+        if got is None:  # a fence moves the copy to the link's stream: read the source again, ordered there
+            info = arrays.describe_array(src, stream_ptr=self.stream_int)
+            got = _Source(info, self._checked_pitch(spec, info), self.stream_int, False)
+        s = got.stream
         for ev in fences:
             driver.wait(s, ev)
         if _trace.ON:
             _trace.mark(_trace.FENCES_WAITED)
-        self._copy(slot, spec, info.ptr, pitch, s, info.owner)
+        self._copy(slot, spec, got.info.ptr, got.pitch, s, got.info.owner)
 
     def _copy(self, slot: int, spec: FrameSpec, src: int, pitch: int, s: int, owner: object) -> None:
         """The tail both paths share: one copy into the slot, its ready event, the source kept alive."""
         self._settle(slot)
         dst = self._ptrs[slot]
+        if pitch == 0 and SEND_GRAPH and not self.graph_error and self._graph_copy(slot, dst, src, spec.nbytes, s):
+            self._sources[slot] = owner
+            return
         if pitch == 0:
             driver.memcpy_dtod(dst, src, spec.nbytes, s)
         else:
@@ -300,6 +373,29 @@ class CudaSlots:
         if _trace.ON:
             _trace.mark(_trace.EVENT_RECORDED)
         self._sources[slot] = owner  # keep the source alive until the copy has run
+
+    def _graph_copy(self, slot: int, dst: int, src: int, nbytes: int, s: int) -> bool:
+        """SEND_GRAPH: the copy and the ready event as one graph launch; False (and plain calls from now on)
+        where the driver refuses to build one."""
+        graph = self._graphs[slot]
+        if graph is None or graph.nbytes != nbytes:
+            if graph is not None:
+                graph.close()
+                self._graphs[slot] = None
+            try:
+                graph = self._graphs[slot] = driver.CopyGraph(dst, src, nbytes, self._ready_raw[slot])
+            except LinkError as exc:
+                self.graph_error = str(exc)
+                return False
+        try:
+            graph.launch(src, s)
+        except LinkError as exc:  # nothing was queued: this frame and every later one take the plain calls
+            self.graph_error = str(exc)
+            return False
+        if _trace.ON:
+            _trace.mark(_trace.COPY_QUEUED)
+            _trace.mark(_trace.EVENT_RECORDED)
+        return True
 
     def _settle(self, slot: int) -> None:
         """Before re-arming a slot's event, the previous copy out of a user's array must have finished."""
@@ -328,6 +424,10 @@ class CudaSlots:
         for ev in self.ready:  # a slot's last copy may sit on the caller's stream: its ready event says when
             ev.sync()
         self._sources = [None] * self.nslots
+        for graph in self._graphs:
+            if graph is not None:
+                graph.close()
+        self._graphs = [None] * self.nslots
         for ev in self.ready:
             driver.close_ipc_event(ev)
         if self._join is not None:
@@ -348,6 +448,17 @@ class HostView:
         if region is None:
             raise LinkError("cudalink: the transport mapped no data region for a host link")
         self.region: Region = region
+
+    def check(self, handles: list[wire.SlotHandle], capacity: int) -> None:
+        size = len(self.region.buf)
+        for i, h in enumerate(handles):
+            off = h.size  # a host slot's handle carries its offset in the region
+            if off % HOST_SLOT_ALIGN or off + capacity > size:
+                raise ProtocolError(
+                    f"cudalink: slot {i} of the host link says it lies at offset {off}, which does not hold "
+                    f"{capacity}-byte slots {HOST_SLOT_ALIGN}-aligned in the {size}-byte data segment: the header is "
+                    "corrupt; restart the producer"
+                )
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         pass
@@ -406,6 +517,14 @@ class CudaView:
         self._lock = threading.Lock()
         self._closed = False
 
+    def check(self, handles: list[wire.SlotHandle], capacity: int) -> None:
+        for i, h in enumerate(handles):
+            if h.size < capacity or h.size > MAX_SLOT_BYTES:
+                raise ProtocolError(
+                    f"cudalink: slot {i} of the CUDA link says it is {h.size} bytes, but slots hold {capacity}: "
+                    "the header is corrupt; restart the producer"
+                )
+
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         """Create this consumer's per-slot release events and publish their handles for the producer."""
         self.release_events = [driver.new_ipc_event(self.stream) for _ in range(layout.nslots)]
@@ -432,17 +551,30 @@ class CudaView:
         ptr, owner, sync = got
         return SlotParts(spec, ptr, owner, sync, None, arrays.dlpack_exporter(ptr, spec, self.device))
 
+    def allow_peer(self, ordinal: int, probe: bytes) -> bool:
+        """Let GPU ``ordinal`` of this process read the producer's slots directly (a consumer on another GPU).
+
+        ``probe``: one slot's handle; a producer in this very process shares its own memory, nothing to map.
+        """
+        if driver.local_slot(probe) is not None:
+            return True
+        with devices.keep_current():
+            return self.mem.allow(ordinal)
+
     def fence(self, slot: int, streams: list[int]) -> bool:
         """Record this slot's release event after the work the consumer queued on every stream it used."""
         if not streams or self._closed:
             return False
         if not getattr(self._tls, "current", False):  # releases run on whichever thread drops the frame
-            self.dev.set_current()
+            if not devices.has_current():  # a thread with no context gets ours; never move a user's device
+                self.dev.set_current()
             self._tls.current = True
         target = streams[0]
         if len(streams) > 1:
             if self._join is None:
-                self._join = driver.new_event()
+                with devices.keep_current():  # made in the producer GPU's context, where it is recorded
+                    self.dev.set_current()
+                    self._join = driver.new_event()
             driver.join_streams(target, streams[1:], self._join)
         driver.record(self._release_raw[slot], target)
         return True
@@ -458,33 +590,37 @@ class CudaView:
             return
         self._closed = True
         try:
-            self.dev.set_current()
-            for ev in self.release_events:
-                ev.sync()
-            self.stream.sync()
-            for got in self._bufs:
-                if got is not None:
-                    self.mem.close_one(got[1], self.stream)
-            self._bufs = [None] * len(self._bufs)
-            self._slots = [None] * len(self._slots)
-            if self._join is not None:
-                driver.destroy_event(self._join)
-                self._join = None
-            for ev in self.release_events:
-                driver.close_ipc_event(ev)
-            self.mem.close()
+            with devices.keep_current():
+                self._close()
         except Exception:
             pass
+
+    def _close(self) -> None:
+        self.dev.set_current()
+        for ev in self.release_events:
+            ev.sync()
+        self.stream.sync()
+        for got in self._bufs:
+            if got is not None:
+                self.mem.close_one(got[1], self.stream)
+        self._bufs = [None] * len(self._bufs)
+        self._slots = [None] * len(self._slots)
+        if self._join is not None:
+            driver.destroy_event(self._join)
+            self._join = None
+        for ev in self.release_events:
+            driver.close_ipc_event(ev)
+        self.mem.close()
 
 
 def resolve_handles(handles: str, passes_fds: bool) -> str:
     """``auto`` -> pool on native Linux, legacy elsewhere (Windows, WSL) and over channels without fds."""
     if handles not in ("auto", "pool", "legacy"):
-        raise LinkError(f"cudalink: handles must be 'auto', 'pool' or 'legacy', got {handles!r}")
+        raise ArgumentError(f"cudalink: handles must be 'auto', 'pool' or 'legacy', got {handles!r}")
     if handles == "auto":
         return _platform.default_handles() if passes_fds else "legacy"
     if handles == "pool" and not passes_fds:
-        raise LinkError(
+        raise ArgumentError(
             "cudalink: handles='pool' needs a control channel that passes file descriptors (a Unix socket), "
             "and this transport's cannot (loopback TCP, as on Windows); use handles='legacy' or 'auto'"
         )
@@ -496,8 +632,9 @@ def make_producer_slots(
 ) -> ProducerSlots:
     if device == "cpu":
         return HostSlots(nslots, capacity)
+    ordinal = devices.parse_device(device)  # a bad device is an argument error before any CUDA call
     handles = resolve_handles(handles, passes_fds)
-    return CudaSlots(devices.parse_device(device), nslots, capacity, handles)
+    return CudaSlots(ordinal, nslots, capacity, handles)
 
 
 def make_consumer_view(fixed: wire.Fixed, client: Client, fds: list[int]) -> ConsumerView:

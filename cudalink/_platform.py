@@ -7,6 +7,7 @@ argument where it can, so ``tests/test_platform.py`` runs it on Linux against a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import getpass
 import hashlib
 import mmap
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import LinkError
+from .errors import ArgumentError, ArgumentTypeError, LinkError
 
 if TYPE_CHECKING:
     import ctypes
@@ -38,8 +39,13 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}")
 
 def check_name(name: object) -> str:
     """Link names become file and segment names, so they are a strict, traversal-free alphabet."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise LinkError(
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"cudalink: invalid link name {name!r}: a link name is a str of 1-48 letters, digits, '_', '-' or '.', "
+            f"got {type(name).__name__}"
+        )
+    if not _NAME.fullmatch(name) or ".." in name:
+        raise ArgumentError(
             f"cudalink: invalid link name {name!r}: use 1-48 letters, digits, '_', '-' or '.', "
             "starting with a letter or digit (no '/', no '..')"
         )
@@ -141,8 +147,10 @@ class ProcessLock:
     """An exclusive lock that the OS drops when its holder dies: the liveness test that cannot go stale.
 
     POSIX uses ``flock`` (per open file, so two Senders in one process exclude each other too);
-    Windows uses ``msvcrt.locking`` on byte 0. The file itself is never deleted: unlinking a lock file
-    lets two processes hold "the" lock on different inodes.
+    Windows uses ``msvcrt.locking`` on byte 0. The file may be removed only by :meth:`remove_and_release`
+    (unlinked while held, POSIX; deleted once closed, Windows, which refuses while anyone has it open),
+    and :meth:`acquire` counts a lock only on the file the path still names: a process that opened the
+    file just before it was removed would otherwise hold "the" lock on an inode nobody else can see.
     """
 
     def __init__(self, path: str, windows: bool = IS_WINDOWS) -> None:
@@ -150,8 +158,19 @@ class ProcessLock:
         self._windows = windows
         self._fd = -1
 
-    def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+    def acquire(self, wait: float = 0.0) -> bool:
+        """Take the lock now, or within ``wait`` seconds: a lock is held for a moment by a process that
+        only looks (a Receiver or ``cudalink clean`` asking whether a producer is alive)."""
+        deadline = time.monotonic() + wait
+        while not self._try():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _try(self) -> bool:
+        """One attempt: False while another holds it, or when the file was replaced under us."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o600)
         try:
             if self._windows:
                 import msvcrt
@@ -163,6 +182,16 @@ class ProcessLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # BlockingIOError on POSIX, PermissionError (EACCES) on Windows
             os.close(fd)
+            return False
+        try:
+            now = os.stat(self.path)
+            ours = os.fstat(fd)
+            same = (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino)
+        except OSError:  # removed after we opened it
+            same = False
+        if not same:
+            self._fd = fd
+            self.release()
             return False
         self._fd = fd
         return True
@@ -179,9 +208,93 @@ class ProcessLock:
                 msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
         os.close(fd)  # POSIX: closing drops the flock
 
+    def remove_and_release(self) -> None:
+        """Release and leave no file behind, without ever removing a lock another process holds."""
+        if self._fd < 0:
+            return
+        if self._windows:  # Windows deletes no file that is open: another holder's open keeps it
+            self.release()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # while held: whoever opens the path next makes a new file
+        self.release()
+
     @property
     def held(self) -> bool:
         return self._fd >= 0
+
+
+# -- shared-memory space -------------------------------------------------------------------------------------
+
+#: where Linux keeps POSIX shared memory: a tmpfs whose size bounds every host link (Docker: 64 MiB by default)
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    """Bytes free for new shared memory where it is a filesystem (Linux's /dev/shm); None where unknown."""
+    if not IS_LINUX or not hasattr(os, "statvfs"):
+        return None
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
+def shm_full_message(needed: int, free: int | None, what: str) -> str:
+    room = f"only {free:,} are free" if free is not None else "there is not that much room"
+    return (
+        f"cudalink: {what} needs {needed:,} bytes of shared memory ({SHM_DIR}) but {room}; use a smaller link "
+        "(fewer slots, smaller frames or capacity), free space there, or, in Docker, give the container more "
+        "with --shm-size (e.g. docker run --shm-size=2g)"
+    )
+
+
+def check_shm_space(needed: int, free: int | None, what: str) -> None:
+    """Refuse a segment that cannot fit: writing to pages a full tmpfs cannot back is a SIGBUS, not an error."""
+    if free is not None and needed > free:
+        raise LinkError(shm_full_message(needed, free, what))
+
+
+def reserve_shm(fd: int, size: int, what: str, free: Callable[[], int | None] | None = None) -> None:
+    """Give a new shared-memory segment its pages now, so a full /dev/shm is a :class:`LinkError` here and
+    never a SIGBUS at the first write into a sparse segment.
+
+    ``free`` (default :func:`shm_free_bytes`) is checked first: cheap, and it saves allocating most of a
+    segment that cannot fit. Then ``posix_fallocate`` reserves the pages where the OS has it. Where it has
+    not (macOS; Windows commits a segment when it is made) or the filesystem cannot preallocate, the check
+    is what remains.
+    """
+    avail = shm_free_bytes() if free is None else free()
+    check_shm_space(size, avail, what)
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None or fd < 0 or size <= 0:
+        return
+    try:
+        fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise LinkError(shm_full_message(size, avail, what)) from exc
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENODEV, errno.ESPIPE):
+            raise LinkError(f"cudalink: could not reserve {size:,} bytes of shared memory for {what}: {exc}") from exc
+
+
+def lock_path(name: str) -> str:
+    """The file a link's producer holds locked for its whole life."""
+    return os.path.join(runtime_dir(), f"{name}.lock")
+
+
+def shm_segments(prefix: str) -> list[str]:
+    """Names of the POSIX shared-memory segments that start with ``prefix`` (none where they cannot be
+    listed: Windows frees a segment with its last handle, so a dead producer leaves none there)."""
+    if not os.path.isdir("/dev/shm"):
+        return []
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    except OSError:
+        return []
 
 
 def shm_map_readonly(segment: str) -> mmap.mmap | bytes | None:
@@ -306,3 +419,77 @@ def yield_cpu() -> None:
 
 
 _yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
+
+# -- named events (Windows): cuda-link's optional doorbell -------------------------------------------------
+
+_SYNCHRONIZE = 0x00100000
+_EVENT_MODIFY_STATE = 0x0002
+_WAIT_OBJECT_0 = 0
+
+
+def _kernel32_events() -> ctypes.CDLL:
+    """kernel32's named-event calls, with pointer-sized HANDLE prototypes."""
+    import ctypes
+    from ctypes import wintypes
+
+    k: ctypes.CDLL = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
+    k.OpenEventW.argtypes = (wintypes.DWORD, wintypes.BOOL, wintypes.LPCWSTR)
+    k.OpenEventW.restype = wintypes.HANDLE
+    k.CreateEventW.argtypes = (wintypes.LPVOID, wintypes.BOOL, wintypes.BOOL, wintypes.LPCWSTR)
+    k.CreateEventW.restype = wintypes.HANDLE
+    k.SetEvent.argtypes = (wintypes.HANDLE,)
+    k.SetEvent.restype = wintypes.BOOL
+    k.WaitForSingleObject.argtypes = (wintypes.HANDLE, wintypes.DWORD)
+    k.WaitForSingleObject.restype = wintypes.DWORD
+    k.CloseHandle.argtypes = (wintypes.HANDLE,)
+    k.CloseHandle.restype = wintypes.BOOL
+    return k
+
+
+class Doorbell:
+    """A named auto-reset event (Windows): a producer rings it after each publish, a waiting reader sleeps on it.
+
+    cuda-link's producers may ring ``Local\\cudalink_db_<segment name>``; :meth:`open` returns None where it does
+    not exist (or off Windows), and the reader then polls. ``kernel32`` is injectable for tests."""
+
+    def __init__(self, handle: int, kernel32: object) -> None:
+        self.handle = handle
+        self._k = kernel32
+
+    @staticmethod
+    def name_for(segment: str) -> str:
+        return "Local\\cudalink_db_" + segment
+
+    @classmethod
+    def open(cls, segment: str, kernel32: object = None) -> Doorbell | None:
+        """The producer's doorbell for ``segment`` if it made one; None otherwise (and on every other OS)."""
+        if kernel32 is None:
+            if not IS_WINDOWS:
+                return None
+            kernel32 = _kernel32_events()
+        h = kernel32.OpenEventW(_SYNCHRONIZE | _EVENT_MODIFY_STATE, False, cls.name_for(segment))  # type: ignore[attr-defined]
+        return cls(int(h), kernel32) if h else None
+
+    @classmethod
+    def create(cls, segment: str, kernel32: object = None) -> Doorbell | None:
+        """A producer's doorbell for ``segment`` (auto-reset, not signalled); None off Windows or on failure."""
+        if kernel32 is None:
+            if not IS_WINDOWS:
+                return None
+            kernel32 = _kernel32_events()
+        h = kernel32.CreateEventW(None, False, False, cls.name_for(segment))  # type: ignore[attr-defined]
+        return cls(int(h), kernel32) if h else None
+
+    def ring(self) -> None:
+        self._k.SetEvent(self.handle)  # type: ignore[attr-defined]
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until rung or ``timeout`` seconds (at least 1 ms: the kernel's granularity); True if rung."""
+        ms = max(1, min(int(timeout * 1000), 0x7FFFFFFF))
+        return bool(self._k.WaitForSingleObject(self.handle, ms) == _WAIT_OBJECT_0)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self.handle:
+            self._k.CloseHandle(self.handle)  # type: ignore[attr-defined]
+            self.handle = 0

@@ -226,10 +226,15 @@ class PyConsumerRing:
 
         One call does find and lease, because it is the first thing a woken consumer runs: the stamp is
         leased, fenced, re-read, and a producer that took the slot meanwhile makes us look again.
+
+        The loop is bounded: each retry means the producer took the slot in the few instructions between
+        our read and our lease, so ``wire.TAKE_RETRIES`` in a row means the header is being scribbled on, and we
+        report no frame (the caller's deadline then holds). A stamp that stays even under our lease while
+        its record names another frame is a lie no producer tells: :class:`ProtocolError`.
         """
         buf = self.buf
         lo = 2 * after
-        while True:
+        for _ in range(wire.TAKE_RETRIES):
             slot, best = -1, 0
             for i, stamp in enumerate(self._stamps(buf, self._stamps_off)):
                 if stamp > lo and not stamp & 1 and (best == 0 or (stamp > best if newest else stamp < best)):
@@ -242,10 +247,17 @@ class PyConsumerRing:
             _acquire()  # full fence: our lease is visible before we re-read the stamp
             _release()
             if _get64(buf, self._stamp_off[slot])[0] == best:
-                rec = wire.unpack_record(buf, self._record_off[slot], self.capacity)
+                try:
+                    rec = wire.unpack_record(buf, self._record_off[slot], self.capacity)
+                except BaseException:
+                    _put64(buf, off, 0)
+                    raise
                 if rec.seq == seq:
                     return slot, rec
+                _put64(buf, off, 0)
+                raise ProtocolError(wire.stamp_lie(slot, seq, rec.seq))
             _put64(buf, off, 0)  # the producer reclaimed it between our read and our lease: look again
+        return None
 
     def release(self, slot: int, seq: int, fenced: bool) -> int:
         """Clear our lease of ``slot`` if it still holds ``seq``; returns the header flags, read after it."""

@@ -12,10 +12,10 @@ import time
 
 #: producer stages, in the order one ``send`` passes them
 SEND_ENTERED = "send entered"
+SOURCE_READ = "source described"  # read and checked before a slot is claimed
 WAKING_AHEAD = "waking ahead"  # slot claimed, sleepers that asked for it found: wake them before the copy
 AHEAD_SENT = "wake-up ahead sent"
 SLOT_CLAIMED = "slot claimed"
-SOURCE_READ = "source described"
 FENCES_WAITED = "fences waited"
 COPY_QUEUED = "copy queued"
 EVENT_RECORDED = "event recorded"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "CudaError",
     "CudaUnavailable",
     "FormatError",
@@ -32,6 +34,14 @@ class ProducerGone(LinkError):
 
 class FormatError(LinkError, ValueError):
     """A frame, array or spec does not match what the link carries."""
+
+
+class ArgumentError(LinkError, ValueError):
+    """An argument's value is out of range or not one of its choices (``slots=0``, ``policy="never"``)."""
+
+
+class ArgumentTypeError(LinkError, TypeError):
+    """An argument is missing or of the wrong type (``slots="4"``, no ``shape=``)."""
 
 
 class ProtocolReason(enum.Enum):

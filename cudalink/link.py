@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import math
+import operator
 import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -17,7 +21,16 @@ from numpy.typing import DTypeLike
 from . import _backends, _platform, _trace
 from ._ring import mask_bits, producer_ring
 from .cuda import driver
-from .errors import FormatError, LinkClosed, LinkError, LinkTimeout, ProducerGone, ProtocolError
+from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    FormatError,
+    LinkClosed,
+    LinkError,
+    LinkTimeout,
+    ProducerGone,
+    ProtocolError,
+)
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import ring_source, ucx_engine, wire
@@ -33,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["Receiver", "Sender"]
 
 Policy = Literal["drop", "block"]
+#: what ``send``/``reserve`` take as a frame's meta: bytes-like, at most ``wire.META_MAX`` bytes; None for none
+Meta = bytes | bytearray | memoryview | None
 WaitMode = Literal["spin", "block", "hybrid"]
 
 _default_transport: Transport | None = None
@@ -40,6 +55,68 @@ _perf_ns = time.perf_counter_ns
 _AHEAD_SPIN_S = wire.AHEAD_SPIN_NS / 1e9
 _AHEAD_CLAMP_NS = 2 * wire.AHEAD_MAX_NS  # one stalled send moves the moving average of send times little
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
+_META_MAX = wire.META_MAX
+
+
+#: Senders still open, closed at interpreter exit (a script that simply ends leaves nothing behind); weak,
+#: so the registry never keeps a Sender alive. Only atexit: a library must not take the application's signals.
+_open_senders: weakref.WeakSet[Sender] = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _close_at_exit() -> None:
+    pid = os.getpid()
+    for tx in list(_open_senders):
+        if tx._pid != pid:  # a forked child exiting must not tear down its parent's link
+            continue
+        with contextlib.suppress(Exception):
+            tx.close()
+
+
+def _register_open(tx: Sender) -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        # registered with the first Sender, after the CUDA packages it loaded registered theirs: atexit runs
+        # in reverse, so Senders close (and free their GPU memory) before cuda.core tears itself down
+        atexit.register(_close_at_exit)
+        _atexit_registered = True
+    _open_senders.add(tx)
+
+
+def _int_arg(value: object, what: str, lo: int, hi: int, example: str) -> int:
+    """An integer argument in ``lo..hi``: a TypeError-kind error for another type, a ValueError-kind for range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        span = f" from {lo} to {hi}" if hi < 2**31 else ""
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be an integer{span}, got {type(value).__name__} {value!r}; pass e.g. {example}"
+        )
+    if not lo <= int(value) <= hi:
+        raise ArgumentError(f"cudalink: {what} must be {lo}..{hi}, got {value!r}; pass e.g. {example}")
+    return int(value)
+
+
+def _seconds_arg(value: object, what: str, example: str, none_ok: bool = False, unit: str = "seconds") -> float:
+    """A duration, >= 0 (``None`` = no limit where ``none_ok``)."""
+    if value is None and none_ok:
+        return math.inf
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be a number of {unit}{' or None (no limit)' if none_ok else ''}, "
+            f"got {type(value).__name__} {value!r}; pass e.g. {example}"
+        )
+    if math.isnan(value) or value < 0:
+        raise ArgumentError(f"cudalink: {what} must be >= 0 {unit}, got {value!r}; pass e.g. {example}")
+    return float(value)
+
+
+def _choice_arg(value: object, what: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be one of {', '.join(map(repr, choices))}, got {type(value).__name__} {value!r}"
+        )
+    if value not in choices:
+        raise ArgumentError(f"cudalink: {what} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
 
 
 def default_transport() -> Transport:
@@ -131,11 +208,22 @@ class Sender:
     ``"block"`` up to ``timeout`` seconds.
     """
 
+    def __new__(cls, name: str, *args: object, protocol: str = "cudalink", **kwargs: object) -> Sender:
+        """``protocol="cuda-link"`` makes a :class:`~cudalink.cuda_link.CudaLinkSender` (same API, cuda-link's
+        segment layout, for its TouchDesigner components and importers)."""
+        if protocol == "cuda-link":
+            from .cuda_link import CudaLinkSender
+
+            return cast("Sender", CudaLinkSender(name, protocol=protocol, **kwargs))  # type: ignore[arg-type]
+        if protocol != "cudalink":
+            raise LinkError(f"cudalink: protocol must be 'cudalink' or 'cuda-link', got {protocol!r}")
+        return super().__new__(cls)
+
     def __init__(
         self,
         name: str,
         *,
-        shape: tuple[int, ...] | list[int],
+        shape: tuple[int, ...] | list[int] | None = None,
         dtype: DTypeLike = "uint8",
         slots: int = 4,
         device: int | str = "cpu",
@@ -148,21 +236,34 @@ class Sender:
         max_consumers: int = 16,
         handles: str = "auto",
         transport: Transport | None = None,
+        protocol: str = "cudalink",
         serve: str | None = None,
     ) -> None:
+        # every argument is checked before anything is made: a cudalink error that is also the
+        # ValueError / TypeError Python users expect, naming the fix
         self.name = _platform.check_name(name)
+        if shape is None:
+            raise ArgumentTypeError(
+                f"cudalink: Sender({name!r}) needs the frame shape, e.g. shape=(1080, 1920, 4) with dtype='uint8'"
+            )
         if serve is not None:  # before anything is allocated: a bad address or a missing extra fails first
             ucx_engine.check_listen(serve)
         self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
-        if policy not in ("drop", "block"):
-            raise LinkError(f"cudalink: policy must be 'drop' or 'block', got {policy!r}")
-        if not isinstance(slots, int) or not 1 <= slots <= wire.MAX_SLOTS:
-            raise LinkError(f"cudalink: slots must be 1..{wire.MAX_SLOTS}, got {slots!r}")
-        if not isinstance(max_consumers, int) or not 1 <= max_consumers <= wire.MAX_CONSUMERS:
-            raise LinkError(f"cudalink: max_consumers must be 1..{wire.MAX_CONSUMERS}, got {max_consumers!r}")
-        cap = self._spec.nbytes if capacity is None else int(capacity)
-        if cap < self._spec.nbytes:
-            raise FormatError(f"cudalink: capacity {cap} is smaller than one frame ({self._spec.nbytes} bytes)")
+        policy = _choice_arg(policy, "policy", ("drop", "block"))  # type: ignore[assignment]
+        slots = _int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
+        max_consumers = _int_arg(max_consumers, "max_consumers", 1, wire.MAX_CONSUMERS, "max_consumers=16")
+        nbytes = self._spec.nbytes
+        cap = nbytes if capacity is None else _int_arg(capacity, "capacity", 0, 2**62, f"capacity={nbytes}")
+        if cap < nbytes:
+            raise ArgumentError(
+                f"cudalink: capacity {cap} is smaller than one frame ({nbytes} bytes); pass capacity={nbytes} or more"
+            )
+        timeout = _seconds_arg(timeout, "timeout", "timeout=1.0", none_ok=True)
+        _choice_arg(handles, "handles", ("auto", "pool", "legacy"))
+        if not (isinstance(device, str) and device == "cpu"):
+            from .cuda import devices
+
+            devices.parse_device(device)
         self.policy: Policy = policy
         self.timeout = timeout
         self.capacity = cap
@@ -219,6 +320,8 @@ class Sender:
         self._ring = producer_ring(buf, self._layout)
         self._handler = _Handler(self)
         self._server.start(self._handler)
+        self._pid = os.getpid()
+        _register_open(self)
         #: ``serve=``: the UCX server for remote consumers, in a process of its own (its own GIL)
         self._remote = ucx_engine.spawn_server(self.name, serve) if serve is not None else None
 
@@ -267,12 +370,15 @@ class Sender:
 
     # -- publishing -------------------------------------------------------------------------------------
 
-    def _check_open(self, meta: bytes = b"") -> None:
-        """Refuse what cannot be published before a slot is taken: a closed link, or meta that cannot travel."""
+    def _check_open(self) -> None:
         if self._closed:
             raise LinkClosed(f"cudalink: Sender {self.name!r} is closed; create a new one")
-        if len(meta) > wire.META_MAX:
-            raise FormatError(f"cudalink: meta is {len(meta)} bytes; at most {wire.META_MAX} travel with a frame")
+
+    def _checked(self, meta: object, timestamp_ns: object) -> tuple[bytes, int | None]:
+        """Refuse what cannot be published, before a slot or a seq is taken: a closed link, meta that is not
+        bytes-like or too long, a timestamp that is not a u64. Returns them as the ring writes them."""
+        self._check_open()
+        return _meta_bytes(meta), _timestamp(timestamp_ns)
 
     def _claim(self, timeout: float | None) -> int | None:
         slot = self._ring.claim(self._seq + 1)
@@ -345,7 +451,7 @@ class Sender:
         *,
         stream: object = None,
         timestamp_ns: int | None = None,
-        meta: bytes = b"",
+        meta: Meta = b"",
         timeout: float | None = None,
     ) -> int | None:
         """Copy ``array`` into the next free slot and publish it; returns its seq, or None if dropped.
@@ -354,13 +460,20 @@ class Sender:
         torch tensor is copied on torch's current stream (after its producer, with nothing to order);
         other arrays, and any send while a consumer's release fence is pending, use the link's stream,
         ordered after the array's producer through DLPack/CAI.
+
+        ``meta`` is bytes-like (bytes, bytearray, memoryview; None for none), at most ``wire.META_MAX`` bytes;
+        ``timestamp_ns`` an int (default: the publish time). What cannot be sent (a closed link, another meta
+        type, an array of another shape, dtype or device) is refused before a slot or a seq is taken, so a
+        refused send leaves the link as it was: :class:`LinkClosed` or :class:`FormatError`.
         """
         if _trace.ON:
             _trace.mark(_trace.SEND_ENTERED)
         with self._lock:
-            if self._closed or meta:
-                self._check_open(meta)
+            # everything a send can refuse is refused here, before a slot or a seq is taken
+            if self._closed or meta.__class__ is not bytes or len(meta) > _META_MAX or timestamp_ns is not None:
+                meta, timestamp_ns = self._checked(meta, timestamp_ns)
             spec = self._spec
+            checked = self._slots.source(spec, array, stream)
             slot = self._ring.claim(self._seq + 1)  # _claim(), its common case inlined
             if slot is None and self.policy == "block":
                 slot = self._claim_waiting(timeout)
@@ -381,7 +494,7 @@ class Sender:
                 fences = self._fences(slot, fenced) if fenced else []
                 if _trace.ON:
                     _trace.mark(_trace.SLOT_CLAIMED)
-                self._slots.copy_in(slot, spec, array, stream, fences)
+                self._slots.copy_in(slot, spec, array, stream, fences, checked)
             except BaseException:
                 ring.abort(slot)
                 raise
@@ -392,8 +505,9 @@ class Sender:
             dt = dt if dt < _AHEAD_CLAMP_NS else _AHEAD_CLAMP_NS
             avg = self._send_ns = self._send_ns + ((dt - self._send_ns) >> 4)
             self._ahead = avg < wire.AHEAD_MAX_NS
-            seq = self._seq = self._seq + 1
+            seq = self._seq + 1
             ring.publish(slot, seq, timestamp_ns, spec, meta)  # ends with a full fence: see _publish
+            self._seq = seq
             if _trace.ON:
                 _trace.mark(_trace.PUBLISHED)
             # the wake-up last: a consumer it wakes usually runs on this core, once we stop running
@@ -430,10 +544,10 @@ class Sender:
             _trace.mark(sent)
 
     def _publish(self, slot: int, spec: FrameSpec, timestamp_ns: int | None, meta: bytes) -> int:
-        self._seq += 1
         ring = self._ring
-        ring.publish(slot, self._seq, timestamp_ns, spec, meta)  # ends with a full fence: the stamp is
+        ring.publish(slot, self._seq + 1, timestamp_ns, spec, meta)  # ends with a full fence: the stamp is
         # visible before we read who sleeps (pairs with the consumer's set_waiting)
+        self._seq += 1
         if _trace.ON:
             _trace.mark(_trace.PUBLISHED)
         asleep = ring.sleepers(self._handler.joined)
@@ -442,7 +556,7 @@ class Sender:
         return self._seq
 
     def reserve(
-        self, *, stream: object = None, meta: bytes = b"", timeout: float | None = None
+        self, *, stream: object = None, meta: Meta = b"", timeout: float | None = None
     ) -> contextlib.AbstractContextManager[Frame]:
         """Zero-copy: yields the next slot as a writable Frame; it is published when the block exits cleanly.
 
@@ -451,11 +565,11 @@ class Sender:
         ends. If the block raises, nothing is published. When consumers hold every slot it raises
         :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
         """
-        return _Reservation(self, stream, meta, timeout)
+        return _Reservation(self, stream, _meta_bytes(meta), timeout)
 
     def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, int, Frame]:
         """The start of a ``reserve()`` block, under the lock the block holds: (slot, spec, timestamp, frame)."""
-        self._check_open(meta)
+        self._check_open()
         spec = self._spec
         slot = self._claim(timeout)
         if slot is None:
@@ -517,7 +631,7 @@ class Sender:
         *,
         stream: object = None,
         timestamp_ns: int | None = None,
-        meta: bytes = b"",
+        meta: Meta = b"",
         timeout: float | None = None,
     ) -> int | None:
         """``send`` that waits for a free slot (policy ``"block"``) in a thread, not on the event loop."""
@@ -533,6 +647,7 @@ class Sender:
         """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule), then free everything."""
         if self._closed:
             return
+        _open_senders.discard(self)
         remote = getattr(self, "_remote", None)
         if remote is not None:
             ucx_engine.stop_server(remote)
@@ -561,6 +676,39 @@ class Sender:
         with contextlib.suppress(Exception):
             if not self._closed:
                 self.close(timeout=0.2)
+
+
+def _meta_bytes(meta: object) -> bytes:
+    """A frame's meta as the ring writes it: bytes-like (bytes, bytearray, memoryview) of at most
+    ``wire.META_MAX`` bytes; None is no meta. Anything else is a :class:`FormatError` in both cores."""
+    if meta is None:
+        return b""
+    if not isinstance(meta, (bytes, bytearray, memoryview)):
+        hint = "; encode it first, e.g. meta=text.encode()" if isinstance(meta, str) else ""
+        raise FormatError(
+            f"cudalink: meta must be bytes, bytearray or memoryview (or None), got {type(meta).__name__}{hint}"
+        )
+    raw = bytes(meta)
+    if len(raw) > _META_MAX:
+        raise FormatError(
+            f"cudalink: meta is {len(raw)} bytes; at most {_META_MAX} travel with a frame (put more in the frame)"
+        )
+    return raw
+
+
+def _timestamp(ts: object) -> int | None:
+    """A caller's frame timestamp: an int (numpy ints too) in 0..2**64-1, or None for the publish time."""
+    if ts is None:
+        return None
+    try:
+        value = operator.index(ts)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if isinstance(ts, bool) or not 0 <= value < 1 << 64:
+        raise FormatError(
+            f"cudalink: timestamp_ns must be an int of nanoseconds in 0..2**64-1 (e.g. time.time_ns()), got {ts!r}"
+        )
+    return value
 
 
 class _Reservation:
@@ -626,7 +774,11 @@ class Receiver:
 
     Where frames come from is a :class:`~cudalink.transport.source.Source` chosen by ``name``
     (``transport.sources``): a link of this host by default. ``source=`` takes any other. ``device`` and
-    ``copy`` say where frames should land and whether the source may copy them there.
+    ``copy`` say where frames should land and whether the source may copy them there. For a link of this
+    host: ``device=None`` (or the producer's GPU) is zero copy; ``device=N``, another GPU (this process's
+    ordinal), gets each frame copied into a small pool on GPU N, and the producer's slot goes back as soon as
+    that copy has run (``stats()["path"]``: ``"peer"`` or ``"staged"``); ``copy="never"`` refuses that copy,
+    ``copy="always"`` copies even on the producer's GPU.
     """
 
     #: the local ring's per-frame take and sleep (compiled where built); a Receiver whose source takes
@@ -649,16 +801,16 @@ class Receiver:
         source: Source | None = None,
         connect: bool = True,
     ) -> None:
-        if wait not in ("spin", "block", "hybrid"):
-            raise LinkError(f"cudalink: wait must be 'spin', 'block' or 'hybrid', got {wait!r}")
+        wait = _choice_arg(wait, "wait", ("spin", "block", "hybrid"))  # type: ignore[assignment]
+        self.timeout = _seconds_arg(timeout, "timeout", "timeout=5.0", none_ok=True)
+        spin_s = _seconds_arg(spin_us, "spin_us", "spin_us=50", unit="microseconds") / 1e6
         self._source: Source = source or open_source(
             name, transport=transport or default_transport(), device=device, copy=copy_mode(copy), latest=latest
         )
         self.name = self._source.name
-        self.timeout = timeout
         self.latest = latest
         self.wait_mode: WaitMode = wait
-        self.spin_s = spin_us / 1e6
+        self.spin_s = spin_s
         self.wake_ahead = bool(wake_ahead)
         self._att: Attachment | None = None
         self._last = 0
@@ -671,7 +823,7 @@ class Receiver:
         self.reattached = 0
         self._closed = False
         if connect:
-            self._attach(timeout)
+            self._attach(self.timeout)
 
     # -- attaching ----------------------------------------------------------------------------------------
 
@@ -754,6 +906,9 @@ class Receiver:
         if kind.receive is not type(self)._try_take:  # another source's per-frame pair, bound once here
             self._try_take = functools.partial(kind.receive, self)  # type: ignore[method-assign]
             self._sleep_take = functools.partial(kind.sleep_receive, self)  # type: ignore[method-assign]
+        else:  # the ring's again (a producer that restarted on our GPU): drop a pair bound for another kind
+            self.__dict__.pop("_try_take", None)
+            self.__dict__.pop("_sleep_take", None)
         self._att = att
         if self._sticky_wake:
             att.set_waiting(wire.WAIT_ON)
@@ -905,6 +1060,8 @@ class Receiver:
             try:
                 yield await self.recv_async(timeout=float("inf") if self.timeout is None else self.timeout)
             except ProducerGone:
+                if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
+                    raise
                 return
 
     def __iter__(self) -> Iterator[Frame]:
@@ -912,10 +1069,18 @@ class Receiver:
             try:
                 yield self.recv()
             except ProducerGone:
+                if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
+                    raise
                 return
 
-    def stats(self) -> dict[str, int]:
-        return {"received": self.received, "skipped": self.skipped, "reattached": self.reattached}
+    def stats(self) -> dict[str, int | str]:
+        """Counters, and ``path``: how frames reach this Receiver: ``zero-copy`` (the producer's own memory),
+        ``peer`` (copied from the producer's GPU over NVLink/PCIe peer access), ``staged`` (copied by the
+        driver through host memory: no peer access between the two GPUs), ``same-device`` (``copy="always"``
+        on the producer's GPU), or ``unknown`` before attaching."""
+        att = self._att
+        path = "unknown" if att is None else att.path
+        return {"received": self.received, "skipped": self.skipped, "reattached": self.reattached, "path": path}
 
     # -- teardown ---------------------------------------------------------------------------------------------
 

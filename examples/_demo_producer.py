@@ -158,6 +158,19 @@ def skip(who: str, why: str) -> None:
     sys.exit(SKIP)
 
 
+def torch_cuda_problem(torch: Any) -> str | None:
+    """Why this torch cannot reach a GPU, told apart: a CPU-only build, or a CUDA build with no driver or GPU."""
+    built = getattr(torch.version, "cuda", None)
+    if not built:
+        return "this torch build has no CUDA (a CPU-only wheel); install a CUDA build of torch, or use --device cpu"
+    if not torch.cuda.is_available():
+        return (
+            f"this torch is a CUDA {built} build but finds no usable GPU (no NVIDIA driver, or no device visible: "
+            "check nvidia-smi and CUDA_VISIBLE_DEVICES); or use --device cpu"
+        )
+    return None
+
+
 def require_device(device: str | int, who: str) -> None:
     """Skip (exit 2) when ``device`` cannot carry a link on this machine."""
     if device == "cpu":

@@ -10,7 +10,16 @@ copy without blocking the CPU. Each tensor's sum is checked against the checksum
 
 from __future__ import annotations
 
-from _demo_producer import META, Tally, example_args, finish_args, require_device, skip, spawn_producer
+from _demo_producer import (
+    META,
+    Tally,
+    example_args,
+    finish_args,
+    require_device,
+    skip,
+    spawn_producer,
+    torch_cuda_problem,
+)
 
 import cudalink
 
@@ -23,8 +32,9 @@ def main() -> int:
         import torch
     except ImportError:
         skip(WHO, "torch is not installed (pip install torch); numpy works too, see walkthrough.ipynb")
-    if args.device != "cpu" and not torch.cuda.is_available():
-        skip(WHO, "this torch build has no CUDA; install a CUDA build or use --device cpu")
+    problem = torch_cuda_problem(torch) if args.device != "cpu" else None
+    if problem:
+        skip(WHO, problem)
     require_device(args.device, WHO)
 
     producer = spawn_producer(args)

@@ -112,3 +112,13 @@ def hold_lease_forever(name: str, ready: Any) -> None:
         ready.set()
         time.sleep(600)
         frame.release()
+
+
+def host_producer_later(name: str, delay_s: float, ready: Any) -> None:
+    """Start publishing only after ``delay_s``: a Receiver started first must wait for it, not give up."""
+    ready.set()
+    time.sleep(delay_s)
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8", device="cpu") as tx:
+        for i in range(200):
+            tx.send(np.full((4, 4), i % 256, np.uint8))
+            time.sleep(0.01)

@@ -150,8 +150,8 @@ def test_a_dead_producers_rendezvous_is_not_served_and_is_replaced(
     spawned.kill(spawned.ready(_procs.host_producer_forever, name, (4,), "int32", forever=True))
     assert os.path.exists(LoopbackChannel.record_path(name))  # leftovers...
     assert find(name) is None  # ...that no consumer attaches to
-    with pytest.raises(cudalink.LinkTimeout):
-        cudalink.Receiver(name, timeout=0.3)
+    with pytest.raises(cudalink.ProducerGone, match="died"):  # at once, not after its timeout (issue 32)
+        cudalink.Receiver(name, timeout=30)
     tx, rx = pair(DEFAULT, shape=(4,), dtype="int32")
     with tx, rx:
         assert rx.generation == tx.generation

@@ -129,6 +129,31 @@ def test_info_prints_a_verdict() -> None:
         assert "CPU backend works" in proc.stdout
 
 
+def test_demo_rates_are_timed_on_the_counting_process_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live producer line said 46.2 fps where the summary said 57.2: it timed the reports by when they
+    reached the parent (behind a render and the consumers' reports), the summary by the producer's clock.
+    Now both use the producer's: a steady stream reads the same rate in both, however late reports arrive."""
+    state = demo._ProducerState()
+    parent_clock = iter([0.0, 0.61, 0.93, 1.72, 1.9, 2.8, 3.05, 3.5, 4.4, 4.45])  # jittered arrivals
+    monkeypatch.setattr(demo.time, "monotonic", lambda: next(parent_clock))
+    rates = []
+    for i in range(10):
+        elapsed = 0.5 * (i + 1)  # the producer reports every 0.5 s of its own time, 60 frames a second
+        demo._update_fps(state, int(60 * elapsed), elapsed)
+        rates.append(state.fps)
+    assert rates[1:] == [pytest.approx(60.0)] * 9, rates
+    assert int(60 * elapsed) / elapsed == pytest.approx(state.fps)  # the summary's average: the same figure
+    # once the producer is done, its line shows the summary's own figure, labelled as an average
+    from rich.console import Console
+
+    cfg = demo.DemoConfig("d", (2, 2), "uint8", 4, -1, "numpy", 1, 1.0, None, 60.0)
+    state.stats, state.status = {"published": 171, "elapsed": 3.0}, "done"
+    state.fps = demo._average_fps(state.stats)
+    console = Console(width=200, record=True)
+    console.print(demo._demo_view(cfg, "cpu", state, [], None))
+    assert "57.0 fps on average" in console.export_text()
+
+
 # -- monitor ----------------------------------------------------------------------------------------
 
 
@@ -172,6 +197,49 @@ def test_monitor_shows_consumers_and_leases(pair: PairFactory) -> None:
     assert "consumers (1 joined)" in proc.stdout
     assert str(os.getpid()) in proc.stdout
     assert re.search(rf"\d+:{seq} · 3 · ", proc.stdout), proc.stdout  # lease slot:seq, 3 frames behind
+
+
+def test_monitor_piped_prints_a_line_per_interval_and_exits_on_sigterm() -> None:
+    """Without a terminal (a pipe, a log, ``timeout``) the live view printed nothing: now one plain line a
+    sample, flushed, and SIGTERM ends it with status 0."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    name = f"clitest-monpipe-{os.getpid()}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8") as tx:
+        tx.send(np.zeros((4, 4), np.uint8))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cudalink", "monitor", name, "--interval", "0.1"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            got: queue.Queue[str] = queue.Queue()
+            threading.Thread(target=lambda: [got.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            lines = [got.get(timeout=15) for _ in range(3)]  # each line arrives as it is sampled (flushed)
+            tx.send(np.zeros((4, 4), np.uint8))
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            time.sleep(0.1)
+            rest = "".join(got.queue)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert all(name in ln and "published" in ln and "consumers 0" in ln for ln in lines), lines
+    assert "fps n/a" in lines[0] and re.search(r"fps \d", lines[2]), lines  # a rate from the second sample on
+    assert "published 2" in rest.splitlines()[-1], rest
+    assert "Traceback" not in err
 
 
 def test_monitor_missing_link_is_one_line() -> None:
@@ -275,9 +343,81 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     assert goal["reference"] == single["p99"] and "in turns with the fan-out" in goal["reference_label"], goal
 
 
+def test_bench_only_runs_the_parts_it_names(tmp_path: Path) -> None:
+    """``--only``: the named parts run, the rest read "not selected" (not an error: the exit code is 0)."""
+    from cudalink.tools.bench import NOT_SELECTED
+
+    out = tmp_path / "only.json"
+    proc = run_cli("bench", "--quick", "--only", "handoff", "--json", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    rows = {(r["id"], r["peer_name"]): r for r in report["rows"]}
+    assert rows[("handoff", "shm")]["status"] == "ok" and rows[("send_cost", "shm")]["status"] == "ok"
+    for rid in ("recv_export", "small_throughput", "fanout"):
+        assert rows[(rid, "shm")]["status"] == "skipped" and rows[(rid, "shm")]["reason"] == NOT_SELECTED
+    assert report["floors"] == NOT_SELECTED and report["breakdown"] == NOT_SELECTED
+    assert all(w["status"] == "skipped" for w in report["wait_modes"])
+    assert report["gpu_clock"]["status"] == "skipped"  # GPU only
+
+
+def test_bench_only_refuses_an_unknown_part() -> None:
+    proc = run_cli("bench", "--quick", "--only", "handof")
+    assert_one_line_error(proc)
+    assert "copy-send" in proc.stderr  # names the parts it takes
+
+
 def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
     proc = run_cli("bench", "--quick", "--json", str(tmp_path / "missing" / "x.json"))
     assert_one_line_error(proc)
+
+
+def _stub_bench(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], json_arg: str | None
+) -> tuple[int, str, str]:
+    """``cmd_bench`` with the measurements stubbed out: what it prints, and where."""
+    import argparse
+
+    from cudalink.tools import bench as bench_mod
+    from cudalink.tools import report as report_mod
+
+    fake = {"backend": "cpu", "floors": {}, "breakdown": None, "marker": "x" * 8, "rows": [], "wait_modes": []}
+
+    class Bench:
+        def __init__(self, **kw: object) -> None:
+            pass
+
+        def run(self) -> dict[str, object]:
+            return fake
+
+    monkeypatch.setattr(bench_mod, "Bench", Bench)
+    args = argparse.Namespace(
+        quick=True,
+        device="cpu",
+        json=json_arg,
+        frames=None,
+        fanout=8,
+        breakdown=True,
+        wake_ahead=True,
+        only=None,
+        mps=False,
+    )
+    code = report_mod.cmd_bench(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_prints_json_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``bench --quick`` used to print ~930 lines of JSON after its tables; now only ``--json PATH|-`` does."""
+    _code, out, _err = _stub_bench(monkeypatch, capsys, None)
+    assert "floors on cpu" in out and '"marker"' not in out and "{" not in out.splitlines()[-1]
+    _code, out, err = _stub_bench(monkeypatch, capsys, "-")
+    assert json.loads(out)["marker"] == "x" * 8  # stdout is the JSON alone, ready for a pipe
+    assert "floors on cpu" in err
+    path = tmp_path / "r.json"
+    _code, out, _err = _stub_bench(monkeypatch, capsys, str(path))
+    assert json.loads(path.read_text())["marker"] == "x" * 8 and '"marker"' not in out
 
 
 def test_summarize_percentiles() -> None:
@@ -291,3 +431,59 @@ def test_no_command_prints_help() -> None:
     proc = run_cli()
     assert proc.returncode == 2
     assert "demo" in proc.stdout and "bench" in proc.stdout
+
+
+# -- cuda-link segments -------------------------------------------------------------------------------
+
+
+def test_monitor_and_info_read_a_cuda_link_segment() -> None:
+    """A cuda-link producer (written in the test) is described by ``monitor cuda-link:NAME`` and ``info``."""
+    from cudalink.transport import cuda_link_wire as cw
+
+    from ._cuda_link_fake import FakeProducer
+
+    name = f"cudalink_ipc_TD>>Python_{os.getpid()}"
+    p = FakeProducer(name, shape=(4, 6, 4), slots=2, flags=cw.FLAG_BGRA)
+    try:
+        for v in range(5):
+            p.publish(v)
+        proc = run_cli("monitor", "cuda-link:" + name, "--once", "--interval", "0.1", timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out = " ".join(proc.stdout.split())
+        assert f"cuda-link:{name}" in out and "v1.0+" in out and "version 1" in out
+        assert "2 slots" in out and "5 frames published" in out and "BGRA8" in out
+        assert "consumers: not recorded" in out
+        proc = run_cli("info", timeout=60)
+        assert f"cuda-link:{name}" in proc.stdout, proc.stdout
+        proc = run_cli("info", "cuda-link:" + name, timeout=60)
+        assert "5 frames published" in " ".join(proc.stdout.split())
+        p.shutdown()
+        proc = run_cli("monitor", "cuda-link:" + name, "--once", "--interval", "0.05", timeout=60)
+        assert "closed (shutdown flag set)" in " ".join(proc.stdout.split())
+    finally:
+        p.close()
+
+
+def test_monitor_missing_cuda_link_segment_is_one_line() -> None:
+    proc = run_cli("monitor", f"cuda-link:nosuch_{os.getpid()}", "--once")
+    assert_one_line_error(proc)
+    assert "no cuda-link segment named" in proc.stderr
+
+
+def test_monitor_corrupt_cuda_link_segment_is_one_line() -> None:
+    import struct
+
+    from cudalink.transport import cuda_link_wire as cw
+
+    from ._cuda_link_fake import FakeProducer
+
+    name = f"cudalink_bad_{os.getpid()}"
+    p = FakeProducer(name, slots=2)
+    try:
+        struct.pack_into("<I", p.buf, 12, 11)
+        proc = run_cli("monitor", "cuda-link:" + name, "--once")
+        assert_one_line_error(proc)
+        assert "11 slots" in proc.stderr
+        assert cw.MAGIC  # (the magic is intact: the slot count is what is wrong)
+    finally:
+        p.close()

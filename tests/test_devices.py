@@ -45,3 +45,81 @@ def test_without_a_driver_no_gpus_are_visible() -> None:
         pytest.skip("this machine has a GPU")
     assert devices.visible() == []
     assert devices.describe_visible() == "none"
+
+
+def test_info_lists_uuids_handle_kinds_and_the_peer_matrix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cudalink.tools import info
+
+    fake: info.Info = {
+        "cudalink": "x",
+        "python": "3",
+        "platform": "Linux",
+        "packages": {"cuda-core": "1", "cuda-bindings": "13", "numpy": "2"},
+        "driver": {"cuda": "13.0", "kernel": "580"},
+        "core": {"ring": "compiled"},
+        "gpus": [
+            {
+                "ordinal": i,
+                "name": "H100",
+                "uuid": u,
+                "compute_capability": "9.0",
+                "ipc": {"memory_pools_supported": True, "handle_type_posix_file_descriptor_supported": True},
+                "handles": {"pool": True, "legacy": True},
+            }
+            for i, u in enumerate(("11111111-2222-3333-4444-555555555555", "GPU-aaaa"))
+        ],
+        "peer": [[True, False], [True, True]],
+        "visible_devices": "1,0",
+        "shm": {"path": "/dev/shm", "total": 1 << 30, "free": 1 << 30},
+        "runtime_dir": "/run",
+    }
+    monkeypatch.setattr(info, "gather_info", lambda: fake)
+    monkeypatch.setenv("COLUMNS", "400")
+    info.cmd_info(None)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "GPU-11111111-2222-3333-4444-555555555555" in out and "GPU-aaaa" in out
+    assert "handles: pool, legacy" in out and "1,0" in out
+    assert "0→1 no · 1→0 yes" in out
+    assert "device=N" in out and "stages through host memory" in out and "stats()['path']" in out
+
+
+def test_bench_multi_gpu_says_what_it_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    from cudalink.tools.cli import main
+
+    if devices.count() >= 2:
+        pytest.skip("this machine has two GPUs")
+    assert main(["bench", "--multi-gpu"]) == 1
+    assert "needs two GPUs" in capsys.readouterr().err
+
+
+def test_bench_multi_gpu_report_prints_rows_and_goals(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudalink.tools import multigpu_bench
+
+    monkeypatch.setenv("COLUMNS", "300")
+    row = {"p50": 100.0, "p99": 200.0, "mean": 1.0, "n": 5.0}
+    multigpu_bench.print_report(
+        {
+            "shape": [1080, 1920, 4],
+            "dtype": "float32",
+            "nbytes": 33177600,
+            "rows": {
+                "gpu0": {"device": 0, "path": "zero-copy", "handoff": row, "ready": row},
+                "gpu1": {"device": 1, "path": "peer", "handoff": row, "ready": row},
+                "bandwidth": {
+                    "copy_path": "peer",
+                    "torch_to_us": 100.0,
+                    "torch_to_gbps": 331.0,
+                    "landing_us": 101.0,
+                    "landing_gbps": 328.0,
+                    "landing_local_gbps": 330.0,
+                },
+            },
+            "goals": {"copy_bandwidth_vs_torch_to": {"value": 0.99, "goal": ">= 0.8", "met": True}},
+        }
+    )
+    out = capsys.readouterr().out
+    assert "zero-copy" in out and "peer" in out and "328.0" in out and "0.99x" in out

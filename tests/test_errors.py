@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
 
 import cudalink
+from cudalink import _platform
 
 
 def test_a_failed_driver_call_is_a_cuda_error_carrying_its_cuResult() -> None:
@@ -28,3 +30,88 @@ def test_translations_keep_the_original_error_as_their_cause() -> None:
     with pytest.raises(cudalink.FormatError) as info:
         _pixel_format("NOPE")
     assert isinstance(info.value.__cause__, KeyError)
+
+
+# -- constructor arguments: a cudalink error that is also the ValueError / TypeError Python users expect ------
+
+_OK_TX: dict[str, object] = {"shape": (4, 4), "dtype": "uint8"}
+
+SENDER_BAD = [
+    # (argument overrides, expected class, words the message must hold)
+    ({"name": "../x"}, ValueError, "invalid link name"),
+    ({"name": 7}, TypeError, "link name is a str"),
+    ({"shape": None}, TypeError, "needs the frame shape"),
+    ({"shape": (0, 4)}, ValueError, "dimension"),
+    ({"shape": "4x4"}, ValueError, "shape must be"),
+    ({"dtype": ">f4"}, ValueError, "not supported"),
+    ({"dtype": object()}, ValueError, "not a dtype"),
+    ({"slots": 0}, ValueError, "slots must be 1.."),
+    ({"slots": 1000}, ValueError, "slots must be 1.."),
+    ({"slots": "4"}, TypeError, "slots must be an integer"),
+    ({"slots": 2.0}, TypeError, "slots must be an integer"),
+    ({"max_consumers": 0}, ValueError, "max_consumers must be 1.."),
+    ({"max_consumers": None}, TypeError, "max_consumers must be an integer"),
+    ({"policy": "never"}, ValueError, "policy must be one of"),
+    ({"policy": 1}, TypeError, "policy must be one of"),
+    ({"timeout": -1}, ValueError, "timeout must be >= 0"),
+    ({"timeout": "1"}, TypeError, "timeout must be a number"),
+    ({"device": "gpu"}, ValueError, "device must be 'cpu'"),
+    ({"device": -1}, ValueError, "device must be 'cpu'"),
+    ({"device": 1.5}, TypeError, "device must be 'cpu'"),
+    ({"handles": "ipc"}, ValueError, "handles must be one of"),
+    ({"capacity": 3}, ValueError, "capacity 3 is smaller than one frame"),
+    ({"capacity": "big"}, TypeError, "capacity must be an integer"),
+    ({"pixel_format": "NOPE"}, ValueError, "pixel"),
+    ({"pixel_format": "RGBA", "shape": (4, 4, 3)}, ValueError, "channel"),
+    ({"origin": "left"}, ValueError, "origin must be"),
+    ({"strides": (1,)}, ValueError, "strides"),
+]
+
+
+@pytest.mark.parametrize(("bad", "kind", "words"), SENDER_BAD, ids=[repr(b) for b, _, _ in SENDER_BAD])
+def test_every_bad_sender_argument_is_a_cudalink_error_python_users_can_catch(
+    bad: dict[str, object], kind: type[Exception], words: str
+) -> None:
+    args = {"name": f"argtest-{os.getpid()}", **_OK_TX, **bad}
+    name = args.pop("name")
+    with pytest.raises(cudalink.LinkError) as info:
+        cudalink.Sender(name, **args)  # type: ignore[arg-type]
+    err = info.value
+    assert isinstance(err, kind), (type(err).__mro__, err)
+    assert str(err).startswith("cudalink: ") and words in str(err), str(err)
+    assert not os.path.exists(_platform.lock_path(f"argtest-{os.getpid()}"))  # refused before anything was made
+
+
+RECEIVER_BAD = [
+    ({"name": "a/b"}, ValueError, "invalid link name"),
+    ({"name": None}, TypeError, "link name is a str"),
+    ({"wait": "sleep"}, ValueError, "wait must be one of"),
+    ({"wait": 3}, TypeError, "wait must be one of"),
+    ({"timeout": -0.5}, ValueError, "timeout must be >= 0"),
+    ({"timeout": "5"}, TypeError, "timeout must be a number"),
+    ({"spin_us": -1}, ValueError, "spin_us must be >= 0 microseconds"),
+    ({"spin_us": "fast"}, TypeError, "spin_us must be a number of microseconds"),
+    ({"device": "gpu"}, ValueError, "device must be 'cpu'"),
+    ({"device": 0.5}, TypeError, "device must be 'cpu'"),
+    ({"copy": "maybe"}, ValueError, "copy must be"),
+]
+
+
+@pytest.mark.parametrize(("bad", "kind", "words"), RECEIVER_BAD, ids=[repr(b) for b, _, _ in RECEIVER_BAD])
+def test_every_bad_receiver_argument_is_a_cudalink_error_python_users_can_catch(
+    bad: dict[str, object], kind: type[Exception], words: str
+) -> None:
+    args: dict[str, object] = {"name": f"argtest-rx-{os.getpid()}", "connect": False, **bad}
+    name = args.pop("name")
+    with pytest.raises(cudalink.LinkError) as info:
+        cudalink.Receiver(name, **args)  # type: ignore[arg-type]
+    assert isinstance(info.value, kind), (type(info.value).__mro__, info.value)
+    assert str(info.value).startswith("cudalink: ") and words in str(info.value), str(info.value)
+
+
+def test_the_argument_errors_are_exported_and_pickle() -> None:
+    for cls, base in ((cudalink.ArgumentError, ValueError), (cudalink.ArgumentTypeError, TypeError)):
+        assert issubclass(cls, cudalink.LinkError) and issubclass(cls, base)
+        again = pickle.loads(pickle.dumps(cls("cudalink: x")))
+        assert type(again) is cls and str(again) == "cudalink: x"
+    assert cudalink.Receiver("argtest-none", timeout=None, connect=False).timeout == float("inf")

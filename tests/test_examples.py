@@ -90,6 +90,31 @@ def test_missing_framework_is_one_clear_line(name: str, module: str) -> None:
     assert not proc.stderr.strip(), proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("built", "available", "says"),
+    [
+        (None, False, "has no CUDA (a CPU-only wheel)"),
+        ("13.0", False, "is a CUDA 13.0 build but finds no usable GPU"),
+        ("13.0", True, None),
+    ],
+    ids=["cpu-only-build", "cuda-build-no-driver", "usable"],
+)
+def test_torch_consumer_tells_a_cpu_build_from_a_machine_without_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, built: str | None, available: bool, says: str | None
+) -> None:
+    """It said "this torch build has no CUDA" for a CUDA build of torch on a machine with no driver."""
+    import types
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from _demo_producer import torch_cuda_problem
+
+    fake = types.SimpleNamespace(
+        version=types.SimpleNamespace(cuda=built), cuda=types.SimpleNamespace(is_available=lambda: available)
+    )
+    got = torch_cuda_problem(fake)
+    assert got == says if says is None else (got is not None and says in got and "--device cpu" in got), got
+
+
 def test_missing_gpu_is_one_clear_line() -> None:
     try:
         devices.device(0)

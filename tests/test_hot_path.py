@@ -42,8 +42,8 @@ def test_trace_marks_every_stage_in_order(pair: PairFactory, traced: object) -> 
     stages = [s for s, _ in produced]
     assert stages == [
         _trace.SEND_ENTERED,
+        _trace.SOURCE_READ,  # read and checked before a slot is claimed: a refused source takes none
         _trace.SLOT_CLAIMED,
-        _trace.SOURCE_READ,
         _trace.COPY_QUEUED,
         _trace.PUBLISHED,
     ]  # the CPU has no fences or events, and nobody slept, so no wake-up was sent

@@ -56,9 +56,10 @@ def test_producer_sigkill_raises_producer_gone_and_a_new_generation_is_picked_up
             rx.recv(timeout=5).release()
     assert time.monotonic() - t0 < 0.5, "ProducerGone took too long"
     prod.join(10)
-    # leftovers of the dead producer must never be served: nothing attaches until a new producer starts
-    with pytest.raises(cudalink.LinkTimeout):
-        cudalink.Receiver(name, timeout=0.3)
+    # leftovers of the dead producer must never be served: nothing attaches until a new producer starts,
+    # and a new Receiver says so at once instead of waiting out its timeout (issue 32)
+    with pytest.raises(cudalink.ProducerGone, match="died"):
+        cudalink.Receiver(name, timeout=30)
     try:
         spawned.ready(_procs.host_producer_forever, name, (16, 16), "float32", forever=True)
         with cudalink.Receiver(name, timeout=10) as fresh:

@@ -789,3 +789,79 @@ def test_a_frame_built_in_c_is_the_one_frame_received_builds() -> None:
     assert [sys.getrefcount(x) for x in (hold, sync, host, export, Frame)] == [n + 10 for n in before]
     del frames
     assert [sys.getrefcount(x) for x in (hold, sync, host, export, Frame)] == before
+
+
+# -- a corrupt ring: take() returns or raises, alike in both cores (issue 32) -------------------------------
+
+
+def _published(side: _Side) -> None:
+    for seq, spec in zip((1, 2, 3), SPECS, strict=True):
+        slot = side.tx.claim(seq)
+        assert slot is not None
+        side.tx.publish(slot, seq, 7, spec, b"m" * seq)
+
+
+_RING_SPAN = NSLOTS * 8 + NSLOTS * wire.RECORD_SIZE  # the stamps, then the records
+_STAMP_AT = st.sampled_from([8 * i for i in range(NSLOTS)])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    writes=st.lists(
+        st.one_of(
+            st.tuples(st.integers(0, _RING_SPAN - 1), st.binary(min_size=1, max_size=1)),
+            st.tuples(st.sampled_from([8 * i for i in range(NSLOTS)]), st.integers(0, 2**64 - 1).map(wire.U64.pack)),
+            st.tuples(
+                st.sampled_from([8 * i for i in range(NSLOTS)]), st.integers(0, 40).map(lambda s: wire.U64.pack(2 * s))
+            ),
+        ),
+        max_size=12,
+    ),
+    after=st.integers(0, 8),
+    newest=st.booleans(),
+)
+def test_take_on_a_corrupt_ring_returns_or_raises_alike(
+    writes: list[tuple[int, bytes]], after: int, newest: bool
+) -> None:
+    """Stamps and records scribbled on: each core's take comes back with no frame, a frame its stamp names,
+    or a ProtocolError, the same one in both, and leaves no lease behind unless it returned a frame."""
+    sides = [_side("python")] + ([_side("compiled")] if _native.ring is not None else [])
+    for side in sides:
+        _published(side)
+        for off, data in writes:
+            at = side.layout.stamps + off
+            side.buf[at : at + len(data)] = data
+    got = [side.apply(("take", 0, after, newest)) for side in sides]
+    for side, res in zip(sides, got, strict=True):
+        leases = [wire.read_u64(side.buf, side.layout.lease(s, 0)) for s in range(NSLOTS)]
+        if res is None or res[0] == "raised":
+            assert res is None or res[1] == "ProtocolError", res
+            assert not any(leases)
+        else:
+            slot, rec = res
+            assert wire.read_u64(side.buf, side.layout.stamp(slot)) == 2 * rec.seq and rec.seq > after
+            assert leases == [rec.seq if s == slot else 0 for s in range(NSLOTS)]
+    assert all(g == got[0] for g in got), got
+    assert all(side.buf == sides[0].buf for side in sides)
+
+
+@pytest.mark.parametrize(
+    ("why", "says"),
+    [
+        (
+            'cudalink._native.driver: cuInit raised "cuda" is an NVIDIA driver library ...',
+            "built (unused: no CUDA driver",
+        ),
+        ("No module named 'cudalink._native.driver'", "python (not built: no C compiler or Cython"),
+        ("CUDALINK_PURE_PYTHON is set", "python (CUDALINK_PURE_PYTHON is set)"),
+    ],
+    ids=["built-no-driver", "not-built", "forced"],
+)
+def test_status_tells_a_built_driver_module_on_a_machine_without_a_driver(
+    monkeypatch: pytest.MonkeyPatch, why: str, says: str
+) -> None:
+    """``info`` showed "driver python (cuInit raised ...)" where the module was built and there is simply no
+    GPU: that reads as a broken build. A built module with no driver to call says so."""
+    monkeypatch.setattr(_native, "driver", None)
+    monkeypatch.setitem(_native.missing, "driver", why)
+    assert _native.status()["driver"].startswith(says)

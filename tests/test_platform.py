@@ -121,7 +121,37 @@ def test_process_lock_excludes_a_second_holder_even_in_one_process(tmp_path: Any
     a.release()
     assert b.acquire()
     b.release()
-    assert os.path.exists(path)  # never unlinked: see ProcessLock
+    assert os.path.exists(path)  # release() keeps the file; only remove_and_release() removes it
+
+
+def test_a_lock_removed_under_a_process_that_had_opened_it_is_not_counted_as_held(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race that makes removing lock files unsafe: B opens the file, A (holding it) removes it and lets
+    go, B's flock then succeeds on an inode no path names, and C makes a new file and locks that too. B must
+    see that the path names another file now, and try again there."""
+    path = str(tmp_path / "r.lock")
+    a, b, c = _platform.ProcessLock(path), _platform.ProcessLock(path), _platform.ProcessLock(path)
+    assert a.acquire()
+    real_open = os.open
+    raced = []
+
+    def open_then_race(p: str, flags: int, mode: int = 0o777) -> int:
+        fd = real_open(p, flags, mode)
+        if not raced:
+            raced.append(True)
+            a.remove_and_release()  # between B's open and B's flock
+        return fd
+
+    monkeypatch.setattr(_platform.os, "open", open_then_race)
+    assert not b.acquire()  # flock got the removed inode: not the lock
+    monkeypatch.setattr(_platform.os, "open", real_open)
+    assert b.acquire(wait=0.1) and b.held  # the file the path names now
+    assert not c.acquire()  # one holder, as ever
+    b.remove_and_release()
+    assert not os.path.exists(path)
+    assert c.acquire()
+    c.release()
 
 
 def _hold_lock(path: str, ready: Any) -> None:

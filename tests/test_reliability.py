@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import random
 import signal
 import time
@@ -262,3 +263,66 @@ def test_a_corrupted_live_header_is_refused_clearly(name: str) -> None:
         with cudalink.Receiver(name, timeout=2) as rx:  # and the link is fine again
             tx.send(np.zeros(4, np.uint8))
             assert rx.recv(1).seq == 1
+
+
+# -- a header that lies while frames flow (issue 32): no hang, no crash, only cudalink errors ----------
+
+
+def _scribble_while_streaming(spawned: Spawned, name: str, seconds: float, seed: int) -> dict[str, int]:
+    """A producer streams, a consumer ``recv(timeout=0.5)``s, this process writes random lies into the header.
+
+    No recv may take longer than its timeout + 1 s, nothing may crash, and only cudalink errors may come out.
+    (The consumer's recv in its own process: a take that spins holding the GIL could not be timed here.)
+    """
+    report = spawned.queue()
+    spawned.ready(_chaos.streaming_producer, name, report, forever=True)
+    beat = spawned.ctx.Value("d", 0.0)
+    consumer = spawned.ready(_chaos.timed_consumer, name, seconds, beat, report)
+    limit = _chaos.RECV_TIMEOUT + 1.0
+    buf, seg = _chaos.header_of(name)
+    try:
+        rng = random.Random(seed)
+        scribbler = _chaos.Scribbler(buf, wire.read_fixed(buf).layout, rng)
+        end = time.monotonic() + seconds
+        while consumer.is_alive():
+            now = time.monotonic()
+            if now < end:
+                scribbler.step(now)
+            elif now > end + 30:
+                pytest.fail("the consumer did not finish")
+            stalled = time.monotonic() - beat.value
+            if stalled > limit:
+                pytest.fail(f"recv() has not returned for {stalled:.2f} s (timeout {_chaos.RECV_TIMEOUT} s): a hang")
+            time.sleep(rng.uniform(0.0, 0.004))
+    finally:
+        del buf
+        seg.close()
+    assert consumer.exitcode == 0, f"the consumer died with exit code {consumer.exitcode} (negative: a signal)"
+    done = None
+    errors = []
+    while True:
+        try:
+            msg = report.get(timeout=1.0)
+        except queue.Empty:
+            break
+        if msg[0] == "done":
+            done = msg
+        else:
+            errors.append(msg)
+    assert not errors, errors
+    assert done is not None
+    _, longest, outcomes = done
+    assert longest <= limit, f"a recv() took {longest:.2f} s"
+    assert set(outcomes) <= {"frame", "LinkTimeout", "ProtocolError", "ProducerGone"}, outcomes
+    return outcomes  # type: ignore[no-any-return]
+
+
+def test_scribbling_on_a_live_header_never_hangs_or_crashes(spawned: Spawned, name: str) -> None:
+    outcomes = _scribble_while_streaming(spawned, name, 3.0, seed=int(time.time()))
+    assert sum(outcomes.values()) > 0
+
+
+@pytest.mark.slow
+def test_scribbling_on_a_live_header_for_30_s(spawned: Spawned, name: str) -> None:
+    outcomes = _scribble_while_streaming(spawned, name, 30.0, seed=int(time.time()))
+    assert sum(outcomes.values()) > 30

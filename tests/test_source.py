@@ -27,6 +27,7 @@ class MockAttachment:
     """One generation of a fake producer: frames are queued by the test, wake-ups go through a socketpair."""
 
     backend = "mock"
+    path = "zero-copy"
     capacity = 1 << 20
     floor = 0
 
@@ -154,7 +155,7 @@ def test_recv_takes_frames_through_the_source_in_every_wait_mode(wait: str) -> N
     assert got == [1, 2, 3]
     threading.Timer(0.05, att.push, (4, _frame(4))).start()  # arrives while recv sleeps or spins
     assert rx.recv(timeout=2.0).seq == 4
-    assert rx.stats() == {"received": 4, "skipped": 0, "reattached": 0}
+    assert rx.stats() == {"received": 4, "skipped": 0, "reattached": 0, "path": "zero-copy"}
     rx.close()
     assert att.detached and src.closed
 

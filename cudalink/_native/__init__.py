@@ -45,12 +45,22 @@ def load_driver() -> ModuleType | None:
     return driver
 
 
+#: how the compiled driver module says it was built but found no driver to call (see driver.pyx)
+_NO_DRIVER = "cudalink._native.driver: cuInit "
+
+
 def status() -> dict[str, str]:
-    """``{"ring": "compiled" | "python (why)", "driver": ..., ...}`` for ``info`` and the bench."""
+    """``{"ring": "compiled" | "python (why)", "driver": ..., ...}`` for ``info`` and the bench; the driver
+    module can also be ``"built (unused: ...)"`` on a machine with no CUDA driver."""
     out = {}
     for name, mod in (("ring", ring), ("driver", driver), ("exchange", exchange), ("dlpack", dlpack)):
         if mod is not None:
             out[name] = "compiled"
+        elif name in missing and _NO_DRIVER in missing[name]:
+            # built, but this machine has no CUDA driver: nothing for it to call, and no CUDA link can exist
+            out[name] = "built (unused: no CUDA driver on this machine)"
+        elif name in missing and missing[name].startswith("No module named"):
+            out[name] = "python (not built: no C compiler or Cython at install; `pip install -v .` shows why)"
         elif name in missing:
             out[name] = f"python ({missing[name]})"
         else:

@@ -97,6 +97,8 @@ cdef Py_ssize_t OFF_LAST_RECV = wire.CONSUMER_OFF_LAST_RECV
 cdef uint32_t WAIT_ON = wire.WAIT_ON, WOKEN_AHEAD = wire.WOKEN_AHEAD, WAIT_AHEAD = wire.WAIT_AHEAD
 cdef uint32_t WAIT_MAX = wire.WAIT_AHEAD
 cdef object _time_ns = time.time_ns
+cdef Py_ssize_t TAKE_RETRIES = wire.TAKE_RETRIES
+cdef object _stamp_lie = wire.stamp_lie
 cdef object _unpack_record = wire.unpack_record
 cdef object _spec_bytes = wire.spec_bytes
 cdef dict _spec_cache = wire._spec_cache
@@ -114,6 +116,8 @@ cdef object _read_record(const uint8_t *base, Py_ssize_t off, object buf, Py_ssi
     memcpy(&seq, base + off, 8)
     memcpy(&ts, base + off + 8, 8)
     cdef Py_ssize_t mlen = base[off + META_LEN_AT]
+    if mlen > META_MAX:  # changed since the spec bytes were read: only a scribbler does that
+        raise ProtocolError(f"cudalink: slot record meta length {mlen} > {META_MAX}")
     meta = PyBytes_FromStringAndSize(<const char *>(base + off + META_AT), mlen) if mlen else b""
     return _tuple_new(_SlotRecord, (seq, ts, spec, meta))
 
@@ -345,6 +349,8 @@ cdef class ConsumerCore:
         memcpy(&seq, base + off, 8)
         memcpy(&ts, base + off + 8, 8)
         mlen = base[off + META_LEN_AT]
+        if mlen > META_MAX:  # changed since the memcmp above: only a scribbler does that
+            raise ProtocolError(f"cudalink: slot record meta length {mlen} > {META_MAX}")
         meta = PyBytes_FromStringAndSize(<const char *>(base + off + META_AT), mlen) if mlen else b""
         return (seq, ts, self._spec[slot], meta)  # a plain tuple: ``take`` names it for Python callers
 
@@ -360,9 +366,10 @@ cdef class ConsumerCore:
         cdef uint64_t lo = 2 * after, best, st, seq
         cdef Py_ssize_t i, slot
         cdef uint8_t *lease
+        cdef Py_ssize_t tries
         cdef uint8_t *base = _map(self.buf, &v, self.o.size)
         try:
-            while True:
+            for tries in range(TAKE_RETRIES):  # bounded: see _ring.PyConsumerRing.take
                 slot = -1
                 best = 0
                 for i in range(self.o.nslots):
@@ -376,10 +383,17 @@ cdef class ConsumerCore:
                 cl_store64(lease, seq)
                 cl_fence()  # our lease is visible before we re-read the stamp
                 if cl_load64(base + self.o.stamps + 8 * slot) == best:
-                    rec = self._record(base, slot)
+                    try:
+                        rec = self._record(base, slot)
+                    except BaseException:
+                        cl_store64(lease, 0)
+                        raise
                     if rec[0] == seq:
                         return slot, rec
+                    cl_store64(lease, 0)  # an even stamp that stays put over another frame's record: a lie
+                    raise ProtocolError(_stamp_lie(slot, seq, rec[0]))
                 cl_store64(lease, 0)  # the producer reclaimed it between our read and our lease: look again
+            return None
         finally:
             PyBuffer_Release(&v)
 

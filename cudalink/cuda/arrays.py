@@ -248,11 +248,12 @@ def typed_view(ptr: int, spec: FrameSpec, device_id: int, owner: object, readonl
 def copy_to_host(ptr: int, spec: FrameSpec, device_id: int, stream: int | None) -> npt.NDArray[np.generic]:
     """Blocking device-to-host copy (for ``Frame.to_numpy``, tests and demos; not a hot path)."""
     drv = driver.bindings()
-    devices.device(device_id)
-    if stream is not None:
-        driver.check(drv.cuStreamSynchronize(drv.CUstream(stream)), "cuStreamSynchronize")
     out = np.empty(spec.nbytes, np.uint8)
-    driver.check(drv.cuMemcpyDtoH(out.ctypes.data, ptr, spec.nbytes), "cuMemcpyDtoH")
+    with devices.keep_current():  # the caller's current device stays theirs
+        devices.device(device_id)
+        if stream is not None:
+            driver.check(drv.cuStreamSynchronize(drv.CUstream(stream)), "cuStreamSynchronize")
+        driver.check(drv.cuMemcpyDtoH(out.ctypes.data, ptr, spec.nbytes), "cuMemcpyDtoH")
     view: npt.NDArray[np.generic] = np.lib.stride_tricks.as_strided(out.view(spec.dtype), spec.shape, spec.byte_strides)
     copied: npt.NDArray[np.generic] = view.copy()
     return copied

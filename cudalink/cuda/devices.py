@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import CudaUnavailable, LinkError
+from ..errors import ArgumentError, ArgumentTypeError, CudaUnavailable, LinkError
 from . import driver
 
 if TYPE_CHECKING:
@@ -26,7 +26,8 @@ def parse_device(device: object) -> int:
             return 0
         if text.startswith("cuda:") and text[5:].isdigit():
             return int(text[5:])
-    raise LinkError(f"cudalink: device must be 'cpu', a CUDA ordinal like 0, or 'cuda:N'; got {device!r}")
+    kind = ArgumentError if isinstance(device, (str, int, np.integer)) else ArgumentTypeError
+    raise kind(f"cudalink: device must be 'cpu', a CUDA ordinal like 0, or 'cuda:N'; got {device!r}")
 
 
 def device(ordinal: int) -> Device:

@@ -330,3 +330,61 @@ def join_streams(target: int, others: list[int], ev: RawEvent | None = None) -> 
     finally:
         if own:
             destroy_event(ev)
+
+
+class CopyGraph:
+    """One slot's copy and ready-event record as one CUDA graph (``Sender(send_graph=...)``'s path, off by
+    default): per frame, one ``cuGraphLaunch``, and one ``cuGraphExecMemcpyNodeSetParams`` first only when
+    the source pointer changed since the last launch. Two driver calls at most, as ``cuMemcpyDtoDAsync`` +
+    ``cuEventRecord`` are; one where a producer renders into the same buffer every frame.
+
+    Built lazily per (slot, frame size) in the current context; raises :class:`CudaError` where the driver
+    refuses any step (the caller then keeps the plain calls).
+    """
+
+    def __init__(self, dst: int, src: int, nbytes: int, event: RawEvent) -> None:
+        drv = self._drv = bindings()
+        self.nbytes = nbytes
+        self._ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        p = self._params = drv.CUDA_MEMCPY3D()
+        p.srcMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.srcDevice = src  # the first frame's source; a launch from another source sets it first
+        p.dstDevice = dst
+        p.srcPitch = p.dstPitch = nbytes
+        p.srcHeight = p.dstHeight = 1
+        p.WidthInBytes = nbytes
+        p.Height = 1
+        p.Depth = 1
+        self._graph = check(drv.cuGraphCreate(0), "cuGraphCreate")
+        self._exec: Any = None
+        try:
+            self._copy = check(drv.cuGraphAddMemcpyNode(self._graph, None, 0, p, self._ctx), "cuGraphAddMemcpyNode")
+            ev = event if isinstance(event, drv.CUevent) else drv.CUevent(int(cast(SupportsInt, event)))
+            check(drv.cuGraphAddEventRecordNode(self._graph, [self._copy], 1, ev), "cuGraphAddEventRecordNode")
+            self._exec = check(drv.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")
+        except BaseException:
+            self.close()
+            raise
+        self._src = src
+
+    def launch(self, src: int, stream: int) -> None:
+        drv = self._drv
+        if src != self._src:
+            self._params.srcDevice = src
+            err = drv.cuGraphExecMemcpyNodeSetParams(self._exec, self._copy, self._params, self._ctx)[0]
+            if err:
+                check((err,), "cuGraphExecMemcpyNodeSetParams")
+            self._src = src
+        err = drv.cuGraphLaunch(self._exec, cu_stream(stream))[0]
+        if err:
+            check((err,), "cuGraphLaunch")
+
+    def close(self) -> None:
+        drv = self._drv
+        if self._exec is not None:
+            drv.cuGraphExecDestroy(self._exec)
+            self._exec = None
+        if self._graph is not None:
+            drv.cuGraphDestroy(self._graph)
+            self._graph = None

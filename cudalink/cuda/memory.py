@@ -3,11 +3,12 @@ pool) or legacy ``cuIpc`` handles (Windows, WSL)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import LinkError
 from . import devices, driver
@@ -47,6 +48,10 @@ class Importer(Protocol):
 
     def close(self) -> None: ...
 
+    def allow(self, ordinal: int) -> bool:
+        """Let GPU ``ordinal`` reach the producer's memory directly, where the handle kind needs it said."""
+        ...
+
 
 class PoolExporter:
     """Slots from one IPC-enabled DeviceMemoryResource: one fd per pool, 64 plain bytes per buffer."""
@@ -58,17 +63,23 @@ class PoolExporter:
         devices.require_pool_ipc(dev)
         gran = 2 << 20
         per = (size + gran - 1) // gran * gran
-        opts = core.DeviceMemoryResourceOptions(ipc_enabled=True, max_size=per * nslots + gran)
-        self.mr = core.DeviceMemoryResource(dev, opts)
         self.slots: list[ExportedSlot] = []
         self._bufs: list[Closable] = []
-        for _ in range(nslots):
-            buf = self.mr.allocate(size, stream=stream)
-            payload, bsize = driver.descriptor_args(buf.ipc_descriptor)[:2]
-            self.slots.append(ExportedSlot(int(buf.handle), bytes(payload), int(bsize)))
-            self._bufs.append(buf)
-            driver.register_local_slot(bytes(payload), int(buf.handle))
-        stream.sync()
+        self.mr: Any = None  # a cuda.core DeviceMemoryResource, once made
+        try:
+            opts = core.DeviceMemoryResourceOptions(ipc_enabled=True, max_size=per * nslots + gran)
+            self.mr = core.DeviceMemoryResource(dev, opts)
+            for _ in range(nslots):
+                buf = self.mr.allocate(size, stream=stream)
+                payload, bsize = driver.descriptor_args(buf.ipc_descriptor)[:2]
+                self.slots.append(ExportedSlot(int(buf.handle), bytes(payload), int(bsize)))
+                self._bufs.append(buf)
+                driver.register_local_slot(bytes(payload), int(buf.handle))
+            stream.sync()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.close(stream)
+            raise no_room(dev, nslots, size, exc) from exc
 
     def fds(self) -> list[int]:
         return [int(self.mr.allocation_handle.handle)]
@@ -81,7 +92,8 @@ class PoolExporter:
         self.slots.clear()
         self._bufs.clear()
         stream.sync()
-        self.mr.close()
+        if self.mr is not None:
+            self.mr.close()
 
 
 class LegacyExporter:
@@ -93,12 +105,17 @@ class LegacyExporter:
         drv = driver.bindings()
         self.slots: list[ExportedSlot] = []
         self._ptrs: list[object] = []  # the CUdeviceptr objects, for cuMemFree
-        for _ in range(nslots):
-            ptr = driver.check(drv.cuMemAlloc(size), "cuMemAlloc")
-            h = driver.check(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
-            self.slots.append(ExportedSlot(int(ptr), bytes(h.reserved), size))
-            self._ptrs.append(ptr)
-            driver.register_local_slot(bytes(h.reserved), int(ptr))
+        try:
+            for _ in range(nslots):
+                ptr = driver.check(drv.cuMemAlloc(size), "cuMemAlloc")
+                self._ptrs.append(ptr)
+                h = driver.check(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
+                self.slots.append(ExportedSlot(int(ptr), bytes(h.reserved), size))
+                driver.register_local_slot(bytes(h.reserved), int(ptr))
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.close(stream)
+            raise no_room(dev, nslots, size, exc) from exc
 
     def fds(self) -> list[int]:
         return []
@@ -110,6 +127,28 @@ class LegacyExporter:
         free_bounded(self._ptrs)
         self.slots.clear()
         self._ptrs = []
+
+
+def mem_info() -> tuple[int, int] | None:
+    """(free, total) bytes of the current device, or None where the driver cannot say."""
+    try:
+        drv = driver.bindings()
+        free, total = driver.check(drv.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+    except Exception:
+        return None
+
+
+def no_room(dev: Device, nslots: int, size: int, exc: BaseException) -> LinkError:
+    """The error of a slot pool that could not be allocated: what was asked, where, what is free, the fix."""
+    ordinal = getattr(dev, "device_id", "?")
+    info = mem_info()
+    room = f"{info[0]:,} of its {info[1]:,} bytes are free" if info is not None else "its free memory is unknown"
+    return LinkError(
+        f"cudalink: could not allocate the link's {nslots} slot(s) of {size:,} bytes ({nslots * size:,} bytes) on "
+        f"cuda:{ordinal}, where {room} ({type(exc).__name__}: {exc}); use fewer slots, smaller frames or a "
+        "smaller capacity, or free GPU memory"
+    )
 
 
 #: how long a producer's close waits for cuMemFree before it leaks the slots instead
@@ -191,6 +230,22 @@ class PoolImporter:
             raise LinkError(f"cudalink: could not map the producer's slot: {exc}") from exc
         return int(buf.handle), buf
 
+    def allow(self, ordinal: int) -> bool:
+        """Let GPU ``ordinal`` reach the mapped pool's memory directly (a peer copy to a consumer's GPU).
+
+        Peer access of pool memory is the pool's (``cuMemPoolSetAccess``), not the context's; an imported
+        pool starts with its own GPU only. Best effort: False where the driver refuses, and the copy then
+        runs the way the driver finds (staged, or pushed by the producer's GPU).
+        """
+        try:
+            proxy = getattr(self._pool(), "peer_accessible_by", None)
+            if proxy is None:
+                return False
+            proxy.add(ordinal)
+        except Exception:
+            return False
+        return True
+
     def close_one(self, keep: object, stream: Stream) -> None:
         close = getattr(keep, "close", None)  # a cuda.core Buffer; None for our own slots
         if close is not None:
@@ -226,6 +281,10 @@ class LegacyImporter:
         )
         return int(ptr), ptr
 
+    def allow(self, ordinal: int) -> bool:
+        """Legacy handles are opened with lazy peer access: contexts with peer access enabled reach them."""
+        return True
+
     def close_one(self, keep: object, stream: Stream) -> None:
         if keep is None:
             return
@@ -235,3 +294,11 @@ class LegacyImporter:
 
     def close(self) -> None:
         pass
+
+
+def allocation_bytes(ptr: int) -> int:
+    """Bytes from ``ptr`` to the end of its allocation (cuMemGetAddressRange): how much a mapped slot can hold,
+    so a producer's metadata that claims more is refused instead of copied past the end."""
+    drv = driver.bindings()
+    base, size = driver.check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+    return int(base) + int(size) - int(ptr)

@@ -38,10 +38,10 @@ if TYPE_CHECKING:
 #: consumer woken ahead (``Receiver(wake_ahead=True)``) wakes during the send; its lease is timed from
 #: the later of its wake and the publish, and the spin in between is a total below.
 STAGES: tuple[tuple[str, str, str], ...] = (
+    (_trace.SOURCE_READ, "read and check the source array (pointer, shape, stream)", "producer"),
     (_trace.WAKING_AHEAD, "claim a slot, find consumers to wake ahead", "producer"),
     (_trace.AHEAD_SENT, "write the wake-up ahead (syscall)", "producer"),
     (_trace.SLOT_CLAIMED, "claim a slot (unless above), check release fences", "producer"),
-    (_trace.SOURCE_READ, "read the source array (pointer, shape, stream)", "producer"),
     (_trace.FENCES_WAITED, "queue waits on pending release fences", "producer"),
     (_trace.COPY_QUEUED, "copy (GPU: queue cuMemcpyAsync; CPU: memcpy)", "producer"),
     (_trace.EVENT_RECORDED, "record the slot's ready event", "producer"),

@@ -1,5 +1,5 @@
-"""``python -m cudalink demo|info|monitor|bench|serve|relay``: see it work, check a machine, watch a link,
-measure, and cross hosts.
+"""``python -m cudalink demo|info|monitor|bench|clean|serve|relay``: see it work, check a machine, watch a
+link, measure, remove what killed producers left, and cross hosts.
 
 Every command prints one ``cudalink: ...`` line on failure (``--debug`` shows the traceback), so a
 user sees what to do instead of a stack. ``monitor`` maps the header segment read-only and never
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import LinkError
+from .clean import cmd_clean
 from .demo import cmd_demo
 from .info import cmd_info
 from .monitor import cmd_monitor
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="cudalink: zero-copy GPU (and CPU) frames between processes.",
     )
     parser.add_argument("--version", action="version", version=f"cudalink {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,info,monitor,bench,serve,relay}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,info,monitor,bench,clean,serve,relay}")
 
     p = sub.add_parser("demo", parents=[common], help="one producer and N consumer processes on one link, live stats")
     p.add_argument("--device", default="auto", help="cpu | 0 | cuda:N | auto (default: a GPU if usable, else cpu)")
@@ -55,18 +56,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "info", parents=[common], help="driver, GPUs, IPC support, shared memory: is this machine ready?"
     )
+    p.add_argument(
+        "segments",
+        nargs="*",
+        metavar="cuda-link:NAME",
+        help="describe these cuda-link segments (default: every one found on this machine)",
+    )
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("monitor", parents=[common], help="watch a link read-only (never joins it)")
-    p.add_argument("name", help="link name, as given to Sender")
+    p.add_argument("name", help="link name, as given to Sender, or cuda-link:NAME for a cuda-link segment")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between samples (default 0.5)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
     p.set_defaults(func=cmd_monitor)
 
+    p = sub.add_parser(
+        "clean", parents=[common], help="remove what dead producers left (only links whose producer is dead)"
+    )
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these links (default: every link of yours here)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    p.set_defaults(func=cmd_clean)
+
     p = sub.add_parser("bench", parents=[common], help="latency/throughput vs torch.multiprocessing and other peers")
     p.add_argument("--quick", action="store_true", help="short CPU-backend run (CI: under a minute on 2 cores)")
-    p.add_argument("--json", metavar="PATH", default=None, help="write the JSON report here (default: stdout)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the full JSON report to PATH ('-': stdout, and the tables go to stderr)",
+    )
     p.add_argument("--device", default=None, help="cpu | 0 | cuda:N | auto (default: auto; cpu with --quick)")
     p.add_argument("--frames", type=int, default=None, help="frames per latency run (overrides the plan)")
     p.add_argument("--fanout", type=int, default=8, help="consumers in the fan-out run (default 8)")
@@ -74,6 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--breakdown",
         action="store_true",
         help="only the floors and where one frame's time goes, stage by stage, across both processes",
+    )
+    p.add_argument(
+        "--only",
+        metavar="PARTS",
+        default=None,
+        help="run only these parts, comma-separated: floors, breakdown, handoff, recv-export, small, fanout, "
+        "wait-modes, copy-send, gpu-clock (e.g. --only copy-send,gpu-clock)",
+    )
+    p.add_argument(
+        "--mps",
+        action="store_true",
+        help="the GPU-clock rows also run under the MPS daemon, which the bench starts "
+        "(nvidia-cuda-mps-control -d) and stops again (quit) around that pass",
     )
     p.add_argument(
         "--no-wake-ahead",
@@ -86,7 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ucx:// on loopback against a bare UCXX send/recv and a plain TCP socket (needs cudalink[ucx])",
     )
-    p.set_defaults(func=cmd_bench)
+    p.add_argument(
+        "--multi-gpu",
+        dest="multi_gpu",
+        action="store_true",
+        help="a consumer on GPU 1 of a producer on GPU 0 against one on GPU 0 and a bare torch .to('cuda:1')",
+    )
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("serve", parents=[common], help="serve a local link to other hosts over UCX (cudalink[ucx])")
     p.add_argument("name", help="the local link to serve")
@@ -104,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
     p.set_defaults(func=cmd_relay)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if getattr(args, "multi_gpu", False):
+        from .multigpu_bench import cmd_multi_gpu
+
+        return cmd_multi_gpu(args)
+    return cmd_bench(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -99,6 +99,7 @@ class ConsumerStats:
     mismatches: int
     lat: list[int]
     first_error: str
+    at: float = 0.0  #: the consumer's monotonic clock when it counted ``received``
 
 
 @dataclass(frozen=True)
@@ -256,10 +257,10 @@ def demo_consumer(cfg: DemoConfig, index: int, out: mpq.Queue[DemoMsg], stop: Ev
                     first_error = f"frame {frame.seq} (k={k}): byte sum {total} vs {checksum}, samples {got}"
             now = time.monotonic()
             if now - last >= cfg.report_s:
-                out.put(ConsumerStats(index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
+                out.put(ConsumerStats(index, os.getpid(), received, rx.skipped, mismatches, lat, first_error, now))
                 lat = []
                 last = now
-        out.put(ConsumerStats(index, os.getpid(), received, rx.skipped, mismatches, lat, first_error))
+        out.put(ConsumerStats(index, os.getpid(), received, rx.skipped, mismatches, lat, first_error, time.monotonic()))
         out.put(ConsumerDone(index))
     except BaseException as exc:
         out.put(Failed(index, _one_line(exc)))
@@ -306,8 +307,17 @@ class _ProducerState:
     _mark: tuple[float, int] = (0.0, 0)
 
 
-def _update_fps(state: _ConsumerState | _ProducerState, count: int) -> None:
-    now = time.monotonic()
+def _average_fps(stats: dict[str, float]) -> float:
+    """Frames published over the producer's own streaming time: what the summary prints."""
+    return float(stats.get("published", 0)) / (float(stats.get("elapsed", 0.0)) or 1e-9)
+
+
+def _update_fps(state: _ConsumerState | _ProducerState, count: int, at: float | None = None) -> None:
+    """The rate over the last half second or more, timed on the clock of the process that counted: ``at``.
+
+    Timed on this process's clock (when a report arrived here, behind a render and other reports), a
+    steady 60 fps read anywhere from 45 to 70: the producer's live line and the summary disagreed."""
+    now = time.monotonic() if at is None else at
     t, n = state._mark
     if t == 0.0:
         state._mark = (now, count)
@@ -328,7 +338,7 @@ def _demo_view(
     )
     ptext = Text(
         f"producer pid {prod.pid or '?'} [{prod.status}]: published {st.get('published', 0):,} · "
-        f"{prod.fps:,.1f} fps · dropped {st.get('dropped', 0):,} · "
+        f"{prod.fps:,.1f} fps {'on average' if prod.status == 'done' else 'now'} · dropped {st.get('dropped', 0):,} · "
         f"consumers attached {st.get('consumers', 0)}" + (f" · ERROR {prod.error}" if prod.error else "")
     )
     leases: dict[int, str] = {}
@@ -341,7 +351,7 @@ def _demo_view(
         "pid",
         "state",
         "received",
-        "fps",
+        "fps now",
         "skipped",
         "mismatches",
         "latency p50",
@@ -425,9 +435,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         prod.status = "streaming"
                     elif isinstance(msg, ProducerStats):
                         prod.stats = dict(msg.stats)
-                        _update_fps(prod, int(prod.stats.get("published", 0)))
-                        if msg.final:
+                        _update_fps(prod, int(prod.stats.get("published", 0)), float(prod.stats["elapsed"]))
+                        if msg.final:  # from now on the line shows the run's average: the summary's figure
                             prod.status, producer_done = "done", True
+                            prod.fps = _average_fps(prod.stats)
                     elif isinstance(msg, Attached):
                         cons[msg.index].status = "receiving"
                     elif isinstance(msg, ConsumerStats):
@@ -436,7 +447,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         c.first_error = c.first_error or msg.first_error
                         c.lat.extend(msg.lat)
                         c.recent.extend(msg.lat)
-                        _update_fps(c, msg.received)
+                        _update_fps(c, msg.received, msg.at or None)
                     elif isinstance(msg, ConsumerDone):
                         cons[msg.index].status = "done"
                     elif msg.index is None:  # Failed: the producer
@@ -498,13 +509,14 @@ def _demo_summary(
     st = prod.stats
     elapsed = float(st.get("elapsed", 0.0)) or 1e-9
     published = int(st.get("published", 0))
+    average = _average_fps(st)
     total = sum(c.received for c in cons)
     mism = sum(c.mismatches for c in cons)
     bad = [c for c in cons if c.status != "done"]
     all_lat = [x for c in cons for x in c.lat]
     p50, p99 = _pcts(all_lat)
     console.print(
-        f"summary: {published:,} frames published in {elapsed:.1f} s ({published / elapsed:,.1f} fps) "
+        f"summary: {published:,} frames published in {elapsed:.1f} s ({average:,.1f} fps on average) "
         f"on {backend}, {int(st.get('dropped', 0)):,} dropped"
     )
     for c in cons:

@@ -1,4 +1,5 @@
-"""``info``: is this machine ready? Driver, GPUs, IPC support, the compiled core, shared memory."""
+"""``info``: is this machine ready? Driver, GPUs, IPC support, the compiled core, shared memory, and the
+cuda-link segments present (``info cuda-link:NAME`` describes one)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from rich.text import Text
 from .. import _native, _platform
 from .._version import __version__
 from ..cuda import devices, driver
+from ..errors import LinkError
+from . import cuda_link_view
 from .ui import _console
 
 
@@ -33,6 +36,7 @@ class _GpuFields(TypedDict):
 class GpuInfo(_GpuFields, total=False):
     ipc: dict[str, bool]  # devices.ipc_support's, plus ipc_event_supported
     ipc_error: str
+    handles: dict[str, bool]  # the IPC handle kinds a Sender on it can use: "pool", "legacy"
 
 
 class ShmInfo(TypedDict, total=False):
@@ -56,6 +60,9 @@ class Info(_InfoFields, total=False):
     core: dict[str, str]
     gpu_error: str
     gpus: list[GpuInfo]
+    peer: list[list[bool]]  # peer[i][j]: GPU i reaches GPU j's memory directly (cuDeviceCanAccessPeer)
+    peer_error: str
+    visible_devices: str | None  # CUDA_VISIBLE_DEVICES as this process saw it
     shm: ShmInfo
     runtime_dir: str
     runtime_dir_error: str
@@ -164,8 +171,20 @@ def gather_info() -> Info:
                 g["ipc"]["ipc_event_supported"] = bool(d.properties.ipc_event_supported)
             except Exception:
                 g["ipc"].setdefault("ipc_event_supported", False)
+            try:
+                kinds = devices.ipc_kinds(int(d.device_id))
+                pool_os = _platform.default_handles() == "pool"  # native Linux: WSL 2 refuses IPC pools
+                g["handles"] = {"pool": kinds["pool"] and pool_os, "legacy": kinds["legacy"]}
+            except Exception:
+                g["handles"] = {}
             gpus.append(g)
+        if len(gpus) > 1:
+            try:
+                out["peer"] = devices.peer_matrix(len(gpus))
+            except Exception as exc:
+                out["peer_error"] = short_reason(exc)
     out["gpus"] = gpus
+    out["visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     try:
         du = shutil.disk_usage(shm_dir)
@@ -215,6 +234,42 @@ def _verdict(info: Info) -> tuple[bool, str]:
     )
 
 
+def _uuid_text(uuid: str | None) -> str:
+    """cuda.core's UUID as ``nvidia-smi -L`` and CUDA_VISIBLE_DEVICES spell it (``GPU-...``)."""
+    if not uuid:
+        return "UUID ?"
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def _peer_text(m: list[list[bool]]) -> str:
+    """``0→1 yes · 1→0 yes``: which GPU can read and write which one's memory directly."""
+    return " · ".join(f"{i}→{j} {'yes' if m[i][j] else 'no'}" for i in range(len(m)) for j in range(len(m)) if i != j)
+
+
+def _multi_gpu_text(m: list[list[bool]]) -> str:
+    """What a consumer on another GPU than the producer's gets here."""
+    both = all(m[i][j] for i in range(len(m)) for j in range(len(m)))
+    how = (
+        "a peer copy (NVLink/PCIe) into a pool on that GPU"
+        if both
+        else "a copy into a pool on that GPU: a peer copy where peer access is marked yes, else one the driver "
+        "stages through host memory (slower)"
+    )
+    return (
+        f"Receiver(name, device=N) on another GPU than the producer's gets {how}; the producer's slot goes back "
+        "as soon as the copy ran. On the producer's GPU: zero copy. rx.stats()['path'] says which; "
+        "copy='never' refuses the copy"
+    )
+
+
+def _cuda_link_segments() -> list[str]:
+    """cuda-link segments on this machine (a TouchDesigner project or a cuda-link exporter running)."""
+    try:
+        return cuda_link_view.find_segments()
+    except Exception:
+        return []
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     console = _console()
     info = gather_info()
@@ -247,7 +302,18 @@ def cmd_info(args: argparse.Namespace) -> int:
                     ("linux", "Linux"),
                 )
             )
-            table.add_row(f"GPU {g['ordinal']}", f"{g.get('name')} (sm {g.get('compute_capability')}) · {marks}")
+            kinds = [k for k, v in g.get("handles", {}).items() if v]
+            table.add_row(
+                f"GPU {g['ordinal']}",
+                f"{g.get('name')} (sm {g.get('compute_capability')}) · {_uuid_text(g.get('uuid'))} · {marks} · "
+                f"handles: {', '.join(kinds) or 'none'}",
+            )
+        table.add_row("CUDA_VISIBLE_DEVICES", info.get("visible_devices") or "unset (every GPU, in PCI order)")
+        if "peer" in info:
+            table.add_row("peer access", _peer_text(info["peer"]))
+            table.add_row("several GPUs", _multi_gpu_text(info["peer"]))
+        elif "peer_error" in info:
+            table.add_row("peer access", f"unknown ({info['peer_error']})")
     else:
         table.add_row("GPUs", f"none ({info.get('gpu_error', 'no CUDA driver')})")
     shm = info["shm"]
@@ -259,6 +325,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         table.add_row("shared memory", f"{shm['path']}: {shm.get('error')}")
     table.add_row("control sockets", info.get("runtime_dir") or f"ERROR {info.get('runtime_dir_error')}")
+    for name in getattr(args, "segments", None) or _cuda_link_segments():
+        try:
+            line = cuda_link_view.summary(cuda_link_view.read_snapshot(name))
+        except LinkError as exc:
+            line = str(exc)
+        table.add_row(cuda_link_view.PREFIX + cuda_link_view.strip_prefix(name), line)
     ucx = info.get("ucx", {})
     if ucx.get("usable"):
         tls = ", ".join(map(str, ucx.get("transports", []))) or "none found"  # type: ignore[call-overload]

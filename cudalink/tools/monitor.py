@@ -1,14 +1,18 @@
-"""``monitor``: watch a live link through a read-only mapping of its header; never joins it."""
+"""``monitor``: watch a live link through a read-only mapping of its header; never joins it. ``cuda-link:NAME``
+watches a cuda-link segment the same way (:mod:`.cuda_link_view`)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from rich.console import Group
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -17,6 +21,7 @@ from .. import _platform
 from .._ring import read_record
 from ..errors import LinkError
 from ..transport import wire
+from . import cuda_link_view
 from .ui import _ago, _console, _us
 
 
@@ -143,7 +148,11 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
     fps = _rate(f.published, prev.fixed.published, dt) if same and prev is not None else None
     drop_rate = _rate(f.dropped, prev.fixed.dropped, dt) if same and prev is not None else None
     device = "cpu" if f.backend == wire.BACKEND_HOST else f"cuda:{f.device}"
-    alive = "alive" if snap.producer_alive else "NOT RUNNING (stale segment)"
+    alive = (
+        "alive"
+        if snap.producer_alive
+        else f"NOT RUNNING: leftovers of a dead producer; `python -m cudalink clean {snap.name}` removes them"
+    )
     lines = [
         Text.assemble(
             ("cudalink monitor ", "bold"),
@@ -209,34 +218,108 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
     return Group(*lines, table)
 
 
+def plain_line(snap: Snapshot, prev: Snapshot | None) -> str:
+    """One line per sample for a pipe or a log (no terminal to redraw): time, producer, rates, consumers."""
+    f = snap.fixed
+    same = prev is not None and prev.fixed.generation == f.generation
+    dt = snap.mono - prev.mono if same and prev is not None else 0.0
+    fps = _rate(f.published, prev.fixed.published, dt) if same and prev is not None else None
+    old = {c.index: c for c in prev.consumers} if same and prev is not None else {}
+    parts = []
+    for c in snap.consumers:
+        o = old.get(c.index)
+        r = _rate(c.received, o.received, dt) if o is not None and o.pid == c.pid else None
+        rate = f" {r:.1f}fps" if r is not None else ""
+        parts.append(
+            f"#{c.index} pid {c.pid}{'' if c.alive else ' (dead)'} received {c.received} skipped {c.skipped}"
+            f"{rate} leases {len(c.leases)}"
+        )
+    stamp = time.strftime("%H:%M:%S", time.localtime(snap.now_ns / 1e9))
+    return (
+        f"{stamp} {snap.name} gen {f.generation:016x} pid {f.pid} "
+        f"{'alive' if snap.producer_alive else 'NOT RUNNING'} published {f.published} "
+        f"fps {f'{fps:.1f}' if fps is not None else 'n/a'} dropped {f.dropped} seq {snap.newest_seq} "
+        f"consumers {len(snap.consumers)}" + ("".join(f"; {p}" for p in parts))
+    )
+
+
+class _Stop(Exception):
+    """SIGTERM (``timeout``, a service manager): leave the loop and exit 0 like Ctrl-C does."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Stop
+
+
 def cmd_monitor(args: argparse.Namespace) -> int:
     console = _console()
     interval = max(0.05, float(args.interval))
+    read: Callable[[str], Any] = read_snapshot
+    render: Callable[[Any, Any], Group] = render_snapshot
+    line: Callable[[Any, Any], str] = plain_line
+    if args.name.startswith(cuda_link_view.PREFIX):  # a cuda-link segment: its own layout, read the same way
+        read, render, line = cuda_link_view.read_snapshot, cuda_link_view.render, cuda_link_view.plain_line
     if args.once:
-        first = read_snapshot(args.name)
+        first = read(args.name)
         time.sleep(interval)
         try:
-            second = read_snapshot(args.name)
+            second = read(args.name)
         except LinkError:
             second = None  # the producer went away between the two looks: show what we saw
-        console.print(render_snapshot(second or first, first if second is not None else None))
+        console.print(render(second or first, first if second is not None else None))
         return 0
     deadline = time.monotonic() + args.seconds if args.seconds else math.inf
-    prev: Snapshot | None = None
-    with Live(Text(f"attaching to {args.name!r} (read-only)…"), console=console, auto_refresh=False) as live:
-        try:
-            while time.monotonic() < deadline:
-                try:
-                    snap = read_snapshot(args.name)
-                except LinkError as exc:
-                    live.update(Text(f"{exc}\nwaiting for a producer… (Ctrl-C to stop)"), refresh=True)
-                    prev = None
-                else:
-                    live.update(render_snapshot(snap, prev), refresh=True)
-                    prev = snap
-                time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-        except KeyboardInterrupt:
-            pass
-    if not console.is_terminal:
-        console.line()
+    # the command's own process: a handler here takes nothing from an application (the library installs none)
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live on the main thread
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
+    try:
+        if console.is_terminal:
+            _watch_live(args.name, interval, deadline, console, read, render)
+        else:
+            _watch_plain(args.name, interval, deadline, read, line)
+    except (KeyboardInterrupt, _Stop):
+        pass
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _watch_live(
+    name: str,
+    interval: float,
+    deadline: float,
+    console: Console,
+    read: Callable[[str], Any],
+    render: Callable[[Any, Any], Group],
+) -> None:
+    prev: Any = None
+    with Live(Text(f"attaching to {name!r} (read-only)…"), console=console, auto_refresh=False) as live:
+        while time.monotonic() < deadline:
+            try:
+                snap = read(name)
+            except LinkError as exc:
+                live.update(Text(f"{exc}\nwaiting for a producer… (Ctrl-C to stop)"), refresh=True)
+                prev = None
+            else:
+                live.update(render(snap, prev), refresh=True)
+                prev = snap
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+def _watch_plain(
+    name: str, interval: float, deadline: float, read: Callable[[str], Any], line_of: Callable[[Any, Any], str]
+) -> None:
+    """Not a terminal (piped, a log, ``timeout``): a live view would print nothing until the end."""
+    prev: Any = None
+    while time.monotonic() < deadline:
+        try:
+            snap = read(name)
+        except LinkError as exc:
+            line = f"{time.strftime('%H:%M:%S')} {' '.join(str(exc).split())}; waiting for a producer"
+            prev = None
+        else:
+            line = line_of(snap, prev)
+            prev = snap
+        print(line, flush=True)
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -17,6 +17,9 @@ from .measure import resolve_backend
 from .peers.mpqueue import KEEP_UNTIL_EXIT
 from .ui import _console, _us
 
+#: ``bench.NOT_SELECTED`` (bench is imported only when a bench runs)
+_NOT_SELECTED = "not selected (--only)"
+
 if TYPE_CHECKING:
     from .bench import BenchReport
 
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 def _core_label(report: BenchReport) -> str:
     """Which implementation the figures came from: 'compiled core', 'pure-Python core', or a mix."""
     core = report.get("machine", {}).get("core", {})
-    kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)")}
+    kinds = {v.split()[0] for v in core.values() if not v.endswith("(not loaded yet)") and not v.startswith("built")}
     return (
         {"compiled": "compiled core", "python": "pure-Python core"}.get(kinds.pop(), "")
         if len(kinds) == 1
@@ -96,7 +99,9 @@ def _bench_tables(report: BenchReport) -> list[RenderableType]:
             _us(b.get("p50")),
             f"{h['p50'] / b['p50']:.2f}x" if h.get("p50") and b.get("p50") else "—",  # goal: <= 1.5x
             _us(w.get("consumer_cpu_us")),
-            f"{int(h.get('n', 0))}" if w["status"] == "ok" else f"ERROR {w['reason']}",
+            f"{int(h.get('n', 0))}"
+            if w["status"] == "ok"
+            else (w["reason"] if w["status"] == "skipped" else f"ERROR {w['reason']}"),
         )
     out: list[RenderableType] = [table, waits]
     if skipped:
@@ -133,7 +138,7 @@ def _breakdown_tables(report: BenchReport) -> list[RenderableType]:
             ft.add_row(k, FLOOR_LABELS.get(k, k), _us(v.get("p50")), _us(v.get("p99")), f"{int(v.get('n', 0))}")
         out.append(ft)
     else:
-        out.append(Text(f"floors: ERROR {floors}", style="red"))
+        out.append(Text(f"floors: {floors}" if floors == _NOT_SELECTED else f"floors: ERROR {floors}", style="red"))
     bd = report.get("breakdown")
     if isinstance(bd, dict):
         bt = Table(
@@ -163,8 +168,59 @@ def _breakdown_tables(report: BenchReport) -> list[RenderableType]:
             bt.add_row(Text(label, style="bold"), "both", _us(rc.get("p50")), _us(rc.get("p99")))
         out.append(bt)
     else:
-        out.append(Text(f"breakdown: ERROR {bd}", style="red"))
+        out.append(Text(f"breakdown: {bd}" if bd == _NOT_SELECTED else f"breakdown: ERROR {bd}", style="red"))
     return out
+
+
+def gpu_clock_errors(report: BenchReport) -> list[str]:
+    """The GPU-clock passes that failed, less the MPS pass (a skipped pass is no failure either)."""
+    clock = report.get("gpu_clock")
+    if not clock:
+        return []
+    if clock["status"] == "error":
+        return [clock["reason"]]
+    # the MPS pass depends on the machine's MPS setup: its failure is shown in the table, not counted here
+    return [f"{name}: {s['reason']}" for name, s in clock["setups"].items() if s["status"] == "error" and name != "MPS"]
+
+
+def _gpu_clock_table(report: BenchReport) -> RenderableType | None:
+    """Producer's kernel -> consumer's kernel, on the GPU's clock, per pass (without and with MPS)."""
+    from .measure import summarize
+
+    clock = report.get("gpu_clock")
+    if not clock or clock["status"] == "skipped":
+        return None
+    if clock["status"] == "error":
+        return Text(f"gpu clock: ERROR {clock['reason']}", style="red")
+    t = Table(
+        title="GPU clock · producer's last kernel -> consumer's first kernel (%globaltimer) · 1080p uint8",
+        title_justify="left",
+    )
+    for col in ("pass", "case", "p50", "p99", "frames", "unordered", "queued late"):
+        t.add_column(col, justify="left" if col in ("pass", "case") else "right")
+    for name, setup in clock["setups"].items():
+        if setup["status"] != "ok":
+            style = "red" if setup["status"] == "error" else "yellow"
+            t.add_row(name, Text(f"{setup['status']}: {setup['reason']}", style=style), "", "", "", "", "")
+            continue
+        for key, label in clock["labels"].items():
+            got = setup["series"].get(key)
+            if got is None:
+                continue
+            u = summarize(got["ns"]) or {}
+            bad = Text(str(got["unordered"]), style="red" if got["unordered"] else "")
+            late = str(got.get("late", 0))
+            t.add_row(name, label, _us(u.get("p50")), _us(u.get("p99")), str(got["frames"]), bad, late)
+        for part, why in setup["notes"].items():
+            t.add_row(name, Text(f"{part}: {why}", style="yellow"), "", "", "", "", "")
+    return t
+
+
+def _against(value: float | None, ref: float | None, ratio: float | None, added: bool) -> str:
+    """The goal's "ratio" cell: cudalink / reference, or for a "floor + N us" goal the difference in µs."""
+    if value is None or ref is None or ratio is None:
+        return "—"
+    return f"{value - ref:+,.1f} µs" if added else f"{ratio:.2f}x"
 
 
 def _goals_table(report: BenchReport) -> Table:
@@ -172,8 +228,9 @@ def _goals_table(report: BenchReport) -> Table:
     for col in ("goal", "cudalink", "reference", "against", "ratio", "target", "met"):
         gt.add_column(col, justify="left" if col in ("goal", "against", "target") else "right")
     for g in report.get("goals", []):
-        fps = "fps" in g["goal"]
-        share = "share" in g["goal"]
+        fps = "fps" in g["target"]  # the unit follows the goal's kind, not words in its name ("60 fps")
+        share = "%" in g["target"]
+        added = "floor +" in g["target"]  # judged by the difference: a ratio to a small floor says little
 
         def fmt(v: float | None, fps: bool = fps, share: bool = share) -> str:
             if v is None:
@@ -188,7 +245,7 @@ def _goals_table(report: BenchReport) -> Table:
             fmt(g["cudalink"]),
             fmt(g["reference"]) if not share else "100%",
             g["reference_label"],
-            "—" if g["ratio"] is None else f"{g['ratio']:.2f}x",
+            _against(g["cudalink"], g["reference"], g["ratio"], added),
             g["target"],
             Text(
                 "—" if met is None else ("yes" if met else "no"),
@@ -196,6 +253,32 @@ def _goals_table(report: BenchReport) -> Table:
             ),
         )
     return gt
+
+
+def write_json(report: BenchReport, path: str | None, console: Console) -> None:
+    """The full report (hundreds of lines) only when asked for: ``--json PATH``, or ``--json -`` for stdout."""
+    if not path:
+        return
+    text = json.dumps(report, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    console.print(f"JSON written to {path}")
+
+
+def _only(text: str | None) -> frozenset[str] | None:
+    """``--only a,b``: the parts to run, each one of ``bench.ONLY_CHOICES``."""
+    from .bench import ONLY_CHOICES
+
+    if not text:
+        return None
+    parts = frozenset(p.strip() for p in text.split(",") if p.strip())
+    unknown = sorted(parts - set(ONLY_CHOICES))
+    if unknown or not parts:
+        raise LinkError(f"cudalink: --only takes a comma-separated list of {', '.join(ONLY_CHOICES)}; got {text!r}")
+    return parts
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -207,12 +290,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from . import bench as _bench
 
-    console, err = _console(), _console(stderr=True)
+    to_stdout = args.json == "-"  # stdout is then the JSON alone (for a pipe); the tables go to stderr
+    console, err = _console(stderr=to_stdout), _console(stderr=True)
     device = args.device or ("cpu" if args.quick else "auto")
     backend = resolve_backend(device)
     if backend.note:
         err.print(Text(backend.note, style="yellow"))
-    if args.json:
+    if args.json and not to_stdout:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             raise LinkError(f"cudalink: cannot write --json {args.json}: no directory {parent}")
@@ -232,27 +316,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
             progress=on_step,
             breakdown_only=args.breakdown,
             wake_ahead=args.wake_ahead,
+            only=_only(args.only),
+            mps=bool(args.mps),
         )
         report = bench.run()
     tables = _breakdown_tables(report)
     if not args.breakdown:
-        tables = _bench_tables(report) + tables + [_goals_table(report)]
+        clock = _gpu_clock_table(report)
+        tables = _bench_tables(report) + tables + ([clock] if clock is not None else []) + [_goals_table(report)]
     for t in tables:
         console.print(t)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-        console.print(f"JSON written to {args.json}")
-    else:
-        sys.stdout.write(text + "\n")
+    write_json(report, args.json, console)
     errors = [r["reason"] for r in report.get("rows", []) if r["status"] == "error"]
     errors += [w["reason"] for w in report.get("wait_modes", []) if w["status"] == "error"]
     errors += [
         f"{part}: {value}"
         for part, value in (("floors", report.get("floors")), ("breakdown", report.get("breakdown")))
-        if isinstance(value, str)
+        if isinstance(value, str) and value != _bench.NOT_SELECTED
     ]
+    errors += [f"gpu clock: {e}" for e in gpu_clock_errors(report)]
     code = 0
     if errors:
         print(f"cudalink: {len(errors)} bench measurement(s) failed; first: {errors[0]}", file=sys.stderr)

@@ -155,3 +155,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def connect(self, name: str) -> Client:
         """Map an existing link's header; raise :class:`NoProducer` when none is there."""
+
+    def abandoned(self, name: str) -> bool:
+        """``name`` holds a dead producer's leftovers (it will not answer; a new producer replaces them),
+        as opposed to nothing published yet. Transports whose links die with their process say False."""
+        return False

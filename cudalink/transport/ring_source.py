@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, cast
 from .. import _backends, _native, _platform, _trace
 from .._ring import consumer_ring
 from ..cuda import devices
-from ..errors import FormatError, ProtocolError
+from ..errors import FormatError, ProducerGone, ProtocolError
 from ..frames.frame import Frame, _Hold
 from . import wire
 from .base import Client, NoProducer, Transport
-from .source import Copy, account
+from .landed import LandedAttachment
+from .source import Attachment, Copy, account
 
 if TYPE_CHECKING:
     from .source import Counters
@@ -133,15 +134,23 @@ class RingAttachment:
     receive = staticmethod(receive)
     sleep_receive = staticmethod(sleep_receive)
 
-    def __init__(self, client: Client, fixed: wire.Fixed, index: int, view: _backends.ConsumerView) -> None:
+    def __init__(
+        self,
+        client: Client,
+        fixed: wire.Fixed,
+        index: int,
+        view: _backends.ConsumerView,
+        handles: list[wire.SlotHandle],
+    ) -> None:
         self.client = client
         self.fixed = fixed
         self.ring = consumer_ring(client.header, fixed.layout, index, fixed.capacity)
         self.view = view
-        self.handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
+        self.handles = handles  # read and checked once, at attach
         self.generation = fixed.generation
         self.device_id = view.device  #: the CUDA ordinal frames are built with (-1: host)
         self.backend = wire.BACKEND_NAMES[fixed.backend]
+        self.path = "zero-copy"
         self.capacity = fixed.capacity
         #: frames published before we joined are not "skipped" by us
         self.floor = wire.read_u64(client.header, wire.OFF_PUBLISHED)
@@ -218,21 +227,60 @@ class RingAttachment:
         self.client.close()
 
 
+def _ring_attachment(client: Client, fixed: wire.Fixed, index: int, fds: list[int]) -> RingAttachment:
+    """Map the producer's slots and check every slot's handle once, at attach (a producer writes them once, at
+    start): a lying handle is a ProtocolError now, not a TypeError on every recv."""
+    view = _backends.make_consumer_view(fixed, client, fds)
+    handles = [wire.unpack_handle(client.header, fixed.layout.handle(i)) for i in range(fixed.nslots)]
+    try:
+        view.check(handles, fixed.capacity)
+        view.setup(client.header, fixed.layout, index)
+    except BaseException:
+        view.close()
+        raise
+    return RingAttachment(client, fixed, index, view, handles)
+
+
 class RingSource:
     """A producer on this host, found by name through a :class:`~cudalink.transport.base.Transport`.
 
-    ``device``: None (or the producer's GPU) takes frames where the producer made them, with no copy.
+    ``device``: None (or the producer's GPU) takes frames where the producer made them, with no copy. Another
+    GPU of this host (``N``: this process's ordinal) gets each frame copied into a small pool of buffers on
+    it (``transport.landed``), unless ``copy="never"``, which refuses. ``copy="always"`` copies even on the
+    producer's GPU (a consumer that holds frames long then never holds the producer's slots). The producer's
+    GPU is found by the UUID in the header, whatever CUDA_VISIBLE_DEVICES numbers it here.
     """
 
     def __init__(
         self, name: str, transport: Transport, *, device: int | str | None = None, copy: Copy = "auto"
     ) -> None:
         self.name = _platform.check_name(name)
+        if device is not None and device != "cpu":
+            devices.parse_device(device)  # a bad device= is an ArgumentError now, not at the first attach
         self.transport = transport
         self.want_device = device
         self.copy = copy
+        #: ``device=N`` as an ordinal here, checked now: a GPU that is not there is named before any attach
+        self._ordinal: int | None = None
+        if device is not None and device != "cpu":
+            self._ordinal = devices.parse_device(device)
+            devices.check_ordinal(self._ordinal)
 
-    def attach(self, deadline: float, dead_generation: int) -> RingAttachment:
+    def attach(self, deadline: float, dead_generation: int) -> Attachment:
+        try:
+            return self._attach(deadline, dead_generation)
+        except NoProducer as exc:
+            # a killed producer's leftovers answer nothing: say so now, not after the whole timeout. Not once
+            # this Receiver saw its own producer die: then it waits for the restart it was asked to wait for
+            if not dead_generation and self.transport.abandoned(self.name):
+                raise ProducerGone(
+                    f"cudalink: the producer of {self.name!r} died (killed or crashed) and left its link "
+                    "behind; start it again (a new Sender replaces the leftovers), or remove them with "
+                    "`python -m cudalink clean`"
+                ) from exc
+            raise
+
+    def _attach(self, deadline: float, dead_generation: int) -> Attachment:
         client = self.transport.connect(self.name)
         try:
             if wire.header_pending(client.header):
@@ -256,33 +304,64 @@ class RingSource:
                 if exc.reason.retryable or not data:
                     raise NoProducer(str(exc)) from exc
                 raise
-            view = _backends.make_consumer_view(fixed, client, fds)
-            view.setup(client.header, fixed.layout, welcome.index)
-            att = RingAttachment(client, fixed, welcome.index, view)
-            self._check_device(att)
+            if fixed.backend == wire.BACKEND_HOST:
+                return _ring_attachment(client, fixed, welcome.index, fds)
         except BaseException:
             client.close()
             raise
-        return att
+        # CUDA: mapping the producer's memory makes its GPU current; the caller's current GPU (what torch and
+        # cupy call "the current device") is given back, since a Receiver on GPU 1 must not move it to 0
+        try:
+            with devices.keep_current():
+                att = _ring_attachment(client, fixed, welcome.index, fds)
+        except BaseException:
+            client.close()
+            raise
+        try:
+            with devices.keep_current():
+                return self._place(att)
+        except BaseException:
+            att.detach()
+            raise
 
-    def _check_device(self, att: RingAttachment) -> None:
+    def _place(self, att: RingAttachment) -> Attachment:
+        """The attachment that delivers frames where this Receiver wants them: the ring's own (zero copy), or
+        one that lands each frame on another GPU (``device=N`` with N not the producer's, or ``copy="always"``)."""
         want = self.want_device
-        if want is None:
-            return
         if att.device_id < 0:
-            if want != "cpu":
-                att.detach()
+            if want is not None and want != "cpu":
                 raise FormatError(
                     f"cudalink: {self.name!r} carries host frames; a Receiver cannot put them on {want!r} "
                     "(drop device=, or copy the frame to the GPU yourself)"
                 )
-            return
-        if want == "cpu" or devices.parse_device(want) != att.device_id:
-            att.detach()
+            return att
+        producer = att.device_id  # this process's ordinal for the producer's GPU, found by its UUID
+        if want == "cpu":
             raise FormatError(
-                f"cudalink: {self.name!r} carries frames on cuda:{att.device_id}; delivering them to {want!r} "
-                "is not supported by this version (drop device=, or pass the producer's GPU)"
+                f"cudalink: {self.name!r} carries frames on cuda:{producer}; device='cpu' takes only host links "
+                "(drop device=, and copy to the host with frame.to_numpy() where you must)"
             )
+        target = producer if want is None else self.ordinal
+        if target == producer and self.copy != "always":
+            return att
+        if self.copy == "never":
+            raise FormatError(
+                f"cudalink: {self.name!r} carries frames on cuda:{producer} "
+                f"({devices.format_uuid(att.fixed.device_uuid)}); delivering them to cuda:{target} takes a copy "
+                f"across GPUs and copy='never' refuses it: pass copy='auto' (a copy into a pool on cuda:{target}, "
+                f"then the producer's slot goes back at once), or receive on cuda:{producer}"
+            )
+        if target != producer:
+            allow = getattr(att.view, "allow_peer", None)
+            if allow is not None:
+                allow(target, att.handles[0].memory)
+        return LandedAttachment(att, producer, target, buffers=att.fixed.nslots + 2)
+
+    @property
+    def ordinal(self) -> int:
+        """``device=`` as this process's ordinal (checked in ``__init__``)."""
+        assert self._ordinal is not None
+        return self._ordinal
 
     def close(self) -> None:
         pass

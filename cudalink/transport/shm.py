@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 
 import numpy as np
 
 from .. import _platform
-from ..errors import LinkError
+from ..errors import LinkError, ProtocolError
 from . import wire
 from .base import NoProducer, Server, ServerHandler, Transport
 from .channel import CHANNELS, DENIED, Channel, Found, Listening, channel, find
@@ -43,6 +44,19 @@ def _open_segment(name: str, create: bool = False, size: int = 0) -> shared_memo
             return shared_memory.SharedMemory(name, create=create, size=size)
         finally:
             resource_tracker.register = saved  # type: ignore[assignment]
+
+
+def _create_segment(name: str, size: int, what: str) -> shared_memory.SharedMemory:
+    """A new segment whose pages are reserved (``_platform.reserve_shm``): a full /dev/shm is an error here."""
+    shm = _open_segment(name, create=True, size=size)
+    try:
+        _platform.reserve_shm(getattr(shm, "_fd", -1), size, what)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            shm.close()
+        _unlink_segment(name)
+        raise
+    return shm
 
 
 def _unlink_segment(name: str) -> None:
@@ -129,7 +143,7 @@ class _ShmServer(Server):
         self.header_segment.unlink()
         if self.data_segment is not None:
             self.data_segment.unlink()
-        self._lock.release()
+        self._lock.remove_and_release()  # nothing of ours stays behind, not even the lock file
 
 
 class _ShmClient(SocketClient):
@@ -151,7 +165,9 @@ class _ShmClient(SocketClient):
         except FileNotFoundError as exc:
             raise NoProducer("data segment vanished") from exc
         if len(seg.buf) < size:
-            raise LinkError(f"cudalink: data segment is {len(seg.buf)} bytes, header promises {size}")
+            raise ProtocolError(
+                f"cudalink: data segment is {len(seg.buf)} bytes, the header promises {size}: the header is corrupt"
+            )
         self.data_segment = seg
         return seg.buf
 
@@ -177,8 +193,8 @@ class SharedMemoryTransport(Transport):
     def serve(self, name: str, header_size: int, data_size: int, generation: int = 0) -> _ShmServer:
         _platform.check_name(name)
         chan = self.channel
-        lock = _platform.ProcessLock(os.path.join(_platform.runtime_dir(), f"{name}.lock"))
-        if not lock.acquire():
+        lock = _platform.ProcessLock(_platform.lock_path(name))
+        if not lock.acquire(_LOOK_S):
             raise LinkError(
                 f"cudalink: link {name!r} is already published by a live producer; close it or choose another name"
             )
@@ -186,13 +202,13 @@ class SharedMemoryTransport(Transport):
         segments: list[Segment] = []
         try:
             self._clean_stale(name)
-            header = Segment(_open_segment(chan.header(name, generation), create=True, size=header_size))
+            what = f"link {name!r}"
+            header = Segment(_create_segment(chan.header(name, generation), header_size, f"{what} (its header)"))
             segments.append(header)
             data = None
             if data_size:
-                data = Segment(
-                    _open_segment(_platform.segment_name(name, f"-{generation:016x}"), create=True, size=data_size)
-                )
+                data_name = _platform.segment_name(name, f"-{generation:016x}")
+                data = Segment(_create_segment(data_name, data_size, what))
                 segments.append(data)
             listening = chan.listen(name, generation)
         except BaseException:
@@ -205,32 +221,29 @@ class SharedMemoryTransport(Transport):
     @staticmethod
     def _clean_stale(name: str) -> None:
         """We hold the name's lock: whatever carries the name is a dead producer's leftovers."""
-        generations: list[int] = []
-        for chan in CHANNELS.values():
-            files, gens = chan.leftovers(name)
-            generations += gens
-            for path in files:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        seg_name = _platform.segment_name(name)
-        try:
-            old = _open_segment(seg_name)
-        except FileNotFoundError:
-            pass
-        else:
-            try:
-                buf = old.buf
-                if buf is not None and len(buf) >= wire.FIXED.size:
-                    magic, *_rest = wire.FIXED.unpack_from(buf, 0)
-                    if magic == wire.MAGIC:
-                        generations.append(wire.read_u64(buf, 16))
-            finally:
-                with contextlib.suppress(Exception):
-                    old.close()
-            _unlink_segment(seg_name)
-        for gen in generations:
-            _unlink_segment(_platform.segment_name(name, f"-{gen:016x}"))
-            _unlink_segment(_platform.segment_name(name, f"-h{gen:016x}"))
+        files, segments = leftovers(name)
+        for path in files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        for seg in segments:
+            _unlink_segment(seg)
+
+    def abandoned(self, name: str) -> bool:
+        """True when ``name`` carries a dead producer's leftovers: nobody holds its lock, yet its socket,
+        rendezvous file or segments are there. A name with nothing there is not dead, only not started."""
+        lock = _platform.ProcessLock(_platform.lock_path(_platform.check_name(name)))
+        if not lock.acquire():  # a producer holds it (alive, starting or closing), or another look does
+            return False
+        dead = False
+        try:  # while we hold the lock no producer can start, so what we see stays what it is
+            files, segments = leftovers(name)
+            dead = bool(files or segments)
+        finally:
+            if dead:
+                lock.release()  # the next Sender or ``cudalink clean`` removes it with the rest
+            else:
+                lock.remove_and_release()  # a lock file alone (or made by this look) is nothing to keep
+        return dead
 
     def connect(self, name: str) -> _ShmClient:
         _platform.check_name(name)
@@ -244,6 +257,128 @@ class SharedMemoryTransport(Transport):
         except PermissionError as exc:
             raise LinkError(DENIED.format(name=name)) from exc
         return _ShmClient(name, Segment(seg), found)
+
+
+#: how long a producer tries for its name's lock: a Receiver or ``cudalink clean`` may hold it for a moment
+_LOOK_S = 0.25
+
+
+def _generation_of(seg_name: str) -> int | None:
+    """The generation a leftover Unix-channel header names (its data segment carries it), if readable."""
+    try:
+        old = _open_segment(seg_name)
+    except (FileNotFoundError, OSError):
+        return None
+    try:
+        buf = old.buf
+        if buf is not None and len(buf) >= wire.FIXED.size:
+            magic, *_rest = wire.FIXED.unpack_from(buf, 0)
+            if magic == wire.MAGIC:
+                return wire.read_u64(buf, 16)
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            old.close()
+
+
+def _exists(seg_name: str) -> bool:
+    try:
+        seg = _open_segment(seg_name)
+    except (FileNotFoundError, OSError):
+        return False
+    with contextlib.suppress(Exception):
+        seg.close()
+    return True
+
+
+def leftovers(name: str) -> tuple[list[str], list[str]]:
+    """What a producer of ``name`` made that is still there: (files, segment names). Only meaningful to a
+    caller that holds the name's lock (or knows its producer is dead)."""
+    files: list[str] = []
+    generations: list[int] = []
+    for chan in CHANNELS.values():
+        paths, gens = chan.leftovers(name)
+        files += [p for p in paths if os.path.lexists(p)]
+        generations += gens
+    segments = []
+    header = _platform.segment_name(name)
+    gen = _generation_of(header)
+    if gen is not None:
+        generations.append(gen)
+    if _exists(header):
+        segments.append(header)
+    for gen in generations:
+        for suffix in (f"-{gen:016x}", f"-h{gen:016x}"):
+            seg = _platform.segment_name(name, suffix)
+            if seg not in segments and _exists(seg):
+                segments.append(seg)
+    return files, segments
+
+
+_SUFFIX = re.compile(r"-h?[0-9a-f]{16}$")
+
+
+def clean(dry_run: bool = False, only: Sequence[str] | None = None) -> list[tuple[str, list[str]]]:
+    """Remove the links whose producer is dead (its lock free, its leftovers there), and only those.
+
+    Returns each such name with what it left (files and segments). Candidates come from this user's
+    runtime directory (locks, sockets, rendezvous files) and, where they can be listed, its shared-memory
+    segments; each is judged by taking its lock, which no live producer would let go of. ``only``: just
+    these link names.
+    """
+    names: set[str] = set()
+    for entry in os.listdir(_platform.runtime_dir()):
+        stem, dot, ext = entry.rpartition(".")
+        if dot and ext in ("lock", "sock", "tcp"):
+            names.add(stem)
+    prefix = _platform.segment_name("")
+    for seg in _platform.shm_segments(prefix):
+        rest = seg[len(prefix) :]
+        names.add(rest)  # a header, or a name that ends like a data segment's suffix: try both
+        names.add(_SUFFIX.sub("", rest))
+    if only is not None:
+        keep = {_platform.check_name(n) for n in only}
+        names = {n for n in names if n in keep or _SUFFIX.sub("", n) in keep}
+    out = []
+    seen: set[str] = set()  # segments already reported under the name they belong to
+    for name in sorted(names, key=lambda n: (bool(_SUFFIX.search(n)), n)):  # names before their data segments
+        try:
+            _platform.check_name(name)
+        except LinkError:
+            continue  # not one of ours
+        # "cam0-<16 hex>" may be the data segment of "cam0": judge it only while cam0 is dead too
+        base = _SUFFIX.sub("", name)
+        locks = [_platform.ProcessLock(_platform.lock_path(n)) for n in dict.fromkeys((base, name))]
+        existed = [os.path.exists(lock.path) for lock in locks]
+        had_lock = existed[-1]
+        taken: list[_platform.ProcessLock] = []
+        try:
+            for lock in locks:
+                if not lock.acquire():
+                    break  # alive (or starting, or closing): never touched
+                taken.append(lock)
+            else:
+                files, segments = leftovers(name)
+                segments = [seg for seg in segments if seg not in seen]
+                seen.update(segments)
+                if not dry_run:
+                    for path in files:
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
+                    for seg in segments:
+                        _unlink_segment(seg)
+                left = files + segments + ([locks[-1].path] if had_lock else [])
+                if left:
+                    out.append((name, left))
+        finally:
+            for lock, was in reversed(list(zip(locks, existed, strict=True))):
+                if lock not in taken:
+                    continue
+                if dry_run and was:
+                    lock.release()  # a dry run changes nothing
+                else:
+                    lock.remove_and_release()  # a lock file alone means nothing: a producer makes its own
+    return out
 
 
 def header_segment(name: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from ..errors import FormatError
+from ..errors import ArgumentError, ArgumentTypeError
 
 if TYPE_CHECKING:
     from ..frames.frame import Frame
@@ -44,6 +44,9 @@ class Attachment(Protocol):
     backend: str  #: how frames reach us: "host", "cuda-pool", "cuda-legacy", "cuda-link", "ucx", ...
     capacity: int  #: bytes a frame may have
     floor: int  #: frames published before we joined: not counted as skipped
+    #: how frames reach the Receiver, for ``stats()["path"]``: "zero-copy" (the producer's memory itself), or a
+    #: copy into memory the Receiver owns ("copy", "peer", "staged", "same-device", "network", ...)
+    path: str
 
     #: ``(rx, att) -> Frame | None``: take the next frame now, or None; never blocks
     receive: Callable[..., Frame | None]
@@ -122,4 +125,5 @@ def copy_mode(copy: object) -> Copy:
         return "never"
     if copy in ("auto", "never", "always"):
         return copy  # type: ignore[return-value]
-    raise FormatError(f"cudalink: copy must be 'auto', 'never' or 'always' (or True/False), got {copy!r}")
+    kind = ArgumentError if isinstance(copy, str) else ArgumentTypeError
+    raise kind(f"cudalink: copy must be 'auto', 'never' or 'always' (or True/False), got {copy!r}")

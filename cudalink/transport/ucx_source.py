@@ -223,6 +223,7 @@ class UcxAttachment:
         self.producer_backend = wire.BACKEND_NAMES[welcome.backend]
         self.device_id = device
         self._device = "cpu" if device < 0 else f"cuda:{device}"
+        self.path = "network"  # stats()["path"]: received into buffers this Receiver owns
         n = welcome.credits
         self.pool: Any = None
         if device >= 0:  # GPU landing: UCX's CUDA transports write straight into buffers of this pool

@@ -45,7 +45,10 @@ lease is set, and re-checks the leases after the claim. The two sides write-then
 cells (a Dekker handshake), so each side puts a full fence between its store and its load
 (``cudalink._ring.full_fence`` in Python, a C fence in ``cudalink._native.ring``). Stamps only ever
 change in their lowest byte first (even to odd to even), so a torn read never shows a stale even stamp as
-a newer one; the compiled ring stores each cell in one aligned 8-byte write.
+a newer one; the compiled ring stores each cell in one aligned 8-byte write. A stamp that stays even under
+a consumer's lease while the slot's record names another frame is something no producer writes: a consumer
+raises ``ProtocolError`` for it, and gives up (no frame) after ``TAKE_RETRIES`` stamps in a row that moved
+under its lease, so a header that lies never holds a ``recv`` past its deadline.
 
 Slot record (``RECORD``, valid while the stamp is even and unchanged)::
 
@@ -385,6 +388,18 @@ def read_column(buf: ReadBuf, layout: Layout, slot: int) -> tuple[int, ...]:
 
 
 # -- slot records ---------------------------------------------------------------------------------------
+
+
+#: how many times in a row a consumer's ``take`` looks again after losing a slot to the producer before it gives up
+TAKE_RETRIES = 1000
+
+
+def stamp_lie(slot: int, seq: int, recorded: int) -> str:
+    """The message of a slot whose stamp and record disagree (both cores raise it)."""
+    return (
+        f"cudalink: slot {slot}'s stamp says frame {seq} but its record holds frame {recorded}: the link's header "
+        "is corrupt (something other than the producer wrote to it); restart the producer"
+    )
 
 
 class SlotRecord(NamedTuple):

@@ -1,0 +1,374 @@
+"""``Sender(NAME, ..., protocol="cuda-link")``: publish frames in cuda-link's segment layout, so an existing
+cuda-link importer or TouchDesigner component (its CUDA IPC In TOP / Python extension) reads them.
+
+The layout (:mod:`.transport.cuda_link_wire`) has no control channel, no leases and no back-pressure: each
+slot is a ``cuMemAlloc`` block (rounded up to 2 MiB, frame at offset 0) shared with ``cuIpcGetMemHandle``,
+with one IPC event (interprocess, timing disabled) recorded after each copy. Per frame: the copy on the
+caller's stream (or the link's), the slot's event, the timestamp, shutdown = 0, and ``write_idx + 1`` last;
+the CPU never waits for the GPU (on Windows it then rings cuda-link's doorbell event). The slot written is
+``write_idx mod N``, whoever still reads it: cuda-link's readers copy or finish a frame within ``N`` frames
+(cudalink's own ``Receiver("cuda-link:...")`` copies by default).
+
+Initialisation writes everything else first and the version (old + 1) last, as cuda-link's C++ writer does; a
+segment that already exists under the name (a previous producer's) is taken over, so readers see a version
+change and re-import. ``reconfigure`` re-initialises the same way (cuda-link's metadata describes every slot at
+once, so a format change is a restart for its readers). ``close``: shutdown = 1, handles zeroed, ~100 ms of
+grace for readers to let go, then the slots are freed and the segment unlinked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from . import _backends, _platform
+from .cuda import devices
+from .errors import FormatError, LinkClosed, LinkError
+from .frames.frame import Frame
+from .frames.spec import FrameSpec, PixelFormat, RowOrigin
+from .transport import cuda_link_wire as cw
+from .transport.cuda_link_source import strip_prefix
+from .transport.shm import _open_segment, _unlink_segment
+
+if TYPE_CHECKING:
+    from multiprocessing import shared_memory
+
+    from .cuda.objects import Stream
+
+__all__ = ["GRACE_S", "CudaLinkSender"]
+
+#: how long ``close`` leaves readers to see the shutdown flag and let go before the slots are freed
+GRACE_S = 0.1
+
+
+class CudaLinkSender:
+    """The same public API as :class:`cudalink.Sender` (``send``, ``reserve``, ``reconfigure``, ``stats``,
+    ``close``, a context manager), writing cuda-link's layout. Made by ``Sender(..., protocol="cuda-link")``.
+
+    ``slots`` is cuda-link's N (1..10). There is no ``policy="block"`` (cuda-link readers take no leases) and no
+    ``meta`` (the layout has no room for it); frames are (height, width, channels) images of uint8, uint16,
+    float16 or float32 (what its TD components read; int8/16/32 and uint32 are written too).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        shape: tuple[int, ...] | list[int],
+        dtype: DTypeLike = "uint8",
+        slots: int = 3,
+        device: int | str = 0,
+        pixel_format: PixelFormat | str | None = None,
+        origin: RowOrigin | str = RowOrigin.TOP,
+        strides: tuple[int, ...] | None = None,
+        capacity: int | None = None,
+        policy: str = "drop",
+        timeout: float = 1.0,
+        max_consumers: int = 16,
+        handles: str = "auto",
+        transport: object = None,
+        protocol: str = "cuda-link",
+        magic: int = cw.MAGIC,
+    ) -> None:
+        self.name = strip_prefix(name)
+        if device == "cpu":
+            raise LinkError(
+                "cudalink: cuda-link's layout shares GPU memory only (cudaIpcMemHandle); pass device=0 (or "
+                "'cuda:N'), or use protocol='cudalink' for a CPU link"
+            )
+        if not isinstance(slots, int) or not cw.MIN_SLOTS <= slots <= cw.MAX_SLOTS:
+            raise LinkError(f"cudalink: cuda-link segments have 1..10 slots, got slots={slots!r}")
+        if policy != "drop":
+            raise LinkError(
+                "cudalink: cuda-link readers take no leases, so a cuda-link Sender always overwrites the oldest slot; "
+                "leave policy='drop'"
+            )
+        if handles not in ("auto", "legacy"):
+            raise LinkError(f"cudalink: cuda-link shares legacy cuIpc handles; handles={handles!r} is not possible")
+        if magic not in cw.MAGICS:
+            raise LinkError(f"cudalink: magic must be cuda-link's 0x{cw.MAGIC:08X} (or v0.9's 0x{cw.MAGIC_V09:08X})")
+        spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
+        meta = cw.meta_from_spec(spec)
+        if magic == cw.MAGIC_V09:
+            cw.write_metadata(bytearray(cw.segment_size(1)), 1, meta, magic)  # refuses what v0.9 cannot name
+        self.timeout = timeout
+        self.policy = policy
+        self.magic = magic
+        self.capacity = cw.allocation_size(max(int(capacity or 0), spec.nbytes))
+        self._spec = spec
+        self._meta = meta
+        self._n = slots
+        self._seq = 0
+        self._idx = 0  # write_idx as published
+        self._dropped = 0
+        self._closed = False
+        self._lock = threading.RLock()
+        self._wall = time.time_ns() - time.perf_counter_ns()
+        self._bell: _platform.Doorbell | None = None
+        self._slots = _backends.CudaSlots(devices.parse_device(device), slots, self.capacity, "legacy")
+        self.device = f"cuda:{self._slots.device}"
+        try:
+            self._shm = self._segment()
+            assert self._shm.buf is not None
+            self._buf: memoryview = self._shm.buf
+            self._initialise()
+            self._bell = _platform.Doorbell.create(self.name)  # Windows only: cuda-link's optional doorbell
+        except BaseException:
+            self._slots.close(0)
+            raise
+
+    # -- the segment -------------------------------------------------------------------------------------------
+
+    def _segment(self) -> shared_memory.SharedMemory:
+        """This name's segment: a previous producer's is taken over (its version continues), else a new one."""
+        size = cw.segment_size(self._n)
+        try:
+            old = _open_segment(self.name)
+        except FileNotFoundError:
+            old = None
+        if old is not None:
+            try:
+                buf = old.buf
+                assert buf is not None
+                header = cw.read_header(buf, self.name)
+                if header.num_slots == self._n and len(buf) >= size:
+                    self._version = header.version
+                    return old
+            except LinkError:
+                pass
+            old.close()
+            _unlink_segment(self.name)  # another layout or slot count: start afresh
+        self._version = 0
+        try:
+            return _open_segment(self.name, create=True, size=size)
+        except OSError as exc:
+            raise LinkError(f"cudalink: cannot create cuda-link segment {self.name!r}: {exc}") from exc
+
+    def _initialise(self) -> None:
+        """Magic, N, write_idx = 0, handles, shutdown = 0, metadata, timestamp; the version (+1) last."""
+        buf, n = self._buf, self._n
+        cw.write_header_start(buf, self.magic, n)
+        for i, h in enumerate(self._slots.handles()):
+            cw.write_handles(buf, i, h.memory, h.event)
+        cw.write_shutdown(buf, n, False)
+        cw.write_metadata(buf, n, self._meta, self.magic)
+        cw.write_timestamp(buf, n, 0.0)
+        self._idx = 0
+        self._version += 1
+        cw.write_version(buf, self._version)
+
+    def _publish(self, timestamp_ns: int | None) -> int:
+        """The per-frame tail, after the copy and the slot's event were queued: timestamp, shutdown, write_idx."""
+        buf, n = self._buf, self._n
+        ts = time.perf_counter() if timestamp_ns is None else (timestamp_ns - self._wall) / 1e9
+        cw.write_timestamp(buf, n, ts)
+        cw.write_shutdown(buf, n, False)
+        self._idx += 1
+        cw.write_write_idx(buf, self._idx)  # last: readers take the frame from here
+        if self._bell is not None:
+            self._bell.ring()  # Windows: wake readers that sleep on cuda-link's doorbell
+        self._seq += 1
+        return self._seq
+
+    # -- properties ------------------------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> FrameSpec:
+        return self._spec
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._spec.shape
+
+    @property
+    def dtype(self) -> np.dtype[np.generic]:
+        return self._spec.dtype
+
+    @property
+    def slots(self) -> int:
+        return self._n
+
+    @property
+    def seq(self) -> int:
+        """Sequence number of the last published frame."""
+        return self._seq
+
+    @property
+    def version(self) -> int:
+        """The segment's version: +1 at each (re)initialisation."""
+        return self._version
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def stream(self) -> Stream | None:
+        """The link's own CUDA stream (cuda.core ``Stream``)."""
+        return self._slots.stream
+
+    def stats(self) -> dict[str, int]:
+        """``published`` and ``dropped`` as a cudalink Sender has; ``consumers`` is unknown here (-1): the
+        layout does not say who reads."""
+        return {"published": self._seq, "dropped": self._dropped, "consumers": -1, "version": self._version}
+
+    def __repr__(self) -> str:
+        return f"<cudalink.Sender cuda-link:{self.name!r} {self._spec.label} slots={self._n} {self.device}>"
+
+    def _check_open(self, meta: bytes = b"") -> None:
+        if self._closed:
+            raise LinkClosed(f"cudalink: Sender cuda-link:{self.name!r} is closed; create a new one")
+        if meta:
+            raise FormatError("cudalink: cuda-link frames carry no meta bytes (the layout has no room for them)")
+
+    # -- sending -------------------------------------------------------------------------------------------------
+
+    def send(
+        self,
+        array: object,
+        *,
+        stream: object = None,
+        timestamp_ns: int | None = None,
+        meta: bytes = b"",
+        timeout: float | None = None,
+    ) -> int | None:
+        """Copy ``array`` into the next slot (queued on ``stream``, or torch's current one, or the link's), record
+        the slot's event and publish; returns the frame's seq. The CPU never waits for the GPU."""
+        with self._lock:
+            if self._closed or meta:
+                self._check_open(meta)
+            checked = self._slots.source(self._spec, array, stream)  # a refused array takes no slot
+            slot = self._idx % self._n
+            self._slots.copy_in(slot, self._spec, array, stream, [], checked)
+            return self._publish(timestamp_ns)
+
+    def reserve(
+        self, *, stream: object = None, meta: bytes = b"", timeout: float | None = None
+    ) -> contextlib.AbstractContextManager[Frame]:
+        """Zero-copy: the next slot as a writable Frame, published when the block exits cleanly (the slot's
+        event recorded after your streams). If the block raises, nothing is published."""
+        return _Reservation(self, stream, meta)
+
+    def reconfigure(
+        self,
+        shape: tuple[int, ...] | list[int] | None = None,
+        dtype: DTypeLike | None = None,
+        *,
+        pixel_format: PixelFormat | str | None = None,
+        origin: RowOrigin | str | None = None,
+    ) -> FrameSpec:
+        """Change the format; the segment is re-initialised (version + 1), which cuda-link readers treat as a
+        restart. Must fit the slots (``capacity``)."""
+        with self._lock:
+            self._check_open()
+            old = self._spec
+            spec = FrameSpec(
+                old.shape if shape is None else shape,
+                old.dtype if dtype is None else dtype,
+                None,
+                pixel_format if pixel_format is not None else (old.pixel_format if shape is None else None),
+                old.origin if origin is None else origin,
+            )
+            if spec.nbytes > self.capacity:
+                raise FormatError(
+                    f"cudalink: {spec.shape} {spec.dtype.name} needs {spec.nbytes} bytes but slots hold "
+                    f"{self.capacity}; create the Sender with capacity={spec.nbytes} (or more) to allow it"
+                )
+            meta = cw.meta_from_spec(spec)
+            self._spec, self._meta = spec, meta
+            self._initialise()
+            return spec
+
+    async def send_async(
+        self,
+        array: object,
+        *,
+        stream: object = None,
+        timestamp_ns: int | None = None,
+        meta: bytes = b"",
+        timeout: float | None = None,
+    ) -> int | None:
+        """``send``, which never waits here (no back-pressure); async for API parity."""
+        return self.send(array, stream=stream, timestamp_ns=timestamp_ns, meta=meta)
+
+    # -- teardown ------------------------------------------------------------------------------------------------
+
+    def close(self, timeout: float = GRACE_S) -> None:
+        """Shutdown = 1 and handles zeroed, ``timeout`` seconds (default 0.1) for readers to let go, then free the
+        slots and unlink the segment."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            try:
+                buf, n = self._buf, self._n
+                cw.write_shutdown(buf, n, True)
+                for i in range(n):
+                    cw.write_handles(buf, i, bytes(cw.HANDLE_SIZE), bytes(cw.HANDLE_SIZE))
+                time.sleep(max(0.0, min(timeout, 5.0)))
+            finally:
+                self._buf = memoryview(b"")
+                with contextlib.suppress(Exception):
+                    _unlink_segment(self.name)
+                with contextlib.suppress(Exception):
+                    self._shm.close()
+                if self._bell is not None:
+                    self._bell.close()
+                    self._bell = None
+                self._slots.close(timeout)
+
+    def __enter__(self) -> CudaLinkSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self._closed:
+                self.close()
+
+
+class _Reservation:
+    """One ``reserve()`` block: the Sender's lock from entry to exit, the slot published on a clean exit."""
+
+    __slots__ = ("_frame", "_stream", "_tx")
+
+    def __init__(self, tx: CudaLinkSender, stream: object, meta: bytes) -> None:
+        tx._check_open(meta)
+        self._tx = tx
+        self._stream = stream
+        self._frame: Frame | None = None
+
+    def __enter__(self) -> Frame:
+        if self._frame is not None:
+            raise LinkError("cudalink: a reserve() block is entered once; call tx.reserve() again for the next frame")
+        tx = self._tx
+        tx._lock.acquire()
+        try:
+            tx._check_open()
+            slot = tx._idx % tx._n
+            self._frame = tx._slots.writable_frame(slot, tx._spec, tx._seq + 1, time.time_ns(), [])
+        except BaseException:
+            tx._lock.release()
+            raise
+        return self._frame
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+        frame = self._frame
+        if frame is None:
+            return
+        tx = self._tx
+        try:
+            streams = frame._export_streams()
+            frame.release()
+            if exc_type is None:
+                tx._slots.commit(tx._idx % tx._n, streams, self._stream)
+                tx._publish(None)
+        finally:
+            tx._lock.release()

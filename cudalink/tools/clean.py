@@ -1,0 +1,21 @@
+"""``clean``: remove what killed producers left behind (segments, sockets, rendezvous files, locks).
+
+A link is removed only while nobody holds its lock: the OS drops a producer's lock when it dies, so a
+live producer, or one starting or closing, is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..transport.shm import clean
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    removed = clean(dry_run=args.dry_run, only=args.names or None)
+    verb = "would remove" if args.dry_run else "removed"
+    for name, items in removed:
+        print(f"{verb} {name!r}: its producer is dead; {len(items)} leftover(s): {', '.join(items)}")
+    if not removed:
+        print("nothing to clean: every link here has a live producer, or none is left")
+    return 0

@@ -1,0 +1,219 @@
+"""``Sender(..., protocol="cuda-link")`` on CPU: argument checks, and the segment it writes (initialisation
+order, per-frame fields, restart on reconfigure, close) with the CUDA slots replaced by host stand-ins, read
+back by cudalink's own cuda-link reader. The GPU path is in tests/test_cuda_link_gpu.py."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+import cudalink
+from cudalink import _backends
+from cudalink.cuda_link import CudaLinkSender
+from cudalink.frames.frame import Frame
+from cudalink.frames.spec import FrameSpec
+from cudalink.transport import cuda_link_wire as cw
+from cudalink.transport import wire
+from cudalink.transport.cuda_link_source import CudaLinkSource
+from cudalink.transport.shm import _open_segment, _unlink_segment
+
+from ._cuda_link_fake import HostSlotMemory
+
+
+class FakeCudaSlots:
+    """CudaSlots' surface over SharedMemory (handle = b"HOST" + segment name), recording the calls."""
+
+    instances: list[FakeCudaSlots] = []
+
+    def __init__(self, ordinal: int, nslots: int, capacity: int, handles: str) -> None:
+        assert handles == "legacy" and capacity % (2 << 20) == 0
+        self.device = ordinal
+        self.capacity = capacity
+        self.stream = None
+        self.names = [f"fake_slot_{uuid.uuid4().hex[:10]}" for _ in range(nslots)]
+        self.segs = [_open_segment(n, create=True, size=1 << 16) for n in self.names]
+        self.calls: list[tuple[str, int]] = []
+        self.closed = False
+        FakeCudaSlots.instances.append(self)
+
+    def handles(self) -> list[wire.SlotHandle]:
+        out = []
+        for i, n in enumerate(self.names):
+            out.append(wire.SlotHandle((b"HOST" + n.encode()).ljust(64, b"\0"), self.capacity, bytes([i + 1]) * 64, 0))
+        return out
+
+    def source(self, spec: FrameSpec, src: object, stream: object) -> object:
+        arr = np.asarray(src)
+        spec.check_array(arr.shape, arr.dtype)
+        return arr
+
+    def copy_in(
+        self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[object], checked: object
+    ) -> None:
+        buf = self.segs[slot].buf
+        assert buf is not None
+        np.copyto(np.ndarray(spec.shape, spec.dtype, buffer=buf), np.asarray(checked))
+        self.calls.append(("copy+record", slot))
+
+    def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[object]) -> Frame:
+        buf = self.segs[slot].buf
+        assert buf is not None
+        arr = np.ndarray(spec.shape, spec.dtype, buffer=buf)
+        return Frame.from_array(arr, seq=seq, timestamp_ns=ts)
+
+    def commit(self, slot: int, streams: list[int], stream: object) -> None:
+        self.calls.append(("record", slot))
+
+    def close(self, timeout: float) -> None:
+        self.closed = True
+        for n, s in zip(self.names, self.segs, strict=True):
+            s.close()
+            _unlink_segment(n)
+
+
+@pytest.fixture
+def fake_slots(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeCudaSlots]]:
+    monkeypatch.setattr(_backends, "CudaSlots", FakeCudaSlots)
+    monkeypatch.setattr("cudalink.cuda.devices.parse_device", lambda d: 0)
+    FakeCudaSlots.instances = []
+    yield FakeCudaSlots
+    for s in FakeCudaSlots.instances:
+        if not s.closed:
+            s.close(0)
+
+
+@pytest.fixture
+def name() -> str:
+    return f"cudalink_ipc_Python>>TD_{uuid.uuid4().hex[:8]}"
+
+
+def _segment(name: str) -> shared_memory.SharedMemory:
+    return _open_segment(name)
+
+
+def test_argument_errors_name_the_fix() -> None:
+    with pytest.raises(cudalink.LinkError, match="GPU memory only"):
+        cudalink.Sender("x", shape=(4, 4, 4), protocol="cuda-link", device="cpu")
+    with pytest.raises(cudalink.LinkError, match=r"1\.\.10 slots"):
+        cudalink.Sender("x", shape=(4, 4, 4), protocol="cuda-link", slots=11)
+    with pytest.raises(cudalink.LinkError, match="policy='drop'"):
+        cudalink.Sender("x", shape=(4, 4, 4), protocol="cuda-link", policy="block")
+    with pytest.raises(cudalink.LinkError, match="legacy"):
+        cudalink.Sender("x", shape=(4, 4, 4), protocol="cuda-link", handles="pool")
+    with pytest.raises(cudalink.FormatError, match="float64"):
+        cudalink.Sender("x", shape=(4, 4, 4), dtype="float64", protocol="cuda-link")
+    with pytest.raises(cudalink.FormatError, match=r"v0\.9 carries only"):
+        cudalink.Sender("x", shape=(4, 4, 4), dtype="int8", protocol="cuda-link", magic=cw.MAGIC_V09)
+    with pytest.raises(cudalink.LinkError, match="protocol must be"):
+        cudalink.Sender("x", shape=(4, 4, 4), protocol="ndi")
+
+
+def test_the_segment_it_writes(name: str, fake_slots: type[FakeCudaSlots]) -> None:
+    tx = cudalink.Sender(name, shape=(4, 6, 4), pixel_format="BGRA", slots=2, protocol="cuda-link")
+    try:
+        assert isinstance(tx, CudaLinkSender) and tx.slots == 2 and tx.device == "cuda:0"
+        shm = _segment(name)
+        assert shm.buf is not None
+        seg = cw.read_segment(shm.buf, name)
+        assert seg.header == cw.Header(cw.MAGIC, 1, 2, 0)
+        assert seg.metadata == cw.Metadata(6, 4, 4, cw.FORMAT_UNSIGNED, 8, cw.FLAG_BGRA, 96)
+        assert seg.event_handles == (b"\x01" * 64, b"\x02" * 64) and not seg.shutdown
+        assert fake_slots.instances[0].capacity == 2 << 20  # rounded up to 2 MiB
+
+        assert tx.send(np.full((4, 6, 4), 3, np.uint8)) == 1
+        assert tx.send(np.full((4, 6, 4), 4, np.uint8)) == 2
+        assert tx.send(np.full((4, 6, 4), 5, np.uint8)) == 3
+        assert fake_slots.instances[0].calls == [("copy+record", 0), ("copy+record", 1), ("copy+record", 0)]
+        assert cw.read_write_idx(shm.buf) == 3 and cw.read_timestamp(shm.buf, 2) > 0
+        with tx.reserve() as f:
+            np.asarray(f.numpy()).fill(9)
+        assert fake_slots.instances[0].calls[-1] == ("record", 1) and cw.read_write_idx(shm.buf) == 4
+        with pytest.raises(RuntimeError), tx.reserve():
+            raise RuntimeError("aborted")
+        assert cw.read_write_idx(shm.buf) == 4  # nothing published
+        with pytest.raises(cudalink.FormatError, match="no meta"):
+            tx.send(np.zeros((4, 6, 4), np.uint8), meta=b"x")
+        assert tx.stats() == {"published": 4, "dropped": 0, "consumers": -1, "version": 1}
+        shm.close()
+    finally:
+        tx.close(timeout=0)
+    assert tx.closed and fake_slots.instances[0].closed
+    with pytest.raises(FileNotFoundError):
+        _segment(name)
+    with pytest.raises(cudalink.LinkClosed):
+        tx.send(np.zeros((4, 6, 4), np.uint8))
+
+
+def test_close_sets_shutdown_and_zeroes_handles_before_the_grace(name: str, fake_slots: type[FakeCudaSlots]) -> None:
+    tx = cudalink.Sender(name, shape=(4, 6, 4), slots=2, protocol="cuda-link")
+    shm = _segment(name)
+    assert shm.buf is not None
+    seen = {}
+
+    def sleep(s: float) -> None:  # during the grace: what readers see
+        assert shm.buf is not None
+        seen["shutdown"] = cw.read_shutdown(shm.buf, 2)
+        seen["handles"] = [cw.read_handles(shm.buf, 2, i) for i in range(2)]
+        seen["grace"] = s
+
+    import cudalink.cuda_link as mod
+
+    orig = mod.time.sleep
+    mod.time.sleep = sleep  # type: ignore[assignment]
+    try:
+        tx.close()
+    finally:
+        mod.time.sleep = orig
+    shm.close()
+    assert seen == {"shutdown": True, "handles": [(bytes(64), bytes(64))] * 2, "grace": 0.1}
+
+
+def test_our_reader_reads_our_writer(name: str, fake_slots: type[FakeCudaSlots]) -> None:
+    with cudalink.Sender(name, shape=(4, 6, 3), dtype="float32", slots=3, protocol="cuda-link") as tx:
+        src = CudaLinkSource("cuda-link:" + name, memory=HostSlotMemory)
+        with cudalink.Receiver("cuda-link:" + name, source=src, timeout=1.0) as rx:
+            for v in range(1, 6):
+                tx.send(np.full((4, 6, 3), v, np.float32))
+                f = rx.recv(timeout=1.0)
+                assert f.seq == v and f.shape == (4, 6, 3) and (f.numpy() == v).all()
+            gen = rx.generation
+            tx.reconfigure(shape=(2, 3, 4), dtype="uint16")  # a restart for cuda-link readers
+            assert tx.version == 2
+            with pytest.raises(cudalink.ProducerGone):
+                rx.recv(timeout=1.0)
+            tx.send(np.full((2, 3, 4), 7, np.uint16))
+            f = rx.recv(timeout=1.0)
+            assert rx.generation != gen and f.seq == 1 and f.dtype == np.uint16 and (f.numpy() == 7).all()
+            tx.close(timeout=0)
+            with pytest.raises(cudalink.ProducerGone):
+                rx.recv(timeout=1.0)
+
+
+def test_a_previous_segment_is_taken_over_with_the_next_version(name: str, fake_slots: type[FakeCudaSlots]) -> None:
+    keep = _open_segment(name, create=True, size=cw.segment_size(3))
+    assert keep.buf is not None
+    seg = cw.Segment(
+        cw.Header(cw.MAGIC, 41, 3, 17),
+        (b"\7" * 64,) * 3,
+        (bytes(64),) * 3,
+        False,
+        cw.Metadata(2, 2, 1, 1, 8, 0, 4),
+        1.0,
+    )
+    cw.pack_segment(keep.buf, seg)
+    with cudalink.Sender(name, shape=(4, 6, 4), slots=3, protocol="cuda-link") as tx:
+        assert tx.version == 42
+        got = cw.read_segment(keep.buf)
+        assert got.header.version == 42 and got.header.write_idx == 0 and got.memory_handles[0] != b"\7" * 64
+    keep.close()
+
+
+def test_reconfigure_beyond_the_slots_is_refused(name: str, fake_slots: type[FakeCudaSlots]) -> None:
+    with cudalink.Sender(name, shape=(4, 6, 4), protocol="cuda-link") as tx:
+        with pytest.raises(cudalink.FormatError, match="capacity="):
+            tx.reconfigure(shape=(2048, 2048, 4))
+        assert tx.version == 1

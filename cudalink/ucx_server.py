@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import _platform
-from .errors import LinkError, LinkTimeout, ProducerGone, ProtocolError
+from .errors import LinkError, LinkTimeout, ProducerGone, ProtocolError, ProtocolReason
 from .frames.frame import Frame
 from .frames.spec import FrameSpec
 from .link import Receiver
@@ -111,6 +111,11 @@ class _Consumer:
             rx = await asyncio.to_thread(Receiver, name, timeout=0.0, latest=hello.latest)
         except LinkTimeout:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"no producer publishes {name!r} here now"))
+            return False
+        except ProtocolError as exc:
+            full = exc.reason is ProtocolReason.FULL  # the link's max_consumers are taken
+            code = ucx_wire.R_FULL if full else ucx_wire.R_NO_LINK
+            await self._send(ucx_wire.pack_reject(code, f"{name!r}: {exc}"))
             return False
         except LinkError as exc:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"{name!r}: {exc}"))

@@ -19,13 +19,14 @@ import contextlib
 import logging
 import os
 import secrets
+import sys
 import time
 from typing import Any
 
 import numpy as np
 
 from . import _platform
-from .errors import LinkError, LinkTimeout, ProducerGone, ProtocolError
+from .errors import LinkError, LinkTimeout, ProducerGone, ProtocolError, ProtocolReason
 from .frames.frame import Frame
 from .frames.spec import FrameSpec
 from .link import Receiver
@@ -110,6 +111,11 @@ class _Consumer:
             rx = await asyncio.to_thread(Receiver, name, timeout=0.0, latest=hello.latest)
         except LinkTimeout:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"no producer publishes {name!r} here now"))
+            return False
+        except ProtocolError as exc:
+            full = exc.reason is ProtocolReason.FULL  # the link's max_consumers are taken
+            code = ucx_wire.R_FULL if full else ucx_wire.R_NO_LINK
+            await self._send(ucx_wire.pack_reject(code, f"{name!r}: {exc}"))
             return False
         except LinkError as exc:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"{name!r}: {exc}"))
@@ -213,10 +219,10 @@ class _Consumer:
                     spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
                 else:
                     data = frame.numpy()
-                await self.ep.send(
-                    ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta)
-                )
-                await self.ep.send(data)
+                head = ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta)
+                # both posted at once (UCX keeps one endpoint's messages of one tag in order): the pixels
+                # need not wait for the header's completion to be reported
+                await asyncio.gather(self.ep.send(head), self.ep.send(data))
             finally:
                 # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease
                 # outlives this frame (a cancelled send's traceback would keep them)
@@ -303,7 +309,10 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> 
     server = Server(addr.port, key, name, parent)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.run(ready))
-    return 0
+    # Leave now: UCX's own threads (its "thread" progress mode) can keep an interpreter from exiting, and a
+    # server whose producer process is gone must not linger. The OS returns the leases (the link sees EOF).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 __all__ = ["Server", "serve"]

@@ -107,6 +107,12 @@ def gpu_consumer(args: argparse.Namespace) -> None:
                 got = f.to_numpy()
             bad += int(not np.array_equal(got, want))
     print(f"checked {args.frames} bad {bad} device {rx.device} stats {rx.stats()}", flush=True)
+    if args.until_gone:  # keep taking frames until the server vanishes, then say how it ended
+        try:
+            while True:
+                rx.recv(timeout=30.0).release()
+        except cudalink.ProducerGone:
+            print(f"gone {time.monotonic():.3f}", flush=True)
 
 
 def main() -> None:
@@ -131,6 +137,7 @@ def main() -> None:
     q.add_argument("--device", default="0")
     q.add_argument("--lib", default="torch")
     q.add_argument("--frames", type=int, default=100)
+    q.add_argument("--until-gone", action="store_true")
     args = p.parse_args()
     {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer}[args.cmd](args)
     sys.exit(0)

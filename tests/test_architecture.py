@@ -75,6 +75,7 @@ LAYERS: list[set[str]] = [
         "cudalink.tools.multigpu_bench",
         "cudalink.tools.clean",
     },
+    {"cudalink.tools.remote_bench"},
     {
         "cudalink.tools.demo",
         "cudalink.tools.info",

@@ -519,7 +519,7 @@ def test_two_network_namespaces_joined_by_a_veth_pair() -> None:
             run("ip", "-n", ns, "link", "set", dev, "up")
             run("ip", "-n", ns, "link", "set", "lo", "up")
         name = unique("n")
-        prod = Proc(["-m", "tests._ucx_procs", "producer", name, "--frames", "1000000", "--fps", "100"])
+        prod = Proc(["-m", "tests._ucx_procs", "producer", name, "--frames", "1000000", "--fps", "100", "--report"])
         prod.expect("ready")
         port = free_port()
         srv = Proc(["-m", "cudalink", "serve", name, "--listen", f"ucx://0.0.0.0:{port}", "-v"], _NETNS=a)
@@ -536,11 +536,20 @@ def test_two_network_namespaces_joined_by_a_veth_pair() -> None:
                 "numpy",
                 "--frames",
                 "30",
+                "--until-gone",
             ],
             _NETNS=b,
         )
         line = cons.expect("checked", 60.0)
         assert " bad 0 " in line, line
+        # the cable is pulled: no RST reaches either side, only silence
+        prod.expect("consumers 1", 10.0)
+        pulled = time.monotonic()
+        run("ip", "-n", a, "link", "set", va, "down")
+        gone = float(cons.expect("gone", 10.0).split()[1])
+        assert gone - pulled <= 1.0 + 0.2, f"the consumer saw the server vanish after {gone - pulled:.2f}s"
+        prod.expect("consumers 0", 10.0)
+        assert time.monotonic() - pulled <= 1.0 + 0.3, "the server kept the vanished consumer's lease"
     finally:
         for p in (cons, srv, prod):
             if p is not None:

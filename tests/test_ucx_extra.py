@@ -32,3 +32,22 @@ def test_sender_serve_without_the_extra_fails_before_allocating(monkeypatch: pyt
         cudalink.Sender(unique("x"), shape=(4, 4), serve="ucx://127.0.0.1:5000")
     with pytest.raises(cudalink.LinkError, match="ucx://HOST:PORT"):
         cudalink.Sender(unique("x"), shape=(4, 4), serve="tcp://nope")
+
+
+def test_the_key_file_is_made_private_once_and_then_reused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]
+) -> None:
+    monkeypatch.delenv("CUDALINK_KEY", raising=False)
+    path = os.path.join(str(tmp_path), "sub", "ucx.key")
+    monkeypatch.setenv("CUDALINK_KEY_FILE", path)
+    with pytest.raises(cudalink.LinkError, match="no ucx key"):
+        ucx_engine.load_key()
+    key, made = ucx_engine.load_key(create=True)
+    assert made == path and len(key) == 32
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert ucx_engine.load_key(create=True) == (key, None)  # the same key, not a new one
+    monkeypatch.setenv("CUDALINK_KEY", key.hex())
+    assert ucx_engine.load_key() == (key, None)
+    monkeypatch.setenv("CUDALINK_KEY", "not hex")
+    with pytest.raises(cudalink.LinkError, match="not hex"):
+        ucx_engine.load_key()

@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the breakdown's consumer sleeps until each frame is published (Receiver(wake_ahead=False))",
     )
     p.add_argument(
+        "--remote",
+        action="store_true",
+        help="ucx:// on loopback against a bare UCXX send/recv and a plain TCP socket (needs cudalink[ucx])",
+    )
+    p.add_argument(
         "--multi-gpu",
         dest="multi_gpu",
         action="store_true",

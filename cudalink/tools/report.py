@@ -282,6 +282,10 @@ def _only(text: str | None) -> frozenset[str] | None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "remote", False):  # across hosts: its own module (issue 33)
+        from .remote_bench import cmd_remote_bench
+
+        return cmd_remote_bench(args)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import bench as _bench

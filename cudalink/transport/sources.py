@@ -13,9 +13,8 @@ def open_source(
     name: str, *, transport: Transport, device: int | str | None, copy: Copy, latest: bool = True
 ) -> Source:
     """The source for ``name``: a link of this host by default (which also refuses a name that is no name)."""
-    if isinstance(name, str) and name.startswith(
-        "ucx://"
-    ):  # another host (issue 33); ``latest`` tells the server how to pick frames
+    # another host (issue 33); ``latest`` tells its server how to pick frames
+    if isinstance(name, str) and name.startswith("ucx://"):
         from .ucx_source import UcxSource
 
         return UcxSource(name, device=device, copy=copy, latest=latest)

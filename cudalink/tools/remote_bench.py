@@ -1,0 +1,355 @@
+"""``python -m cudalink bench --remote``: ucx:// links against the engine's floor, on loopback, in one run.
+
+Rows (each against its floor taken in the same run, between two processes on this host):
+
+- handoff p50/p99, 64x64x4 and 1080p RGBA uint8: the producer's ``send()`` entered -> the remote
+  consumer's ``recv()`` returned (producer, ``cudalink serve`` and consumer: three processes), against a
+  bare UCXX send of the same header and bytes -> its ``recv`` completed (two processes). Clocks: the
+  system-wide monotonic clock, read in both processes.
+- throughput, 1080p and 4K RGBA uint8, ``latest=False``, the producer sending as fast as the consumer
+  takes: fps and GB/s, against the bare UCXX stream of the same bytes and a plain TCP socket
+  (``sendall``/``recv_into``).
+
+``UCX_TLS`` is left to the user (``tcp`` forces TCP; on a GPU host ``tcp,cuda_copy[,cuda_ipc]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+SIZES = {"64x64x4": (64, 64, 4), "1080p": (1080, 1920, 4), "4K": (2160, 3840, 4)}
+STAMP = struct.Struct("<Qq")  # seq, monotonic ns at send
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cudalink.tools.remote_bench", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
+
+
+def _wait_line(p: subprocess.Popen[str], prefix: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    assert p.stdout is not None
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"cudalink bench --remote: a child exited before {prefix!r}")
+        if line.startswith(prefix):
+            return line.strip()
+    raise RuntimeError(f"cudalink bench --remote: no {prefix!r} within {timeout}s")
+
+
+def _pct(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs)
+    return {"p50_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99)), "n": len(xs)}
+
+
+# -- cudalink: producer process (with serve=), consumer here ----------------------------------------------------
+
+
+def _producer(name: str, shape: str, port: int, period: float, seconds: float) -> None:
+    import cudalink
+
+    shp = tuple(int(x) for x in shape.split(","))
+    src = np.zeros(shp, np.uint8)
+    with cudalink.Sender(name, shape=shp, slots=4, serve=f"ucx://127.0.0.1:{port}") as tx:
+        print("ready", flush=True)
+        end = time.monotonic() + seconds
+        nxt = time.monotonic()
+        while time.monotonic() < end:
+            meta = STAMP.pack(tx.seq + 1, time.monotonic_ns())
+            tx.send(src, meta=meta)
+            if period:
+                nxt += period
+                time.sleep(max(0.0, nxt - time.monotonic()))
+
+
+def cudalink_handoff(shape: tuple[int, ...], frames: int, period: float) -> dict[str, float]:
+    import cudalink
+
+    port = _free_port()
+    name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
+    p = _child("producer", name, ",".join(map(str, shape)), str(port), str(period), str(frames * period + 30))
+    try:
+        _wait_line(p, "ready")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device="cpu", wait="block")
+                break
+            except cudalink.LinkTimeout:
+                if time.monotonic() > deadline:
+                    raise
+        lat = []
+        with rx:
+            for _ in range(20):  # warm-up
+                rx.recv(timeout=10).release()
+            for _ in range(frames):
+                f = rx.recv(timeout=10)
+                now = time.monotonic_ns()
+                lat.append((now - STAMP.unpack(f.meta)[1]) / 1e3)
+                f.release()
+        return _pct(lat)
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def cudalink_stream(shape: tuple[int, ...], seconds: float) -> dict[str, float]:
+    import cudalink
+
+    port = _free_port()
+    name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
+    p = _child("producer", name, ",".join(map(str, shape)), str(port), "0", str(seconds + 30))
+    try:
+        _wait_line(p, "ready")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device="cpu", latest=False)
+                break
+            except cudalink.LinkTimeout:
+                if time.monotonic() > deadline:
+                    raise
+        with rx:
+            for _ in range(5):
+                rx.recv(timeout=10).release()
+            n = 0
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                rx.recv(timeout=10).release()
+                n += 1
+            dt = time.monotonic() - t0
+        nbytes = int(np.prod(shape))
+        return {"fps": n / dt, "GBps": n * nbytes / dt / 1e9}
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+# -- the bare engine: a UCXX sender process, a receiver here --------------------------------------------------
+
+
+def _bare_sender(port: int, nbytes: int, period: float, count: int) -> None:
+    from ..transport import ucx_engine
+
+    ucxx = ucx_engine.load()
+
+    async def main() -> None:
+        ucx_engine.init_here(ucxx)
+        ep = await ucxx.create_endpoint("127.0.0.1", port)
+        head = bytearray(320)
+        payload = np.zeros(nbytes, np.uint8)
+        ack = bytearray(8)
+        nxt = time.monotonic()
+        for i in range(count):
+            STAMP.pack_into(head, 0, i, time.monotonic_ns())
+            await ep.send(head)
+            await ep.send(payload)
+            if period:
+                nxt += period
+                await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+            elif i % 3 == 2:  # a window of 3, as cudalink's credits
+                await ep.recv(ack)
+        await ep.recv(ack)
+
+    asyncio.run(main())
+
+
+def _bare(nbytes: int, count: int, period: float) -> tuple[list[float], float]:
+    """Receive ``count`` header+payload pairs from a bare sender process; latencies (µs) and seconds taken."""
+    from ..transport import ucx_engine
+
+    eng = ucx_engine.engine()
+    ucxx = eng.ucxx
+    port = _free_port()
+    done: asyncio.Future[tuple[list[float], float]] | None = None
+
+    async def serve() -> tuple[list[float], float]:
+        nonlocal done
+        done = asyncio.get_running_loop().create_future()
+
+        async def handler(ep: Any) -> None:
+            head = bytearray(320)
+            buf = np.empty(nbytes, np.uint8)
+            lat: list[float] = []
+            t0 = 0.0
+            for i in range(count):
+                await ep.recv(head)
+                await ep.recv(buf)
+                now = time.monotonic_ns()
+                if i == 0:
+                    t0 = time.monotonic()
+                lat.append((now - STAMP.unpack_from(head)[1]) / 1e3)
+                if not period and i % 3 == 2:
+                    await ep.send(bytearray(8))
+            took = time.monotonic() - t0
+            await ep.send(bytearray(8))
+            assert done is not None
+            done.set_result((lat, took))
+
+        listener = ucxx.create_listener(handler, port=port)
+        print_ready.set()
+        try:
+            return await asyncio.wait_for(done, 600)
+        finally:
+            del listener
+
+    import threading
+
+    print_ready = threading.Event()
+    fut = eng.submit(serve())
+    print_ready.wait(30)
+    p = _child("bare", str(port), str(nbytes), str(period), str(count))
+    try:
+        return fut.result(600)
+    finally:
+        p.wait(30)
+
+
+def bare_handoff(nbytes: int, frames: int, period: float) -> dict[str, float]:
+    lat, _ = _bare(nbytes, frames + 20, period)
+    return _pct(lat[20:])
+
+
+def bare_stream(nbytes: int, count: int) -> dict[str, float]:
+    _, took = _bare(nbytes, count, 0.0)
+    return {"fps": (count - 1) / took, "GBps": (count - 1) * nbytes / took / 1e9}
+
+
+# -- a plain TCP socket ------------------------------------------------------------------------------------------
+
+
+def _tcp_sender(port: int, nbytes: int, count: int) -> None:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = bytearray(nbytes)
+    for _ in range(count):
+        s.sendall(payload)
+    s.recv(1)
+    s.close()
+
+
+def tcp_stream(nbytes: int, count: int) -> dict[str, float]:
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    p = _child("tcp", str(ls.getsockname()[1]), str(nbytes), str(count))
+    c, _ = ls.accept()
+    buf = memoryview(bytearray(nbytes))
+    t0 = 0.0
+    for i in range(count):
+        got = 0
+        while got < nbytes:
+            got += c.recv_into(buf[got:])
+        if i == 0:
+            t0 = time.monotonic()
+    took = time.monotonic() - t0
+    c.send(b"x")
+    c.close()
+    ls.close()
+    p.wait(30)
+    return {"fps": (count - 1) / took, "GBps": (count - 1) * nbytes / took / 1e9}
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    import secrets
+
+    from ..transport import ucx_engine
+
+    os.environ.setdefault("CUDALINK_KEY", secrets.token_hex(32))  # this run's own key, for its children too
+    frames = 100 if quick else 500
+    secs = 2.0 if quick else 5.0
+    out: dict[str, Any] = {
+        "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
+        "progress": os.environ.get("CUDALINK_UCX_PROGRESS", ucx_engine.PROGRESS),
+        "handoff": {},
+        "stream": {},
+    }
+    for label in ("64x64x4", "1080p"):
+        shape = SIZES[label]
+        nbytes = int(np.prod(shape))
+        period = 0.005 if label == "64x64x4" else 0.02
+        c = cudalink_handoff(shape, frames, period)
+        b = bare_handoff(nbytes, frames, period)
+        out["handoff"][label] = {"cudalink": c, "bare_ucxx": b, "ratio_p50": c["p50_us"] / b["p50_us"]}
+    for label in ("1080p", "4K"):
+        shape = SIZES[label]
+        nbytes = int(np.prod(shape))
+        c = cudalink_stream(shape, secs)
+        count = max(20, int(c["fps"] * secs))
+        b = bare_stream(nbytes, count)
+        t = tcp_stream(nbytes, count)
+        out["stream"][label] = {"cudalink": c, "bare_ucxx": b, "tcp": t, "share_of_bare": c["fps"] / b["fps"]}
+    return out
+
+
+def print_report(r: dict[str, Any]) -> None:
+    print(f"cudalink bench --remote · UCX_TLS={r['ucx_tls']} · progress={r['progress']}")
+    print(f"{'handoff':<10} {'cudalink p50/p99 µs':>22} {'bare UCXX p50/p99 µs':>22} {'ratio p50':>10} (goal <= 1.3x)")
+    for label, row in r["handoff"].items():
+        c, b = row["cudalink"], row["bare_ucxx"]
+        print(
+            f"{label:<10} {c['p50_us']:>10.0f} / {c['p99_us']:<9.0f} {b['p50_us']:>10.0f} / {b['p99_us']:<9.0f}"
+            f" {row['ratio_p50']:>9.2f}x"
+        )
+    print(
+        f"{'stream':<10} {'cudalink fps (GB/s)':>22} {'bare UCXX fps (GB/s)':>22} {'TCP fps (GB/s)':>18} share (>= 90%)"
+    )
+    for label, row in r["stream"].items():
+        c, b, t = row["cudalink"], row["bare_ucxx"], row["tcp"]
+        print(
+            f"{label:<10} {c['fps']:>12.1f} ({c['GBps']:.2f}) {b['fps']:>12.1f} ({b['GBps']:.2f})"
+            f" {t['fps']:>10.1f} ({t['GBps']:.2f}) {row['share_of_bare']:>6.0%}"
+        )
+
+
+def cmd_remote_bench(args: argparse.Namespace) -> int:
+    r = run(quick=bool(getattr(args, "quick", False)))
+    print_report(r)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+def _main() -> None:
+    role, *rest = sys.argv[1:]
+    if role == "producer":
+        name, shape, port, period, seconds = rest
+        _producer(name, shape, int(port), float(period), float(seconds))
+    elif role == "bare":
+        port, nbytes, period, count = rest
+        _bare_sender(int(port), int(nbytes), float(period), int(count))
+    elif role == "tcp":
+        port, nbytes, count = rest
+        _tcp_sender(int(port), int(nbytes), int(count))
+    sys.stdout.flush()
+    os._exit(0)  # UCX's progress thread can keep an interpreter from exiting
+
+
+if __name__ == "__main__":
+    _main()

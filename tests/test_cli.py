@@ -338,7 +338,11 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     single = report["extra"]["fanout_single"]
     plan = report["plan"]
     assert single["n"] >= plan["fanout_frames"], single  # every turn's frames after its warm-up, pooled
-    assert rows[("fanout", "shm")]["cudalink"]["n"] >= plan["fanout_frames"] * plan["fanout_consumers"]
+    # every frame reaches every consumer or is counted as skipped by it: eight consumers on two busy cores
+    # legitimately skip a few (latest=True), and none is lost without a count
+    fanned, skipped = rows[("fanout", "shm")]["cudalink"]["n"], report["extra"]["fanout_skipped"]
+    total = plan["fanout_frames"] * plan["fanout_consumers"]
+    assert fanned + skipped >= total and fanned >= total // 2, (fanned, skipped, total)
     goal = next(g for g in report["goals"] if g["goal"].startswith("fan-out p99"))
     assert goal["reference"] == single["p99"] and "in turns with the fan-out" in goal["reference_label"], goal
 

@@ -404,6 +404,7 @@ Extra = TypedDict(
         "view_read_paired": Summary | None,  # host links: the view_read floor, in the consumer, alternate frames
         "send_floor_paired": Summary | None,  # CUDA: memcpy + record in the producer, halfway between sends
         "fanout_single": Summary | None,  # one consumer's handoff, in turns with the fan-out runs, same cadence
+        "fanout_skipped": int | None,  # frames the fan-out's consumers skipped (latest=True), counted, not lost
         "small_fps_cudalink": float | None,
         "small_fps_torch-mp": float | None,
         "copy_peak_gbps": float | None,  # the card's D2D copy rate, bytes copied per second / 1e9
@@ -1297,6 +1298,9 @@ class Bench:
         run = self._get("fanout_single", "cudalink")
         if isinstance(run, RunResult):
             out["fanout_single"] = summarize(run.handoff())
+        run = self._get("fanout", "cudalink")
+        if isinstance(run, RunResult):
+            out["fanout_skipped"] = run.skipped()
         small = self._get("small_throughput", "cudalink")
         if isinstance(small, RunResult):
             out["small_fps_cudalink"] = small.fps()

@@ -266,19 +266,7 @@ class CudaLinkSender:
         restart. Must fit the slots (``capacity``)."""
         with self._lock:
             self._check_open()
-            old = self._spec
-            spec = FrameSpec(
-                old.shape if shape is None else shape,
-                old.dtype if dtype is None else dtype,
-                None,
-                pixel_format if pixel_format is not None else (old.pixel_format if shape is None else None),
-                old.origin if origin is None else origin,
-            )
-            if spec.nbytes > self.capacity:
-                raise FormatError(
-                    f"cudalink: {spec.shape} {spec.dtype.name} needs {spec.nbytes} bytes but slots hold "
-                    f"{self.capacity}; create the Sender with capacity={spec.nbytes} (or more) to allow it"
-                )
+            spec = self._spec.reconfigured(shape, dtype, pixel_format, origin, self.capacity)
             meta = cw.meta_from_spec(spec)
             self._spec, self._meta = spec, meta
             self._initialise()

@@ -609,19 +609,7 @@ class Sender:
         """Change the format mid-stream; the next frame carries it. Must fit the slot capacity."""
         with self._lock:
             self._check_open()
-            old = self._spec
-            spec = FrameSpec(
-                old.shape if shape is None else shape,
-                old.dtype if dtype is None else dtype,
-                None,
-                pixel_format if pixel_format is not None else (old.pixel_format if shape is None else None),
-                old.origin if origin is None else origin,
-            )
-            if spec.nbytes > self.capacity:
-                raise FormatError(
-                    f"cudalink: {spec.shape} {spec.dtype.name} needs {spec.nbytes} bytes but slots hold "
-                    f"{self.capacity}; create the Sender with capacity={spec.nbytes} (or more) to allow it"
-                )
+            spec = self._spec.reconfigured(shape, dtype, pixel_format, origin, self.capacity)
             self._spec = spec
             return spec
 

@@ -191,6 +191,32 @@ class FrameSpec:
     def with_shape(self, shape: Sequence[int]) -> FrameSpec:
         return FrameSpec(shape, self.dtype, None, self.pixel_format, self.origin)
 
+    def reconfigured(
+        self,
+        shape: Sequence[int] | None,
+        dtype: DTypeLike | None,
+        pixel_format: PixelFormat | str | None,
+        origin: RowOrigin | str | None,
+        capacity: int,
+    ) -> FrameSpec:
+        """This spec with what a Sender's ``reconfigure`` changes, checked against its slots' ``capacity``.
+
+        A new shape drops the pixel format unless one is given: the old one may not fit its channels.
+        """
+        spec = FrameSpec(
+            self.shape if shape is None else shape,
+            self.dtype if dtype is None else dtype,
+            None,
+            pixel_format if pixel_format is not None else (self.pixel_format if shape is None else None),
+            self.origin if origin is None else origin,
+        )
+        if spec.nbytes > capacity:
+            raise FormatError(
+                f"cudalink: {spec.shape} {spec.dtype.name} needs {spec.nbytes} bytes but slots hold "
+                f"{capacity}; create the Sender with capacity={spec.nbytes} (or more) to allow it"
+            )
+        return spec
+
     def check_array(self, shape: Sequence[int], dtype: DTypeLike, what: str = "array") -> None:
         """Raise a :class:`FormatError` that says exactly what differs, for ``send``."""
         got = tuple(int(d) for d in shape)

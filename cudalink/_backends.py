@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from . import _platform, _trace
 from .cuda import arrays, devices, driver, memory
-from .errors import ArgumentError, FormatError, LinkError, ProtocolError
+from .errors import ArgumentError, FormatError, LinkError, ProducerGone, ProtocolError
 from .frames.frame import Frame, FrameSync, HostViews, _Hold
 from .frames.spec import FrameSpec
 from .transport import wire
@@ -489,11 +489,25 @@ class _ConsumerSync:
         self.raw = driver.raw(ready)
 
     def wait(self, stream: int) -> None:
+        if self.view.client.hung_up():
+            raise _dead_ready()
         driver.wait(stream, self.raw)
 
     def cai_stream(self) -> int | None:
+        if self.view.client.hung_up():
+            raise _dead_ready()
         driver.wait(self.view.stream_int, self.raw)
         return self.view.stream_int
+
+
+def _dead_ready() -> ProducerGone:
+    """A frame whose producer process is gone: its ready event went with it, so whether the producer's copy
+    into the slot finished is unknown, and CUDA calls any use of an imported event after its exporter freed
+    it undefined (cuIpcOpenEventHandle's documentation)."""
+    return ProducerGone(
+        "cudalink: the producer of this frame died before it was read, and its ready event went with it: the "
+        "frame may be incomplete. Drop it and recv() again to wait for a new producer"
+    )
 
 
 class CudaView:
@@ -506,6 +520,7 @@ class CudaView:
         self.stream_int = driver.stream_handle(self.stream)
         importer = memory.LegacyImporter if fixed.backend == wire.BACKEND_CUDA_LEGACY else memory.PoolImporter
         self.mem = importer(self.dev, fds)
+        self.client = client  # whether the producer's process is still there, before a wait on its events
         n = fixed.nslots
         #: per slot, once imported: (device pointer, owner tuple for the frames' holds, sync object)
         self._slots: list[tuple[int, tuple[CudaView, object], _ConsumerSync] | None] = [None] * n
@@ -527,7 +542,9 @@ class CudaView:
 
     def setup(self, header: memoryview, layout: wire.Layout, index: int) -> None:
         """Create this consumer's per-slot release events and publish their handles for the producer."""
-        self.release_events = [driver.new_ipc_event(self.stream) for _ in range(layout.nslots)]
+        with devices.keep_current():  # in the producer GPU's context, where they are recorded
+            self.dev.set_current()
+            self.release_events = [driver.new_ipc_event(self.stream) for _ in range(layout.nslots)]
         self._release_raw = [driver.raw(ev) for ev in self.release_events]
         for slot, ev in enumerate(self.release_events):
             raw, flag = driver.event_handle(ev)
@@ -537,9 +554,13 @@ class CudaView:
         with self._lock:
             got = self._slots[slot]
             if got is None:
-                ptr, keep = self.mem.open(handle.memory, handle.size, self.stream)
+                # opened in the producer GPU's context, whatever the caller's current device is: an IPC event
+                # opened while another GPU was current (a consumer on GPU 1) crashed cuStreamWaitEvent later
+                with devices.keep_current():
+                    self.dev.set_current()
+                    ptr, keep = self.mem.open(handle.memory, handle.size, self.stream)
+                    ready = driver.import_event(handle.event, handle.event_flags)
                 self._bufs[slot] = (ptr, keep)
-                ready = driver.import_event(handle.event, handle.event_flags)
                 got = (ptr, (self, keep), _ConsumerSync(self, ready))
                 self._slots[slot] = got
             return got

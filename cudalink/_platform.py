@@ -14,6 +14,7 @@ import mmap
 import os
 import platform
 import re
+import select
 import socket
 import stat
 import struct
@@ -352,6 +353,34 @@ def no_delay(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def hangup_poller(sock: socket.socket) -> Callable[[], bool]:
+    """A check, without reading anything, of whether the peer of ``sock`` has closed its end (it exited or was
+    killed), even with unread bytes still queued: ``poll`` with POLLRDHUP where the OS has it (Linux). Elsewhere
+    a peek, which sees the hang-up only once the queued bytes are read."""
+    rdhup = getattr(select, "POLLRDHUP", 0)
+    if rdhup and hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, rdhup)
+
+        def closed() -> bool:
+            try:
+                return bool(poller.poll(0))
+            except OSError:
+                return True
+
+        return closed
+
+    def peek_closed() -> bool:
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    return peek_closed
 
 
 # -- processes --------------------------------------------------------------------------------------------

@@ -870,6 +870,8 @@ class Receiver:
         return self._att.fileno()
 
     def _unwait(self, att: Attachment) -> None:
+        if self._att is not att:  # detached meanwhile (its producer went): its header may be unmapped
+            return
         att.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)
 
     def _attach(self, timeout: float) -> None:
@@ -905,6 +907,9 @@ class Receiver:
 
     def _gone(self, why: str) -> ProducerGone:
         att = self._att
+        said = getattr(att, "reason", "")  # what the source knows of the end (a server's goodbye, say)
+        if said:
+            why = f"{why} ({said})"
         if att is not None:
             self._dead_generation = att.generation
             att.detach()
@@ -925,7 +930,10 @@ class Receiver:
             self._attach(0.0)
             att = self._att
             assert att is not None
-        frame = self._try_take(att)
+        try:
+            frame = self._try_take(att)
+        except ProducerGone as exc:  # a source found its producer gone mid-take
+            raise self._gone("died") from exc
         if frame is None:
             self._publish_counts(att)
             if not att.alive():
@@ -960,47 +968,52 @@ class Receiver:
         take = self._try_take
         learn = mode == "hybrid"  # only hybrid reads the average; woken, every call is microseconds
         n = 0
-        while True:
-            frame = take(att)
-            if frame is not None:
-                return self._arrived(frame, entered) if learn else frame
-            if att.closing():
-                raise self._gone("closed the link")
-            now = time.monotonic()
-            if now >= deadline:
+        try:
+            while True:
+                frame = take(att)
+                if frame is not None:
+                    return self._arrived(frame, entered) if learn else frame
+                if att.closing():
+                    raise self._gone("closed the link")
+                now = time.monotonic()
+                if now >= deadline:
+                    if not att.alive():
+                        raise self._gone("closed or died")
+                    raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
+                if now < spin_until:
+                    for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
+                        frame = take(att)
+                        if frame is not None:
+                            return self._arrived(frame, entered) if learn else frame
+                    # hand the GIL over now and then: a spinning thread must not starve this process's
+                    # other threads (which may be the very producer we wait for)
+                    self._publish_counts(att)
+                    _platform.yield_cpu()
+                    n += 1
+                    if n & 15 == 0 and not att.alive():
+                        raise self._gone("closed or died")
+                    continue
+                # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
+                # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
+                # syscall in between. It is drained the next time this receiver is about to sleep.
                 if not att.alive():
                     raise self._gone("closed or died")
-                raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
-            if now < spin_until:
-                for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
-                    frame = take(att)
-                    if frame is not None:
-                        return self._arrived(frame, entered) if learn else frame
-                # hand the GIL over now and then: a spinning thread must not starve this process's
-                # other threads (which may be the very producer we wait for)
                 self._publish_counts(att)
-                _platform.yield_cpu()
-                n += 1
-                if n & 15 == 0 and not att.alive():
-                    raise self._gone("closed or died")
-                continue
-            # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
-            # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
-            # syscall in between. It is drained the next time this receiver is about to sleep.
-            if not att.alive():
-                raise self._gone("closed or died")
-            self._publish_counts(att)
-            ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
-            frame = self._sleep_take(
-                att,
-                deadline - now,
-                wire.WAIT_AHEAD if ahead else wire.WAIT_ON,
-                wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF,
-            )
-            if frame is not None:
-                return self._arrived(frame, entered) if learn else frame
-            if ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
-                spin_until = max(spin_until, time.monotonic() + _AHEAD_SPIN_S)
+                ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
+                frame = self._sleep_take(
+                    att,
+                    deadline - now,
+                    wire.WAIT_AHEAD if ahead else wire.WAIT_ON,
+                    wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF,
+                )
+                if frame is not None:
+                    return self._arrived(frame, entered) if learn else frame
+                if ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
+                    spin_until = max(spin_until, time.monotonic() + _AHEAD_SPIN_S)
+        except ProducerGone as exc:  # a source found its producer gone mid-take (a copy from a dead one)
+            if self._att is att:
+                raise self._gone("died") from exc
+            raise
 
     def _arrived(self, frame: Frame, entered: float) -> Frame:
         """Learn how long frames keep us waiting: ``hybrid`` spins only while frames come within its spin.
@@ -1033,7 +1046,10 @@ class Receiver:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
             att.set_waiting(wire.WAIT_ON)
             try:
-                frame = self._try_take(att)  # published before our flag was visible
+                try:
+                    frame = self._try_take(att)  # published before our flag was visible
+                except ProducerGone as exc:
+                    raise self._gone("died") from exc
                 if frame is not None:
                     return frame
                 await att.wait_async(None if left == float("inf") else left)

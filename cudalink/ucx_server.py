@@ -207,6 +207,11 @@ class _Consumer:
                 await self._bye(ucx_wire.R_PRODUCER_GONE, str(exc))
                 self.why = "lost its producer"
                 return
+            except LinkError as exc:  # the local side failed (a CUDA import, say): tell the consumer why
+                log.warning("cudalink serve: receiving from %r failed: %s", rx.name, exc, exc_info=True)
+                await self._bye(ucx_wire.R_SERVER_ERROR, f"the server could not take a frame: {exc}")
+                self.why = f"was dropped ({exc})"
+                return
             data: Any = None
             try:
                 spec = frame.spec
@@ -223,6 +228,13 @@ class _Consumer:
                 # both posted at once (UCX keeps one endpoint's messages of one tag in order): the pixels
                 # need not wait for the header's completion to be reported
                 await asyncio.gather(self.ep.send(head), self.ep.send(data))
+            except Exception as exc:
+                # say why before the connection goes: the consumer's ProducerGone carries this text
+                why = f"{type(exc).__name__}: {exc}"
+                log.warning("cudalink serve: sending frame %d failed: %s", frame.seq, why, exc_info=True)
+                await self._bye(ucx_wire.R_SERVER_ERROR, f"sending frame {frame.seq} failed: {why}")
+                self.why = f"was dropped ({why})"
+                return
             finally:
                 # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease
                 # outlives this frame (a cancelled send's traceback would keep them)

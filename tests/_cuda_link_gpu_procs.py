@@ -93,6 +93,11 @@ def cl_consumer(
 
             s = cp.cuda.Stream(non_blocking=True)
             bad = cp.zeros((), dtype=cp.int64)
+            with s:  # compile the pattern and compare kernels of every dtype now, not on the first frames
+                for dt in INT_VIEW:
+                    w = pattern(1, (4, 4, 4), dt, cp)
+                    bad += cp.any(w.view(INT_VIEW[dt]) != w.view(INT_VIEW[dt])).astype(cp.int64)
+                s.synchronize()
         else:
             import jax
             import jax.numpy as jnp
@@ -201,6 +206,14 @@ def incumbent(src: str | None) -> Any:
         raise RuntimeError(f"no libcudart found (tried {names})")
 
     cuda_ipc_wrapper.CUDARuntimeAPI._load_cuda_runtime = load  # type: ignore[attr-defined]
+    # Its cudaPointerAttributes has CUDA 12's four fields; the CUDA 13 runtime writes more (its exporter then
+    # crashed in export_frame's pointer check on the H100). Room for them, read the same way:
+    base = cuda_ipc_wrapper.cudaPointerAttributes
+
+    class Padded(base):  # type: ignore[misc, valid-type]
+        _fields_ = [("_reserved", ctypes.c_byte * 256)]
+
+    cuda_ipc_wrapper.cudaPointerAttributes = Padded
     return cuda_link
 
 
@@ -240,7 +253,7 @@ def cl_uniform_producer(name: str, n: int, shape: tuple[int, ...], go: Any) -> N
     with cudalink.Sender(name, shape=shape, dtype="uint8", slots=3, device=0, protocol="cuda-link") as tx:
         for seq in range(1, n + 1):
             tx.send(torch.full(shape, seq % 251, dtype=torch.uint8, device="cuda"))
-            time.sleep(0.002)
+            time.sleep(0.004)
         torch.cuda.synchronize()
 
 
@@ -262,10 +275,12 @@ def incumbent_importer(name: str, started: Any, src: str | None, result: Any) ->
         got, torn, values = 0, 0, set()
         s = torch.cuda.Stream()
         while time.monotonic() < end and imp.is_ready():
-            t = imp.get_frame(stream=s)
-            if t is None:
+            t = imp.get_frame(stream=s)  # a view of the writer's slot: copied at once, as its users must (the
+            if t is None:  # cuda-link protocol has no lease: a slot is rewritten three frames later)
                 time.sleep(0.0005)
                 continue
+            with torch.cuda.stream(s):
+                t = t.clone()
             s.synchronize()
             lo, hi = int(t.min()), int(t.max())
             torn += lo != hi

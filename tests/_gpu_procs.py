@@ -222,3 +222,36 @@ def gpu_producer_then_close(name: str, shape: tuple[int, ...], handles: str, rea
     junk = [torch.full(shape, 7, dtype=torch.uint8, device="cuda") for _ in range(64)]
     torch.cuda.synchronize()
     del junk
+
+
+def gpu_read_after_kill(name: str, device: int, got: Any, go: Any, result: Any) -> None:
+    """Take frames (none read yet), tell the parent, and once it has SIGKILLed the producer try to read each
+    one through torch, then recv() until ProducerGone. Reports (frames read, reads refused with ProducerGone,
+    what recv raised); the parent checks that this process did not die."""
+    import torch
+
+    try:
+        with cudalink.Receiver(name, timeout=30.0, device=device) as rx:
+            frames = [rx.recv(timeout=10.0) for _ in range(3)]
+            got.set()
+            go.wait(30)
+            read = refused = 0
+            for f in frames:
+                try:
+                    t = torch.from_dlpack(f)  # its stream would wait on the frame's ready event
+                    int(t[:4].sum().item())
+                    del t
+                    read += 1
+                except cudalink.ProducerGone:
+                    refused += 1
+                f.release()
+            torch.cuda.synchronize()
+            raised = ""
+            try:
+                for _ in range(50):
+                    rx.recv(timeout=5.0).release()
+            except cudalink.LinkError as exc:
+                raised = type(exc).__name__
+            result.put((read, refused, raised))
+    except Exception as exc:
+        result.put((-1, -1, f"{type(exc).__name__}: {exc}"))

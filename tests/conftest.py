@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import multiprocessing as mp
@@ -64,6 +65,17 @@ def pair(name: str) -> Iterator[PairFactory]:
         obj.close()
 
 
+def _traced(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A spawned child's entry: a crash prints its Python stack, and SIGUSR1 (sent at teardown to a child that
+    overran its test) prints every thread's, so a hang in a child names its line."""
+    import faulthandler
+
+    faulthandler.enable()
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    target(*args, **kwargs)
+
+
 class Spawned:
     """Processes started for one test: spawned (never forked), tracked, and none outlives the test.
 
@@ -80,7 +92,7 @@ class Spawned:
         self._procs: list[tuple[BaseProcess, bool]] = []
 
     def __call__(self, target: Callable[..., Any], *args: Any, forever: bool = False, **kwargs: Any) -> BaseProcess:
-        p = self.ctx.Process(target=target, args=args, kwargs=kwargs, name=target.__name__, daemon=True)
+        p = self.ctx.Process(target=_traced, args=(target, args, kwargs), name=target.__name__, daemon=True)
         p.start()
         self._procs.append((p, forever))
         return p
@@ -119,6 +131,10 @@ class Spawned:
         for p, forever in self._procs:
             if p.is_alive():
                 if not forever:
+                    if hasattr(signal, "SIGUSR1") and p.pid is not None:
+                        with contextlib.suppress(OSError):
+                            os.kill(p.pid, signal.SIGUSR1)  # its stacks, on stderr, before it goes
+                        p.join(1.0)
                     warnings.warn(f"{p.name} still ran when its test ended: killed", stacklevel=1)
                 p.kill()
                 p.join(10)

@@ -189,6 +189,25 @@ def test_producer_kill_restart_and_consumer_kill(
 
 
 @pytest.mark.parametrize("handles", ["pool", "legacy"])
+def test_frames_taken_before_the_producer_was_killed_are_read_without_a_crash(
+    spawned: Spawned, name: str, handles: str
+) -> None:
+    """A consumer holds frames it has not read yet when its producer is SIGKILLed; it then reads them (its
+    stream waits on each frame's IPC ready event) and calls recv(). Its process must survive: a wait on the
+    ready event of a process that is gone must never be made."""
+    prod = spawned.ready(gp.gpu_producer_forever, name, (64, 64, 4), handles=handles, forever=True)
+    got, go, result = spawned.event(), spawned.event(), spawned.queue()
+    cons = spawned(gp.gpu_read_after_kill, name, 0, got, go, result)
+    assert got.wait(60), "the consumer took no frames"
+    spawned.kill(prod)
+    go.set()
+    cons.join(60)
+    assert cons.exitcode == 0, f"the consumer died with exit code {cons.exitcode} reading frames of a dead producer"
+    read, refused, raised = result.get(timeout=5)
+    assert read >= 0 and read + refused == 3 and raised == "ProducerGone", (read, refused, raised)
+
+
+@pytest.mark.parametrize("handles", ["pool", "legacy"])
 def test_a_closing_producer_never_frees_a_slot_the_consumer_still_reads(
     spawned: Spawned, name: str, handles: str
 ) -> None:

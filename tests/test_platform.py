@@ -327,3 +327,16 @@ def test_kernel32_prototypes_use_pointer_sized_handles(monkeypatch: pytest.Monke
     assert fns["OpenProcess"].restype is wintypes.HANDLE
     assert fns["CloseHandle"].argtypes == (wintypes.HANDLE,)
     assert fns["GetExitCodeProcess"].argtypes[0] is wintypes.HANDLE
+
+
+def test_a_hang_up_is_seen_without_reading_even_behind_queued_wake_ups() -> None:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    closed = _platform.hangup_poller(a)
+    assert not closed()
+    b.send(b"\x01\x01")  # wake-ups the consumer has not drained yet
+    assert not closed()
+    b.close()  # the producer's process is gone
+    assert closed()
+    assert a.recv(8) == b"\x01\x01"  # nothing was consumed by the check
+    a.close()

@@ -206,6 +206,16 @@ def test_shutdown_and_death_give_producer_gone_and_a_new_generation_is_attached(
         rx.recv(timeout=0.5)
 
 
+def test_producer_gone_says_what_the_source_knows_of_the_end() -> None:
+    src = MockSource()
+    att = src.start(1)
+    rx = cudalink.Receiver("m", source=src, wait="block", timeout=1.0)  # type: ignore[arg-type]
+    att.reason = "server error: sending frame 7 failed: UCXError: no transport"  # type: ignore[attr-defined]
+    att.dead = True
+    with pytest.raises(cudalink.ProducerGone, match=r"closed or died \(server error: sending frame 7 failed"):
+        rx.recv(timeout=0.5)
+
+
 def test_recv_async_and_async_for_wait_on_the_sources_fd() -> None:
     src = MockSource(latest=False)
     att = src.start(3)

@@ -48,7 +48,10 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str) -> Non
     prod.expect("ready", 60.0)
     port = free_port()
     srv = Proc(
-        ["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}", "-v"], UCX_PROTO_INFO="y", **env
+        ["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}", "-v"],
+        UCX_PROTO_INFO="y",
+        CUDALINK_DEBUG="1",
+        **env,
     )
     try:
         srv.expect("cudalink: serving", 60.0)
@@ -67,7 +70,10 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str) -> Non
             ],
             **env,
         )
-        line = cons.expect("checked", 120.0)
+        try:
+            line = cons.expect("checked", 120.0)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- the server's log ---\n{''.join(srv.log[-60:])}") from None
         print(f"\n[{tls} -> {device}/{lib}] {line}")
         used = sorted({ln.strip() for ln in srv.log if "cuda" in ln.lower() or "tcp" in ln.lower()})
         print("UCX protocols on the server:\n  " + "\n  ".join(used[:30]))

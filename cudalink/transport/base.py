@@ -130,6 +130,13 @@ class Client(abc.ABC):
     def drain(self) -> bool:
         """Non-blocking :meth:`wait`: False = producer gone."""
 
+    def hung_up(self) -> bool:
+        """The producer's process has closed its end (exited or killed), read without consuming a wake-up.
+
+        Checked before a consumer's stream waits on a frame's IPC ready event: CUDA calls any use of an
+        imported event after its exporter freed it undefined, and a process that is gone has freed it."""
+        return False
+
     @abc.abstractmethod
     async def wait_async(self, timeout: float | None) -> None:
         """Return when a wake-up or EOF may have arrived, or after ``timeout``; then call :meth:`drain`."""

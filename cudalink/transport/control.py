@@ -338,6 +338,7 @@ class ClientSocket:
         self.gone = False
         self._key = key
         self._fds = hasattr(socket, "AF_UNIX") and sock.family == socket.AF_UNIX
+        self._hup: Callable[[], bool] | None = None
         self._poll = select.poll() if hasattr(select, "poll") else None
         if self._poll is not None:
             self._poll.register(sock, select.POLLIN)
@@ -385,6 +386,14 @@ class ClientSocket:
             self.gone = True
             return False
         return True
+
+    def hung_up(self) -> bool:
+        """The producer's end is closed (it exited or was killed), with nothing read: wake-ups stay queued."""
+        if self.gone:
+            return True
+        if self._hup is None:
+            self._hup = _platform.hangup_poller(self.sock)
+        return self._hup()
 
     def drain(self) -> bool:
         if self.gone:
@@ -478,6 +487,9 @@ class SocketClient(Client):
 
     def drain(self) -> bool:
         return self._s().drain()
+
+    def hung_up(self) -> bool:
+        return self._sock is None or self._sock.hung_up()
 
     async def wait_async(self, timeout: float | None) -> None:
         await self._s().wait_async(timeout)

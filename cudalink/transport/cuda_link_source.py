@@ -213,8 +213,14 @@ class CudaSlotMemory:
             self._tls.ok = True
 
     def open(self, slot: int, memory: bytes, event: bytes) -> int:
+        from ..cuda import devices
+
+        with devices.keep_current():  # opened in the producer GPU's context, whatever device the caller is on
+            self.dev.set_current()
+            return self._open(slot, memory, event)
+
+    def _open(self, slot: int, memory: bytes, event: bytes) -> int:
         d = self._driver
-        self._current()
         if not any(memory):
             raise NoProducer(f"slot {slot} has no memory handle yet (the producer is starting or closing)")
         try:

@@ -129,6 +129,10 @@ class LandedAttachment:
     def alive(self) -> bool:
         return self.inner.alive()
 
+    @property
+    def reason(self) -> str:
+        return str(getattr(self.inner, "reason", ""))
+
     def set_waiting(self, state: int) -> None:
         self.inner.set_waiting(state)
 

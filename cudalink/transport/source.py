@@ -68,6 +68,9 @@ class Attachment(Protocol):
         """Drain pending wake-ups; False once the producer is gone (its end of the channel closed)."""
         ...
 
+    # Optional: ``reason`` (str), why the source ended where it knows more than "closed or died" (a remote
+    # server's goodbye); the Receiver adds it to its ProducerGone.
+
     def set_waiting(self, state: int) -> None:
         """Tell the producer whether (and how early) to wake us: ``wire.WAIT_OFF``/``WAIT_ON``/``WAIT_AHEAD``."""
         ...

@@ -305,7 +305,7 @@ class UcxAttachment:
         except ProtocolError as exc:
             self._end(f"sent a bad message ({exc})")
         except Exception as exc:
-            self._end(f"connection lost ({type(exc).__name__})")
+            self._end(f"connection lost ({type(exc).__name__}: {exc})")
 
     async def _land(self, nbytes: int) -> Any:
         """Receive ``nbytes`` into a GPU landing buffer once every consumer fence on it has passed.
@@ -346,7 +346,7 @@ class UcxAttachment:
             try:
                 await self.ep.send(msg)
             except Exception as exc:
-                self._end(f"connection lost ({type(exc).__name__})")
+                self._end(f"connection lost ({type(exc).__name__}: {exc})")
 
         if not self.dead:
             self._spawn(send())
@@ -379,6 +379,11 @@ class UcxAttachment:
 
     def closing(self) -> bool:
         return False
+
+    @property
+    def reason(self) -> str:
+        """Why the connection ended, as the server said or as UCX reported it ("" while it lives)."""
+        return self.dead
 
     def alive(self) -> bool:
         with contextlib.suppress(BlockingIOError, OSError):

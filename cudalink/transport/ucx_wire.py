@@ -88,6 +88,7 @@ R_CLOSING = 5  #: the server is shutting down
 R_PRODUCER_GONE = 6  #: the producer of the link closed or died (retryable: a new one may start)
 R_NAME = 7  #: the name is not a valid link name
 R_CLIENT_CLOSE = 8  #: the client left
+R_SERVER_ERROR = 9  #: the server failed to send a frame (its text says why; retryable)
 REASON_TEXT = {
     R_KEY: "wrong key",
     R_NO_LINK: "no such link",
@@ -97,8 +98,9 @@ REASON_TEXT = {
     R_PRODUCER_GONE: "producer gone",
     R_NAME: "invalid name",
     R_CLIENT_CLOSE: "client left",
+    R_SERVER_ERROR: "server error",
 }
-RETRYABLE = frozenset({R_NO_LINK, R_PRODUCER_GONE, R_CLOSING, R_FULL})
+RETRYABLE = frozenset({R_NO_LINK, R_PRODUCER_GONE, R_CLOSING, R_FULL, R_SERVER_ERROR})
 
 _PING_BYTES: bytes | None = None
 

@@ -37,6 +37,8 @@ log = logging.getLogger("cudalink.ucx")
 
 #: landing buffers (credits) a consumer may hold at once; each is one frame in flight or queued there
 MAX_GRANT = 4
+#: how long the endpoint of a consumer dropped for silence stays open, so a stalled one can read why
+SILENT_GRACE_S = 10.0
 #: how long a server started on a port still held by a crashed predecessor keeps trying it
 BUSY_RETRY_S = 15.0
 
@@ -83,7 +85,7 @@ class _Consumer:
                 log.info("cudalink serve: a consumer left (%s: %s)", type(exc).__name__, exc)
                 log.debug("cudalink serve: why", exc_info=True)
         finally:
-            self._close()
+            self._close(abort=self.why != "went silent")  # a silent one's endpoint goes after its grace
 
     async def _handshake(self) -> bool:
         buf = bytearray(ucx_wire.MSG_SIZE)
@@ -133,9 +135,9 @@ class _Consumer:
     async def _send(self, msg: bytes) -> None:
         await self.ep.send(msg)
 
-    async def _bye(self, reason: int, text: str) -> None:
+    async def _bye(self, reason: int, text: str, wait: float = 0.5) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ep.send(ucx_wire.pack_bye(reason, text)), 0.5)
+            await asyncio.wait_for(self.ep.send(ucx_wire.pack_bye(reason, text)), wait)
 
     async def _reader(self) -> None:
         """Credits, pings and goodbyes from the consumer; anything else closes the connection."""
@@ -155,8 +157,16 @@ class _Consumer:
         """A consumer silent for DEAD_AFTER_S (a pulled cable: no RST ever comes) is gone."""
         while True:
             await asyncio.sleep(ucx_engine.PING_S)
-            if time.monotonic() - self.heard > ucx_engine.DEAD_AFTER_S:
+            silent = time.monotonic() - self.heard
+            if silent > ucx_engine.DEAD_AFTER_S:
                 self.why = "went silent"
+                # heard only if it was stalled, not gone: then its next recv() says why and reconnects
+                await self._bye(
+                    ucx_wire.R_CLOSING,
+                    f"this consumer sent nothing for {silent:.1f}s (its process held the GIL, or the network "
+                    "went); the server gave its frames back",
+                    wait=0.05,  # a vanished one never acknowledges: its leases go back now, not later
+                )
                 return
 
     async def _serve(self) -> None:
@@ -173,13 +183,19 @@ class _Consumer:
                     raise exc
         finally:
             # Give the leases back within the second: cancel, abort the endpoint (its pending requests
-            # end), and close the local Receiver even if a task is still unwinding out of UCX.
+            # end), and close the local Receiver even if a task is still unwinding out of UCX. A consumer
+            # that went silent may only be stalled: its endpoint lives on a while, so the goodbye that says
+            # why can still reach it (an abort now would reset the connection before it reads it).
+            silent = self.why == "went silent"
             for task in tasks:
                 task.cancel()
-            with contextlib.suppress(Exception):
-                self.ep.abort()
+            if not silent:
+                with contextlib.suppress(Exception):
+                    self.ep.abort()
             await asyncio.wait(tasks, timeout=0.3)
-            self._close()
+            self._close(abort=not silent)
+            if silent:
+                asyncio.get_running_loop().call_later(SILENT_GRACE_S, self._abort)
         log.info("cudalink serve: a consumer %s", self.why or "left")
 
     async def _sender(self) -> None:
@@ -245,13 +261,17 @@ class _Consumer:
             self.sent += 1
             last_sent = time.monotonic()
 
-    def _close(self) -> None:
+    def _close(self, abort: bool = True) -> None:
         if self.rx is not None:
             self.rx.close()
             self.rx = None
+        if abort:
+            self._abort()
+        self.server.consumers.discard(self)
+
+    def _abort(self) -> None:
         with contextlib.suppress(Exception):
             self.ep.abort()
-        self.server.consumers.discard(self)
 
 
 class Server:

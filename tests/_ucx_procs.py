@@ -89,6 +89,10 @@ def gpu_consumer(args: argparse.Namespace) -> None:
     import cudalink
 
     device = "cpu" if args.device == "cpu" else int(args.device)
+    if args.lib in ("torch", "cupy"):  # as an application does: its framework first, then the connection
+        import importlib
+
+        importlib.import_module(args.lib)
     rx = cudalink.Receiver(args.url, timeout=20.0, latest=False, device=device)
     bad = 0
     for _ in range(args.frames):

@@ -340,3 +340,17 @@ def test_a_hang_up_is_seen_without_reading_even_behind_queued_wake_ups() -> None
     assert closed()
     assert a.recv(8) == b"\x01\x01"  # nothing was consumed by the check
     a.close()
+
+
+def test_a_clean_close_is_not_a_hang_up_until_the_producer_closes_its_end() -> None:
+    from cudalink.transport.control import ClientSocket
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    c = ClientSocket(a)
+    b.send(b"\x00")  # the shutdown byte: the producer is closing, its events still live
+    assert not c.drain()
+    assert not c.hung_up()
+    b.close()
+    assert c.hung_up()
+    a.close()

@@ -302,6 +302,60 @@ def test_server_sigkill_gives_producer_gone_within_a_second() -> None:
         prod.stop()
 
 
+def test_a_server_that_goes_silent_is_gone_after_the_dead_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped server (as behind a pulled cable: no reset ever comes) is noticed by the PING watchdog."""
+    from cudalink.transport import ucx_engine
+
+    monkeypatch.setattr(ucx_engine, "DEAD_AFTER_S", 1.0)
+    monkeypatch.setattr(ucx_engine, "PING_S", 0.25)
+    name = unique("s")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    srv, url = server(name)
+    try:
+        with cudalink.Receiver(url, timeout=10.0) as rx:
+            rx.recv(timeout=5.0).release()
+            srv.p.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            with pytest.raises(cudalink.ProducerGone, match="went silent"):
+                while True:
+                    rx.recv(timeout=10.0).release()
+            waited = time.monotonic() - stopped
+            assert 0.7 <= waited <= 3.0, f"ProducerGone {waited:.2f}s after the server stopped"
+    finally:
+        srv.p.send_signal(signal.SIGCONT)
+        srv.kill()
+        prod.stop()
+
+
+def test_a_consumer_that_holds_the_gil_is_dropped_with_the_reason_and_reconnects() -> None:
+    """A consumer process that keeps the GIL for 2 s (``import torch`` after connecting) sends no PING: the server
+    gives its leases back within a second, says why, and the consumer's next recv() connects again."""
+    name = unique("g")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    srv, url = server(name)
+    try:
+        with cudalink.Receiver(url, timeout=10.0) as rx:
+            rx.recv(timeout=5.0).release()
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(30.0)  # no other thread of ours runs until this loop ends
+            try:
+                end = time.monotonic() + 2.0
+                while time.monotonic() < end:
+                    pass
+            finally:
+                sys.setswitchinterval(old)
+            with pytest.raises(cudalink.ProducerGone, match="sent nothing for"):
+                while True:
+                    rx.recv(timeout=5.0).release()
+            f = rx.recv(timeout=10.0)  # connected again: the producer never went
+            check(f)
+            f.release()
+            assert rx.stats()["reattached"] == 1
+    finally:
+        srv.stop()
+        prod.stop()
+
+
 def test_receiver_reconnects_when_the_server_comes_back() -> None:
     name = unique("c")
     prod = producer(name, "--frames", "1000000", "--fps", "100")

@@ -9,6 +9,8 @@ Rows (each against its floor taken in the same run, between two processes on thi
 - throughput, 1080p and 4K RGBA uint8, ``latest=False``, the producer sending as fast as the consumer
   takes: fps and GB/s, against the bare UCXX stream of the same bytes and a plain TCP socket
   (``sendall``/``recv_into``).
+- on a GPU host also GPU producer -> GPU consumer fps and GB/s, 1080p and 4K, against the GPU's own
+  device-to-device copy of the same bytes (``cuMemcpyDtoDAsync``), reported as is.
 
 ``UCX_TLS`` is left to the user (``tcp`` forces TCP; on a GPU host ``tcp,cuda_copy[,cuda_ipc]``).
 """
@@ -67,18 +69,26 @@ def _pct(xs: list[float]) -> dict[str, float]:
 # -- cudalink: producer process (with serve=), consumer here ----------------------------------------------------
 
 
-def _producer(name: str, shape: str, port: int, period: float, seconds: float) -> None:
+def _producer(name: str, shape: str, port: int, period: float, seconds: float, device: str = "cpu") -> None:
     import cudalink
 
     shp = tuple(int(x) for x in shape.split(","))
     src = np.zeros(shp, np.uint8)
-    with cudalink.Sender(name, shape=shp, slots=4, serve=f"ucx://127.0.0.1:{port}") as tx:
+    dev: str | int = device if device == "cpu" else int(device)
+    with cudalink.Sender(name, shape=shp, slots=4, device=dev, serve=f"ucx://127.0.0.1:{port}") as tx:
         print("ready", flush=True)
         end = time.monotonic() + seconds
         nxt = time.monotonic()
         while time.monotonic() < end:
             meta = STAMP.pack(tx.seq + 1, time.monotonic_ns())
-            tx.send(src, meta=meta)
+            if dev == "cpu":
+                tx.send(src, meta=meta)
+            else:  # a GPU frame as it stands in the slot: the bytes on the wire are what is measured
+                try:
+                    with tx.reserve(meta=meta):
+                        pass
+                except cudalink.LinkTimeout:  # every slot on the wire: the server holds them
+                    time.sleep(0.0005)
             if period:
                 nxt += period
                 time.sleep(max(0.0, nxt - time.monotonic()))
@@ -115,18 +125,21 @@ def cudalink_handoff(shape: tuple[int, ...], frames: int, period: float) -> dict
         p.wait(10)
 
 
-def cudalink_stream(shape: tuple[int, ...], seconds: float) -> dict[str, float]:
+def cudalink_stream(shape: tuple[int, ...], seconds: float, device: str = "cpu") -> dict[str, float]:
+    """Frames per second and GB/s, ``latest=False``; ``device``: where both the producer's link and the
+    consumer's landing buffers live ("cpu", or a GPU ordinal: GPU to GPU through UCX's CUDA transports)."""
     import cudalink
 
     port = _free_port()
     name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
-    p = _child("producer", name, ",".join(map(str, shape)), str(port), "0", str(seconds + 30))
+    p = _child("producer", name, ",".join(map(str, shape)), str(port), "0", str(seconds + 30), device)
+    where: str | int = device if device == "cpu" else int(device)
     try:
         _wait_line(p, "ready")
         deadline = time.monotonic() + 30
         while True:
             try:
-                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device="cpu", latest=False)
+                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device=where, latest=False)
                 break
             except cudalink.LinkTimeout:
                 if time.monotonic() > deadline:
@@ -237,6 +250,44 @@ def bare_stream(nbytes: int, count: int) -> dict[str, float]:
     return {"fps": (count - 1) / took, "GBps": (count - 1) * nbytes / took / 1e9}
 
 
+def bare_d2d(nbytes: int, count: int = 50, device: int = 0) -> dict[str, float]:
+    """The GPU's own device-to-device copy of the same bytes (cuMemcpyDtoDAsync, one stream): the floor the
+    GPU rows are read against."""
+    from ..cuda import devices, driver
+
+    with devices.keep_current():
+        dev = devices.device(device)
+        drv = driver.bindings()
+        a = driver.check(drv.cuMemAlloc(nbytes), "cuMemAlloc")
+        b = driver.check(drv.cuMemAlloc(nbytes), "cuMemAlloc")
+        stream = dev.create_stream()
+        cs = driver.cu_stream(driver.stream_handle(stream))
+        try:
+            for _ in range(5):
+                driver.check(drv.cuMemcpyDtoDAsync(b, a, nbytes, cs), "cuMemcpyDtoDAsync")
+            stream.sync()
+            t0 = time.perf_counter()
+            for _ in range(count):
+                driver.check(drv.cuMemcpyDtoDAsync(b, a, nbytes, cs), "cuMemcpyDtoDAsync")
+            stream.sync()
+            took = time.perf_counter() - t0
+        finally:
+            drv.cuMemFree(a)
+            drv.cuMemFree(b)
+            del stream
+    return {"fps": count / took, "GBps": count * nbytes / took / 1e9}
+
+
+def _gpu_here() -> bool:
+    try:
+        from ..cuda import devices
+
+        devices.device(0)
+    except Exception:
+        return False
+    return True
+
+
 # -- a plain TCP socket ------------------------------------------------------------------------------------------
 
 
@@ -275,7 +326,7 @@ def tcp_stream(nbytes: int, count: int) -> dict[str, float]:
 # -- the run ---------------------------------------------------------------------------------------------------
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, gpu: bool | None = None) -> dict[str, Any]:
     import secrets
 
     from ..transport import ucx_engine
@@ -304,6 +355,15 @@ def run(quick: bool = False) -> dict[str, Any]:
         b = bare_stream(nbytes, count)
         t = tcp_stream(nbytes, count)
         out["stream"][label] = {"cudalink": c, "bare_ucxx": b, "tcp": t, "share_of_bare": c["fps"] / b["fps"]}
+    if gpu is None:
+        gpu = not quick and _gpu_here()
+    if gpu:  # GPU producer -> GPU consumer through UCX's CUDA transports, against the GPU's own D2D copy
+        out["gpu_stream"] = {}
+        for label in ("1080p", "4K"):
+            shape = SIZES[label]
+            c = cudalink_stream(shape, secs, device="0")
+            d = bare_d2d(int(np.prod(shape)))
+            out["gpu_stream"][label] = {"cudalink": c, "d2d": d, "share_of_d2d": c["GBps"] / d["GBps"]}
     return out
 
 
@@ -325,10 +385,16 @@ def print_report(r: dict[str, Any]) -> None:
             f"{label:<10} {c['fps']:>12.1f} ({c['GBps']:.2f}) {b['fps']:>12.1f} ({b['GBps']:.2f})"
             f" {t['fps']:>10.1f} ({t['GBps']:.2f}) {row['share_of_bare']:>6.0%}"
         )
+    if r.get("gpu_stream"):
+        print(f"{'GPU->GPU':<10} {'cudalink fps (GB/s)':>22} {'bare D2D copy GB/s':>22} share of D2D (as is)")
+        for label, row in r["gpu_stream"].items():
+            c, d = row["cudalink"], row["d2d"]
+            print(f"{label:<10} {c['fps']:>12.1f} ({c['GBps']:.2f}) {d['GBps']:>22.1f} {row['share_of_d2d']:>8.1%}")
 
 
 def cmd_remote_bench(args: argparse.Namespace) -> int:
-    r = run(quick=bool(getattr(args, "quick", False)))
+    device = str(getattr(args, "device", None) or "auto")
+    r = run(quick=bool(getattr(args, "quick", False)), gpu=False if device == "cpu" else None)
     print_report(r)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
@@ -339,8 +405,8 @@ def cmd_remote_bench(args: argparse.Namespace) -> int:
 def _main() -> None:
     role, *rest = sys.argv[1:]
     if role == "producer":
-        name, shape, port, period, seconds = rest
-        _producer(name, shape, int(port), float(period), float(seconds))
+        name, shape, port, period, seconds, *device = rest
+        _producer(name, shape, int(port), float(period), float(seconds), *device)
     elif role == "bare":
         port, nbytes, period, count = rest
         _bare_sender(int(port), int(nbytes), float(period), int(count))

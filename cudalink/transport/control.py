@@ -388,9 +388,10 @@ class ClientSocket:
         return True
 
     def hung_up(self) -> bool:
-        """The producer's end is closed (it exited or was killed), with nothing read: wake-ups stay queued."""
-        if self.gone:
-            return True
+        """The producer's end is closed (it exited or was killed), with nothing read: wake-ups stay queued.
+
+        Not ``gone``: that is also set by a clean close's shutdown byte, and a closing producer keeps its
+        events (and its end of the socket) until its consumers have left or its close timed out."""
         if self._hup is None:
             self._hup = _platform.hangup_poller(self.sock)
         return self._hup()

@@ -330,9 +330,15 @@ class UcxAttachment:
         return landed
 
     async def _watchdog(self) -> None:
+        last = time.monotonic()
         while not self.dead:
             await asyncio.sleep(ucx_engine.PING_S)
             now = time.monotonic()
+            if now - last > 2 * ucx_engine.PING_S:
+                # our own loop was held up (the application kept the GIL): the silence was ours, not the
+                # server's; what the server sent meanwhile is still queued. Judge it from now on.
+                self.heard = max(self.heard, now - ucx_engine.PING_S)
+            last = now
             if now - self.heard > ucx_engine.DEAD_AFTER_S:
                 self._end(f"went silent for {now - self.heard:.1f}s")
                 return

@@ -75,6 +75,11 @@ class ProducerSlots(Protocol):
     ) -> None: ...
     def writable_frame(self, slot: int, spec: FrameSpec, seq: int, ts: int, fences: list[RawEvent]) -> Frame: ...
     def commit(self, slot: int, streams: list[int], stream: object) -> None: ...
+    def settle(self) -> None:
+        """Wait (CPU-side) until every published frame's copy has run: what a closing producer does before
+        it hangs up, so consumers may read its last frames without its events."""
+        ...
+
     def close(self, timeout: float) -> None: ...
 
 
@@ -186,6 +191,9 @@ class HostSlots:
 
     def commit(self, slot: int, streams: list[int], stream: object) -> None:
         pass
+
+    def settle(self) -> None:
+        pass  # a host copy is done when send() returns
 
     def close(self, timeout: float) -> None:
         pass
@@ -418,6 +426,13 @@ class CudaSlots:
             driver.join_streams(s, streams, self._join)
         driver.record(self._ready_raw[slot], s)
 
+    def settle(self) -> None:
+        with devices.keep_current():
+            self.dev.set_current()
+            self.stream.sync()
+            for ev in self.ready:  # a slot's last copy may sit on the caller's stream: its ready event says when
+                ev.sync()
+
     def close(self, timeout: float) -> None:
         self.dev.set_current()
         self.stream.sync()
@@ -489,19 +504,17 @@ class _ConsumerSync:
         self.raw = driver.raw(ready)
 
     def wait(self, stream: int) -> None:
-        if self.view.client.hung_up():
-            raise _dead_ready()
-        driver.wait(stream, self.raw)
+        if self.view.producer_live():
+            driver.wait(stream, self.raw)
 
     def cai_stream(self) -> int | None:
-        if self.view.client.hung_up():
-            raise _dead_ready()
-        driver.wait(self.view.stream_int, self.raw)
+        if self.view.producer_live():
+            driver.wait(self.view.stream_int, self.raw)
         return self.view.stream_int
 
 
 def _dead_ready() -> ProducerGone:
-    """A frame whose producer process is gone: its ready event went with it, so whether the producer's copy
+    """A frame whose producer process died: its ready event went with it, so whether the producer's copy
     into the slot finished is unknown, and CUDA calls any use of an imported event after its exporter freed
     it undefined (cuIpcOpenEventHandle's documentation)."""
     return ProducerGone(
@@ -531,6 +544,20 @@ class CudaView:
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._closed = False
+
+    def producer_live(self) -> bool:
+        """True while the producer's process holds its end (its events exist: wait on them). After it hung
+        up: False if it closed cleanly (it settled every frame first: nothing left to wait for), else
+        ProducerGone, since a killed producer's last copy may not have run."""
+        if not self.client.hung_up():
+            return True
+        try:
+            flags = wire.read_u32(self.client.header, wire.OFF_FLAGS)
+        except (ValueError, TypeError):  # the header is unmapped: we left the link
+            flags = 0
+        if flags & wire.FLAG_SHUTDOWN:
+            return False
+        raise _dead_ready()
 
     def check(self, handles: list[wire.SlotHandle], capacity: int) -> None:
         for i, h in enumerate(handles):

@@ -650,9 +650,12 @@ class Sender:
                     self._released.wait(0.01)
                     self._released.clear()
             finally:
-                self._server.close()
-                self._fence_events = [None] * len(self._fence_events)
-                self._slots.close(timeout)
+                try:
+                    self._slots.settle()  # every published frame complete before we hang up (see CudaView)
+                finally:
+                    self._server.close()
+                    self._fence_events = [None] * len(self._fence_events)
+                    self._slots.close(timeout)
 
     def __enter__(self) -> Sender:
         return self

@@ -354,3 +354,30 @@ def test_a_clean_close_is_not_a_hang_up_until_the_producer_closes_its_end() -> N
     b.close()
     assert c.hung_up()
     a.close()
+
+
+def test_a_consumer_waits_on_a_frames_event_only_while_its_producer_holds_its_end() -> None:
+    """Live: wait on the event. Hung up after a clean close (shutdown flag; it settled every frame first):
+    nothing to wait for. Hung up without one (killed): ProducerGone, never a wait on a freed IPC event."""
+    import types
+
+    import cudalink
+    from cudalink import _backends
+    from cudalink.transport import wire
+
+    header = bytearray(wire.OFF_FLAGS + 8)
+
+    class Client:
+        hup = False
+
+        def hung_up(self) -> bool:
+            return self.hup
+
+    view: Any = types.SimpleNamespace(client=Client())
+    view.client.header = memoryview(header)
+    assert _backends.CudaView.producer_live(view) is True
+    view.client.hup = True
+    with pytest.raises(cudalink.ProducerGone, match="died before it was read"):
+        _backends.CudaView.producer_live(view)
+    wire.write_u32(header, wire.OFF_FLAGS, wire.FLAG_SHUTDOWN)
+    assert _backends.CudaView.producer_live(view) is False

@@ -20,11 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import select
 import statistics
+import sys
 import time
 import uuid
 from typing import Any
+
+try:
+    import cudalink  # noqa: F401
+except ImportError:  # run from a checkout as ``python benchmarks/cuda_link.py``: the package is one folder up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PATHS = [
     ("cudalink", "cudalink", "auto"),

@@ -72,6 +72,7 @@ class _Consumer:
         self.sent = 0
         self.gone = asyncio.Event()
         self.why = ""
+        self.silent = False  # dropped for silence: maybe only stalled, so its endpoint outlives it a while
 
     async def run(self) -> None:
         try:
@@ -85,7 +86,7 @@ class _Consumer:
                 log.info("cudalink serve: a consumer left (%s: %s)", type(exc).__name__, exc)
                 log.debug("cudalink serve: why", exc_info=True)
         finally:
-            self._close(abort=self.why != "went silent")  # a silent one's endpoint goes after its grace
+            self._close(abort=not self.silent)  # a silent one's endpoint goes after its grace
 
     async def _handshake(self) -> bool:
         buf = bytearray(ucx_wire.MSG_SIZE)
@@ -139,6 +140,14 @@ class _Consumer:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ep.send(ucx_wire.pack_bye(reason, text)), wait)
 
+    async def _failed(self, what: str, exc: BaseException) -> None:
+        """Log a failure of ours and say it to the consumer before the connection goes: its ProducerGone
+        carries this text."""
+        why = f"{what}: {type(exc).__name__}: {exc}"
+        log.warning("cudalink serve: %s", why, exc_info=exc)
+        await self._bye(ucx_wire.R_SERVER_ERROR, why)
+        self.why = f"was dropped ({why})"
+
     async def _reader(self) -> None:
         """Credits, pings and goodbyes from the consumer; anything else closes the connection."""
         buf = bytearray(ucx_wire.MSG_SIZE)
@@ -160,6 +169,7 @@ class _Consumer:
             silent = time.monotonic() - self.heard
             if silent > ucx_engine.DEAD_AFTER_S:
                 self.why = "went silent"
+                self.silent = True
                 # heard only if it was stalled, not gone: then its next recv() says why and reconnects
                 await self._bye(
                     ucx_wire.R_CLOSING,
@@ -186,15 +196,13 @@ class _Consumer:
             # end), and close the local Receiver even if a task is still unwinding out of UCX. A consumer
             # that went silent may only be stalled: its endpoint lives on a while, so the goodbye that says
             # why can still reach it (an abort now would reset the connection before it reads it).
-            silent = self.why == "went silent"
             for task in tasks:
                 task.cancel()
-            if not silent:
-                with contextlib.suppress(Exception):
-                    self.ep.abort()
+            if not self.silent:
+                self._abort()
             await asyncio.wait(tasks, timeout=0.3)
-            self._close(abort=not silent)
-            if silent:
+            self._close(abort=not self.silent)
+            if self.silent:
                 asyncio.get_running_loop().call_later(SILENT_GRACE_S, self._abort)
         log.info("cudalink serve: a consumer %s", self.why or "left")
 
@@ -224,9 +232,7 @@ class _Consumer:
                 self.why = "lost its producer"
                 return
             except LinkError as exc:  # the local side failed (a CUDA import, say): tell the consumer why
-                log.warning("cudalink serve: receiving from %r failed: %s", rx.name, exc, exc_info=True)
-                await self._bye(ucx_wire.R_SERVER_ERROR, f"the server could not take a frame: {exc}")
-                self.why = f"was dropped ({exc})"
+                await self._failed(f"the server could not take a frame from {rx.name!r}", exc)
                 return
             data: Any = None
             try:
@@ -245,11 +251,7 @@ class _Consumer:
                 # need not wait for the header's completion to be reported
                 await asyncio.gather(self.ep.send(head), self.ep.send(data))
             except Exception as exc:
-                # say why before the connection goes: the consumer's ProducerGone carries this text
-                why = f"{type(exc).__name__}: {exc}"
-                log.warning("cudalink serve: sending frame %d failed: %s", frame.seq, why, exc_info=True)
-                await self._bye(ucx_wire.R_SERVER_ERROR, f"sending frame {frame.seq} failed: {why}")
-                self.why = f"was dropped ({why})"
+                await self._failed(f"sending frame {frame.seq} failed", exc)
                 return
             finally:
                 # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease

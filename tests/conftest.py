@@ -65,6 +65,15 @@ def pair(name: str) -> Iterator[PairFactory]:
         obj.close()
 
 
+def need_gpus(n: int) -> Any:
+    """torch, or a skip naming how many GPUs this machine has when it has fewer than ``n``."""
+    torch = pytest.importorskip("torch")
+    have = torch.cuda.device_count()
+    if have < n:
+        pytest.skip(f"needs {n} GPUs; this machine has {have}")
+    return torch
+
+
 def _traced(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A spawned child's entry: a crash prints its Python stack, and SIGUSR1 (sent at teardown to a child that
     overran its test) prints every thread's, so a hang in a child names its line."""

@@ -14,6 +14,8 @@ from cudalink.errors import CudaUnavailable
 from cudalink.frames.frame import Frame
 from cudalink.frames.spec import FrameSpec
 
+from .conftest import need_gpus
+
 pytestmark = pytest.mark.gpu
 
 SHAPE = (256, 512, 4)
@@ -22,14 +24,6 @@ NBYTES = 256 * 512 * 4
 
 def _torch() -> Any:
     return pytest.importorskip("torch")
-
-
-def _need(n: int) -> Any:
-    torch = _torch()
-    have = torch.cuda.device_count()
-    if have < n:
-        pytest.skip(f"needs {n} GPUs; this machine has {have}")
-    return torch
 
 
 def _raw_event() -> tuple[object, object]:
@@ -58,7 +52,7 @@ def _pattern(torch: Any, k: int, device: int) -> Any:
 
 @pytest.mark.parametrize("dst", [0, 1])
 def test_land_is_ordered_after_the_sources_event_and_reads_right_on_the_landing_gpu(dst: int) -> None:
-    torch = _need(dst + 1)
+    torch = need_gpus(dst + 1)
     src = torch.zeros(SHAPE, dtype=torch.uint8, device="cuda:0")
     s0 = torch.cuda.Stream(device=0)
     pool = Landing(dst, NBYTES, src_device=0)
@@ -88,7 +82,7 @@ def test_land_is_ordered_after_the_sources_event_and_reads_right_on_the_landing_
 
 
 def test_a_landed_buffer_is_never_rewritten_under_a_slow_kernel() -> None:
-    torch = _need(2)
+    torch = need_gpus(2)
     pool = Landing(1, NBYTES, src_device=0, limit=1)  # one buffer: the next copy must wait for the fence
     a_src, b_src = _pattern(torch, 1, 0), _pattern(torch, 2, 0)
     torch.cuda.synchronize(0)
@@ -111,7 +105,7 @@ def test_a_landed_buffer_is_never_rewritten_under_a_slow_kernel() -> None:
 
 
 def test_a_pitched_source_lands_packed() -> None:
-    torch = _need(2)
+    torch = need_gpus(2)
     big = _pattern(torch, 3, 0)
     crop = big[:, 64:320]  # rows padded: pitch 2048, width 1024
     pool = Landing(1, NBYTES, src_device=0)
@@ -125,7 +119,7 @@ def test_a_pitched_source_lands_packed() -> None:
 
 
 def test_pools_give_their_memory_back() -> None:
-    torch = _need(2)
+    torch = need_gpus(2)
     torch.cuda.synchronize(1)
     free0 = torch.cuda.mem_get_info(1)[0]
     src = _pattern(torch, 4, 0)

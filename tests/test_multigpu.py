@@ -21,7 +21,7 @@ from cudalink.cuda import devices
 from . import _content
 from . import _gpu_procs as gp
 from . import _multigpu_procs as mp_
-from .conftest import DEFAULT, PairFactory, Spawned
+from .conftest import DEFAULT, PairFactory, Spawned, need_gpus
 
 pytestmark = pytest.mark.gpu
 
@@ -30,14 +30,6 @@ SMALL = (64, 64, 4)
 
 def _torch() -> Any:
     return pytest.importorskip("torch")
-
-
-def _need(n: int) -> Any:
-    torch = _torch()
-    have = torch.cuda.device_count()
-    if have < n:
-        pytest.skip(f"needs {n} GPUs; this machine has {have}")
-    return torch
 
 
 def _cross_path() -> str:
@@ -87,13 +79,13 @@ def test_the_producers_gpu_named_explicitly_is_zero_copy(pair: PairFactory) -> N
 
 
 def test_copy_never_refuses_another_gpu_by_name(pair: PairFactory) -> None:
-    _need(2)
+    need_gpus(2)
     with pytest.raises(cudalink.FormatError, match=r"cuda:0 \(GPU-.*cuda:1.*copy='never' refuses it"):
         pair(DEFAULT, shape=SMALL, dtype="uint8", device=0, rx={"device": 1, "copy": "never", "timeout": 5.0})
 
 
 def test_in_process_frames_land_on_gpu_1(pair: PairFactory) -> None:
-    torch = _need(2)
+    torch = need_gpus(2)
     tx, rx = pair(DEFAULT, shape=SMALL, dtype="uint8", device=0, rx={"device": "cuda:1", "timeout": 5.0})
     assert rx.device == "cuda:1" and rx.stats()["path"] == _cross_path()
     torch.cuda.set_device(1)  # attaching, receiving and releasing never move the caller's current device
@@ -120,7 +112,7 @@ def test_fan_out_to_both_gpus_through_torch_cupy_and_jax(spawned: Spawned, name:
     """One producer on GPU 0, six consumers: torch, cupy and jax on GPU 0 (zero copy) and on GPU 1 (landed);
     12,000 distinct frames, each one a consumer takes verified on that consumer's GPU: 0 mismatches, and over
     10,000 frames verified on each GPU."""
-    _need(2)
+    need_gpus(2)
     n = 12_000
     result = spawned.queue()
     consumers = [(fw, dev) for dev in (0, 1) for fw in ("torch", "cupy", "jax")]
@@ -145,7 +137,7 @@ def test_a_slow_consumer_on_gpu_1_never_stalls_the_producer(spawned: Spawned, na
     """Each frame costs the consumer ~5 ms of GPU time before it reads it; the producer sends every 0.5 ms with
     policy='drop' on 4 slots. The slot goes back once the copy ran, so no send finds every slot held, the
     producer's stream never waits for the consumer's GPU, and the consumer never sees a frame change."""
-    _need(2)
+    need_gpus(2)
     shape = (256, 256, 4)
     result = spawned.queue()
     prod_result = spawned.queue()
@@ -172,7 +164,7 @@ def _visible_consumer(spawned: Spawned, name: str, visible: str, device: int | N
 def test_cuda_visible_devices_that_renumber_or_hide_the_producers_gpu(
     spawned: Spawned, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _need(2)
+    need_gpus(2)
     spawned.ready(gp.gpu_producer_forever, name, SMALL, forever=True)
     producer_uuid = devices.format_uuid(devices.uuid_at(0))
     # renumbered: the producer's GPU is cuda:1 there, the other one cuda:0
@@ -187,7 +179,7 @@ def test_cuda_visible_devices_that_renumber_or_hide_the_producers_gpu(
 
 
 def test_producer_sigkill_is_producer_gone_on_gpu_1_and_the_pool_is_freed(spawned: Spawned, name: str) -> None:
-    torch = _need(2)
+    torch = need_gpus(2)
     shape = (1080, 1920, 4)  # 8 MB frames: the landing pool is plain to see in the GPU's free memory
     prod = spawned.ready(gp.gpu_producer_forever, name, shape, forever=True)
     with torch.cuda.device(1):
@@ -219,7 +211,7 @@ def test_producer_sigkill_is_producer_gone_on_gpu_1_and_the_pool_is_freed(spawne
 
 
 def test_gpu_memory_and_fds_flat_on_both_gpus_over_attach_cycles(spawned: Spawned, name: str) -> None:
-    _need(2)
+    need_gpus(2)
     result = spawned.queue()
     spawned.ready(gp.gpu_producer_forever, name, (256, 256, 4), handles="auto", forever=True)
     spawned(mp_.mg_attach_cycle, name, 40, 1, result)

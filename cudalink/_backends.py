@@ -434,21 +434,20 @@ class CudaSlots:
                 ev.sync()
 
     def close(self, timeout: float) -> None:
-        self.dev.set_current()
-        self.stream.sync()
-        for ev in self.ready:  # a slot's last copy may sit on the caller's stream: its ready event says when
-            ev.sync()
-        self._sources = [None] * self.nslots
-        for graph in self._graphs:
-            if graph is not None:
-                graph.close()
-        self._graphs = [None] * self.nslots
-        for ev in self.ready:
-            driver.close_ipc_event(ev)
-        if self._join is not None:
-            driver.destroy_event(self._join)
-            self._join = None
-        self.mem.close(self.stream)
+        self.settle()
+        with devices.keep_current():  # the caller's current device stays theirs, as in settle()
+            self.dev.set_current()
+            self._sources = [None] * self.nslots
+            for graph in self._graphs:
+                if graph is not None:
+                    graph.close()
+            self._graphs = [None] * self.nslots
+            for ev in self.ready:
+                driver.close_ipc_event(ev)
+            if self._join is not None:
+                driver.destroy_event(self._join)
+                self._join = None
+            self.mem.close(self.stream)
 
 
 # ======================================================================================= consumer side

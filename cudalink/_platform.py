@@ -385,6 +385,23 @@ def hangup_poller(sock: socket.socket) -> Callable[[], bool]:
 
 # -- processes --------------------------------------------------------------------------------------------
 
+
+def host_id(boot_id_path: str = "/proc/sys/kernel/random/boot_id") -> bytes:
+    """16 bytes naming this host's running kernel: equal in two processes only when they share a machine
+    (a ucx:// server sends GPU memory as is to a consumer on its own host, and host bytes across hosts).
+
+    Linux: the boot id, which network namespaces and containers on one kernel share (as they share its
+    GPUs). Elsewhere, or where it cannot be read: a hash of the host name.
+    """
+    import uuid
+
+    try:
+        with open(boot_id_path) as f:
+            return uuid.UUID(f.read().strip()).bytes
+    except (OSError, ValueError):
+        return hashlib.sha256(socket.gethostname().encode()).digest()[:16]
+
+
 _STILL_ACTIVE = 259
 _PROCESS_QUERY_LIMITED_INFORMATION = 0x1000
 _ERROR_ACCESS_DENIED = 5

@@ -2,10 +2,16 @@
 
 Each remote consumer gets its own local :class:`Receiver` on the link (its own lease column, with the
 latest/in-order mode it asked for), so a slow consumer never touches another, and the producer never
-waits on the network: the server holds at most one lease per consumer, only while that frame's bytes
-are on the wire. The server runs in its own process (its own GIL). Frames go out straight from the
-leased slot: host memory as it is, GPU memory through UCX's CUDA transports once the frame's ready
-event has completed (polled, never blocking the loop).
+waits on the network. The server runs in its own process (its own GIL). Host frames go out straight
+from the leased slot, which is held only while its bytes are on the wire.
+
+A GPU frame is first copied on the GPU into a buffer the server owns (the local Receiver's
+``copy="always"``), and its slot goes back as soon as that copy has run; UCX's CUDA transports then send
+from the copy once its ready event has completed (polled, never blocking the loop). Why not from the
+slot: the slots come from a CUDA memory pool, and UCX 1.21's ``cuda_ipc`` cannot map pool memory. On an
+H100 (2026-11-25, bare UCXX, 1080p RGBA, ``UCX_TLS=tcp,cuda_copy,cuda_ipc``) a send from pool memory fell
+back to staging at 0.25 GB/s, from ``cuMemAlloc`` memory it ran at 15 GB/s; the copy costs the GPU a few
+microseconds per frame, and a remote consumer then never holds a producer's slot during a network send.
 
 Flow control is by credits: a consumer grants as many as it has landing buffers and returns one per
 frame it has released. With no credit left the server takes nothing: the local ring moves on and
@@ -32,6 +38,7 @@ from .frames.spec import FrameSpec
 from .link import Receiver
 from .transport import ucx_engine, ucx_wire
 from .transport import wire as shm_wire
+from .transport.source import Copy
 
 log = logging.getLogger("cudalink.ucx")
 
@@ -43,20 +50,25 @@ SILENT_GRACE_S = 10.0
 BUSY_RETRY_S = 15.0
 
 
-async def _gpu_ready(frame: Frame) -> Any:
-    """Order after the frame's ready event without blocking the loop: queue a marker and poll it."""
+async def _gpu_ready(frame: Frame, stage: Any) -> Any:
+    """The frame's bytes to send, once its ready event has passed (polled: the loop never blocks): the GPU
+    memory itself, or with ``stage`` (a ``cuda.ucx.Pinned``) a copy of it in page-locked host memory."""
     from .cuda import ucx as cuda_ucx
 
     cuda_ucx.use_device(int(frame.device.split(":")[1]))
     cai = frame.__cuda_array_interface__  # makes one of our streams wait on the frame's ready event
-    marker = cuda_ucx.mark(cai.get("stream"))
-    try:
-        while not cuda_ucx.done(marker):
-            await asyncio.sleep(0.0001)
-    finally:
-        cuda_ucx.forget(marker)
-    ptr = cai["data"][0]  # type: ignore[index]
-    return cuda_ucx.DeviceBytes(int(ptr), frame.nbytes)
+    ptr = int(cai["data"][0])  # type: ignore[index]
+    if stage is not None:
+        return await stage.to_host(ptr, frame.nbytes, cai.get("stream"))
+    await cuda_ucx.drained(cai.get("stream"))
+    return cuda_ucx.DeviceBytes(ptr, frame.nbytes)
+
+
+def _stage_mode() -> str:
+    mode = os.environ.get("CUDALINK_UCX_STAGE", "auto")
+    if mode not in ("auto", "host", "gpu"):
+        raise LinkError(f"cudalink serve: CUDALINK_UCX_STAGE={mode!r}; use auto, host or gpu")
+    return mode
 
 
 class _Consumer:
@@ -73,6 +85,8 @@ class _Consumer:
         self.gone = asyncio.Event()
         self.why = ""
         self.silent = False  # dropped for silence: maybe only stalled, so its endpoint outlives it a while
+        self.staged = False  # GPU frames go out as host bytes (see ucx_engine.stage_on_host)
+        self.stage: Any = None  # their page-locked buffer, made with the first GPU frame
 
     async def run(self) -> None:
         try:
@@ -110,8 +124,13 @@ class _Consumer:
         if self.server.name is not None and name != self.server.name:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"this server serves {self.server.name!r}"))
             return False
+        same_host = hello.host == _platform.host_id()
+        self.staged = ucx_engine.stage_on_host(hello.device, same_host, self.server.rdma, self.server.stage_mode)
+        # Sent as GPU memory, a frame is first copied into a buffer of ours (copy="always": see the module's
+        # docstring); staged, it is copied out to host memory straight from the producer's slot
+        copy: Copy = "auto" if self.staged else "always"
         try:
-            rx = await asyncio.to_thread(Receiver, name, timeout=0.0, latest=hello.latest)
+            rx = await asyncio.to_thread(Receiver, name, timeout=0.0, latest=hello.latest, copy=copy)
         except LinkTimeout:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"no producer publishes {name!r} here now"))
             return False
@@ -126,11 +145,16 @@ class _Consumer:
         self.rx = rx
         self.credits = min(hello.credits, MAX_GRANT)
         backend = {v: k for k, v in shm_wire.BACKEND_NAMES.items()}.get(rx.backend, shm_wire.BACKEND_HOST)
-        await self._send(
-            ucx_wire.pack_welcome(ucx_wire.Welcome(rx.generation, rx.capacity, self.credits, backend, rx._floor))
-        )
+        self.staged = self.staged and backend != shm_wire.BACKEND_HOST  # host frames are host bytes anyway
+        welcome = ucx_wire.Welcome(rx.generation, rx.capacity, self.credits, backend, rx._floor, self.staged)
+        await self._send(ucx_wire.pack_welcome(welcome))
         self.credit.set()
-        log.info("cudalink serve: a consumer joined %r (latest=%s)", name, hello.latest)
+        log.info(
+            "cudalink serve: a consumer joined %r (latest=%s, %s)",
+            name,
+            hello.latest,
+            "GPU frames as host bytes" if self.staged else "frames as they are",
+        )
         return True
 
     async def _send(self, msg: bytes) -> None:
@@ -240,7 +264,11 @@ class _Consumer:
                 if frame.device.startswith("cuda"):
                     if spec.strides is not None:
                         raise LinkError("cudalink serve: strided GPU frames cannot be served; send contiguous ones")
-                    data = await _gpu_ready(frame)
+                    if self.staged and self.stage is None:
+                        from .cuda import ucx as cuda_ucx
+
+                        self.stage = cuda_ucx.Pinned(int(frame.device.split(":")[1]), rx.capacity)
+                    data = await _gpu_ready(frame, self.stage)
                 elif spec.strides is not None:  # a padded crop: one host copy, sent contiguous
                     data = np.ascontiguousarray(frame.numpy())
                     spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
@@ -267,6 +295,10 @@ class _Consumer:
         if self.rx is not None:
             self.rx.close()
             self.rx = None
+        if self.stage is not None:
+            with contextlib.suppress(Exception):
+                self.stage.close()
+            self.stage = None
         if abort:
             self._abort()
         self.server.consumers.discard(self)
@@ -287,12 +319,18 @@ class Server:
         self.consumers: set[_Consumer] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.listener: Any = None
+        self.stage_mode = _stage_mode()
+        self.rdma = False  # UCX found a transport that moves GPU memory across hosts itself
 
     async def run(self, ready: Any = None) -> None:
         # a server restarted after a crash takes its port back at once (else: busy for TIME_WAIT, 60 s)
         os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
         ucxx = ucx_engine.load()
         ucx_engine.init_here(ucxx)
+        try:
+            self.rdma = ucx_engine.rdma_transports(ucxx.get_active_transports())
+        except Exception:
+            self.rdma = False
 
         async def accept(ep: Any) -> None:
             c = _Consumer(self, ep)

@@ -345,6 +345,11 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     assert fanned + skipped >= total and fanned >= total // 2, (fanned, skipped, total)
     goal = next(g for g in report["goals"] if g["goal"].startswith("fan-out p99"))
     assert goal["reference"] == single["p99"] and "in turns with the fan-out" in goal["reference_label"], goal
+    # the OS's own fan-out, in the same turns: as many bare processes, each woken once per frame
+    bare = report["extra"]["fanout_floor"]
+    assert bare["n"] >= total and bare["p99"] > 0, (bare, total)
+    goal = next(g for g in report["goals"] if g["goal"] == "fan-out p99 vs the OS's own fan-out p99")
+    assert goal["reference"] == bare["p99"] and goal["target"] == "<= 1.5x", goal
 
 
 def test_bench_only_runs_the_parts_it_names(tmp_path: Path) -> None:

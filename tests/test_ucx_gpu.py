@@ -18,9 +18,17 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("ucxx", reason='ucxx is not installed: pip install "cudalink[ucx]"')
 
 
-@pytest.mark.parametrize("tls", ["tcp,cuda_copy", "tcp,cuda_copy,cuda_ipc"])
-@pytest.mark.parametrize(("device", "lib"), [("0", "torch"), ("0", "cupy"), ("cpu", "numpy")])
-def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str) -> None:
+CASES = [
+    (tls, device, lib, "auto")
+    for tls in ("tcp,cuda_copy", "tcp,cuda_copy,cuda_ipc")
+    for device, lib in (("0", "torch"), ("0", "cupy"), ("cpu", "numpy"))
+] + [("tcp,cuda_copy", "0", "torch", "host"), ("tcp,cuda_copy", "0", "cupy", "host")]
+
+
+@pytest.mark.parametrize(("tls", "device", "lib", "stage"), CASES)
+def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage: str) -> None:
+    """``stage="host"`` makes the server stage GPU frames through host memory, as it does for a consumer on
+    another host without RDMA (``auto`` on one host sends GPU memory as is, and host bytes to a CPU consumer)."""
     if lib != "numpy":
         pytest.importorskip(lib)
     pytest.importorskip("torch")  # the producer makes its frames with torch
@@ -51,6 +59,7 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str) -> Non
         ["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}", "-v"],
         UCX_PROTO_INFO="y",
         CUDALINK_DEBUG="1",
+        CUDALINK_UCX_STAGE=stage,
         **env,
     )
     try:
@@ -78,6 +87,9 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str) -> Non
         used = sorted({ln.strip() for ln in srv.log if "cuda" in ln.lower() or "tcp" in ln.lower()})
         print("UCX protocols on the server:\n  " + "\n  ".join(used[:30]))
         assert " bad 0 " in line, line
+        staged = stage == "host" or device == "cpu"
+        joined = [ln for ln in srv.log if "a consumer joined" in ln]
+        assert joined and ("GPU frames as host bytes" in joined[-1]) == staged, joined
         assert f"device {'cpu' if device == 'cpu' else 'cuda:0'}" in line, line
         cons.stop()
     finally:

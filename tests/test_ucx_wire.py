@@ -47,9 +47,10 @@ def test_challenge_and_proof(nonce: bytes, key: bytes) -> None:
     device=st.booleans(),
     credits=st.integers(1, uw.MAX_CREDITS),
     name=names,
+    host=st.binary(min_size=uw.HOST_ID_SIZE, max_size=uw.HOST_ID_SIZE),
 )
-def test_hello_roundtrip(proof: bytes, latest: bool, device: bool, credits: int, name: str) -> None:
-    h = uw.Hello(proof, latest, device, credits, name)
+def test_hello_roundtrip(proof: bytes, latest: bool, device: bool, credits: int, name: str, host: bytes) -> None:
+    h = uw.Hello(proof, latest, device, credits, name, host)
     assert uw.unpack_hello(uw.pack_hello(h)) == h
 
 
@@ -58,6 +59,17 @@ def test_hello_limits() -> None:
         uw.pack_hello(uw.Hello(bytes(32), True, False, 2, "x" * (uw.NAME_MAX + 1)))
     with pytest.raises(cudalink.ProtocolError, match="credits"):
         uw.pack_hello(uw.Hello(bytes(32), True, False, 0, "x"))
+    with pytest.raises(cudalink.ProtocolError, match="host id"):
+        uw.pack_hello(uw.Hello(bytes(32), True, False, 2, "x", b"short"))
+
+
+def test_hello_golden_layout() -> None:
+    """The host id sits between the fixed fields and the name, where the module docstring says."""
+    msg = uw.pack_hello(uw.Hello(b"P" * 32, True, True, 3, "cam", b"H" * 16))
+    body = msg[uw.BODY_OFF :]
+    assert body[:32] == b"P" * 32
+    assert body[32:40] == bytes([1, 1, 3, 0, 3, 0, *b"HH"])
+    assert body[38:54] == b"H" * 16 and body[54:57] == b"cam"
 
 
 @given(
@@ -66,10 +78,19 @@ def test_hello_limits() -> None:
     credits=st.integers(1, uw.MAX_CREDITS),
     backend=st.sampled_from(sorted(wire.BACKEND_NAMES)),
     floor=st.integers(0, 2**64 - 1),
+    staged=st.booleans(),
 )
-def test_welcome_roundtrip(gen: int, cap: int, credits: int, backend: int, floor: int) -> None:
-    w = uw.Welcome(gen, cap, credits, backend, floor)
+def test_welcome_roundtrip(gen: int, cap: int, credits: int, backend: int, floor: int, staged: bool) -> None:
+    w = uw.Welcome(gen, cap, credits, backend, floor, staged)
     assert uw.unpack_welcome(uw.pack_welcome(w)) == w
+
+
+def test_welcome_refuses_a_staged_flag_beyond_one() -> None:
+    msg = bytearray(uw.pack_welcome(uw.Welcome(1, 64, 1, 0, 0, True)))
+    assert msg[uw.BODY_OFF + 19] == 1
+    msg[uw.BODY_OFF + 19] = 2
+    with pytest.raises(cudalink.ProtocolError, match="staged"):
+        uw.unpack_welcome(msg)
 
 
 @given(reason=st.integers(0, 65535), text=st.text(max_size=300))

@@ -150,6 +150,11 @@ def memcpy_htod(dst: int, src: int, nbytes: int, stream: int) -> None:
     check(drv.cuMemcpyHtoDAsync(dst, src, nbytes, drv.CUstream(stream)), "cuMemcpyHtoDAsync")
 
 
+def memcpy_dtoh(dst: int, src: int, nbytes: int, stream: int) -> None:
+    drv = bindings()
+    check(drv.cuMemcpyDtoHAsync(dst, src, nbytes, cu_stream(stream)), "cuMemcpyDtoHAsync")
+
+
 def stream_handle(stream: object, *, dlpack: bool = False) -> int:
     """Raw CUstream value of a cuda.core Stream, a torch/cupy stream, or an int: the one normalisation.
 

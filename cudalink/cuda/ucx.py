@@ -1,15 +1,29 @@
-"""The CUDA side of serving frames over UCX: wait for a frame's data without blocking the server's loop.
+"""The CUDA side of frames over UCX: wait for GPU work without blocking a loop, and stage through host memory.
 
-UCXX reads GPU memory through ``__cuda_array_interface__`` and ignores its ``stream``, so the server must
-know the frame is complete first: it records a marker event on the stream that waits on the frame's
-ready event, and polls it (``cuEventQuery``) between its other work.
+UCXX reads GPU memory through ``__cuda_array_interface__`` and ignores its ``stream``, so a sender must
+know a frame is complete first: it records a marker event on the stream that waits on the frame's ready
+event and polls it (``cuEventQuery``) between its other work (:func:`drained`).
+
+Across hosts without RDMA, UCX moves GPU memory over TCP through its own staging pipeline, which on an
+H100 (2026-11-25, bare UCXX, 1080p RGBA, ``UCX_TLS=tcp,cuda_copy``) ran at 0.28 GB/s, while host memory
+over the same TCP ran at 0.9 GB/s. So a server may copy each frame into page-locked host memory
+(:class:`Pinned`, one ``cuMemcpyDtoHAsync``) and send that, and the consumer receives host bytes and
+copies them into its GPU landing buffer (one ``cuMemcpyHtoDAsync``), never blocking either loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ctypes
 from typing import Any, SupportsInt, cast
 
+import numpy as np
+
 from . import devices, driver
+
+#: how often a loop looks at a pending GPU marker (it never blocks on one)
+POLL_S = 0.0001
 
 
 class DeviceBytes:
@@ -46,3 +60,70 @@ def done(marker: tuple[Any, Any]) -> bool:
 
 def forget(marker: tuple[Any, Any]) -> None:
     driver.destroy_event(marker[0])
+
+
+async def drained(stream: object) -> None:
+    """Return once everything queued on ``stream`` so far has run, polling (the loop keeps running)."""
+    marker = mark(stream)
+    try:
+        while not done(marker):
+            await asyncio.sleep(POLL_S)
+    finally:
+        forget(marker)
+
+
+class Pinned:
+    """``nbytes`` of page-locked host memory (``cuMemHostAlloc``) in GPU ``ordinal``'s context: copies to
+    and from the GPU run asynchronously at the bus's speed, and UCX sends and receives it as host memory.
+    ``array`` is a uint8 numpy view of it. Explicit :meth:`close`."""
+
+    def __init__(self, ordinal: int, nbytes: int) -> None:
+        self.ordinal = ordinal
+        self.nbytes = nbytes
+        drv = driver.bindings()
+        with devices.keep_current():
+            devices.device(ordinal)
+            self.ptr = int(cast(SupportsInt, driver.check(drv.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")))
+        self.array: np.ndarray[Any, np.dtype[np.uint8]] = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * nbytes).from_address(self.ptr)
+        )
+        self._pending: tuple[Any, Any] | None = None  # a marker after the last copy out of this buffer
+
+    async def to_host(self, src: int, nbytes: int, stream: object) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Copy ``nbytes`` of GPU memory at ``src`` in, on ``stream`` (already ordered after the data), and
+        return the host bytes once they are there."""
+        await self.idle()
+        driver.memcpy_dtoh(self.ptr, src, nbytes, 1 if stream is None else int(cast(SupportsInt, stream)))
+        await drained(stream)
+        return self.array[:nbytes]
+
+    def to_device(self, dst: int, nbytes: int, stream: int) -> None:
+        """Queue the copy of the first ``nbytes`` out to GPU memory at ``dst`` on ``stream``; the buffer is
+        not refilled (:meth:`idle`) until that copy has run."""
+        driver.memcpy_htod(dst, self.ptr, nbytes, stream)
+        self._pending = mark(stream)
+
+    async def idle(self) -> None:
+        """Wait (polling) until no queued copy still reads this buffer."""
+        m = self._pending
+        if m is not None:
+            try:
+                while not done(m):
+                    await asyncio.sleep(POLL_S)
+            finally:
+                self._pending = None
+                forget(m)
+
+    def close(self) -> None:
+        """Free the memory once no copy reads it (CPU-side wait: at teardown only)."""
+        if self.ptr:
+            m, self._pending = self._pending, None
+            drv = driver.bindings()
+            with devices.keep_current():
+                devices.device(self.ordinal)
+                if m is not None:
+                    with contextlib.suppress(Exception):
+                        drv.cuEventSynchronize(m[0])
+                    forget(m)
+                drv.cuMemFreeHost(self.ptr)
+            self.ptr = 0

@@ -405,6 +405,7 @@ Extra = TypedDict(
         "send_floor_paired": Summary | None,  # CUDA: memcpy + record in the producer, halfway between sends
         "fanout_single": Summary | None,  # one consumer's handoff, in turns with the fan-out runs, same cadence
         "fanout_skipped": int | None,  # frames the fan-out's consumers skipped (latest=True), counted, not lost
+        "fanout_floor": Summary | None,  # k bare processes woken by one write each, in turns with the fan-out
         "small_fps_cudalink": float | None,
         "small_fps_torch-mp": float | None,
         "copy_peak_gbps": float | None,  # the card's D2D copy rate, bytes copied per second / 1e9
@@ -625,6 +626,7 @@ class Bench:
     mps: bool = False  # ``--mps``: the GPU-clock rows also run under the MPS daemon, started and stopped here
     plan: Plan = field(init=False)
     _floors: dict[str, list[int]] | str | None = field(default=None, init=False)
+    _fanout_floor: list[int] = field(default_factory=list, init=False)
     _breakdown: Breakdown | str | None = field(default=None, init=False)
     _runs: dict[tuple[str, str], RunResult | str] = field(default_factory=dict, init=False)
     _bw: dict[str, CopySend | str] = field(default_factory=dict, init=False)
@@ -768,16 +770,26 @@ class Bench:
         """cudalink's fan-out in turns with one consumer at the same cadence (``Plan.fanout_turns``): the
         fan-out goal compares the two, so both must see the same minutes of the machine."""
 
+        from . import floors as _floors
+
         def run() -> None:
             turns = max(1, self.plan.fanout_turns)
             each: RunArgs = {**kw, "n": -(-kw["n"] // turns) + self.plan.warm}
             single: RunArgs = {**each, "k": 1}
             fan: list[RunResult] = []
             one: list[RunResult] = []
+            pl, b = self.plan, self.backend
             try:
                 for _ in range(turns):
                     one.append(self._run("cudalink", **single))
                     fan.append(self._run("cudalink", **each))
+                    try:  # the OS's own fan-out at the same cadence: k bare processes, one write each
+                        self._fanout_floor += _floors.fanout_wake(
+                            kw["k"], pl.frame_shape, each["n"] - pl.warm, kw["interval"], pl.warm, b.device
+                        )
+                    except Exception:
+                        if self.debug:
+                            traceback.print_exc()
                 self._runs[("fanout", "cudalink")] = RunResult.pooled(fan)
                 self._runs[("fanout_single", "cudalink")] = RunResult.pooled(one)
             except Exception as exc:
@@ -1301,6 +1313,8 @@ class Bench:
         run = self._get("fanout", "cudalink")
         if isinstance(run, RunResult):
             out["fanout_skipped"] = run.skipped()
+        if self._fanout_floor:
+            out["fanout_floor"] = summarize(self._fanout_floor)
         small = self._get("small_throughput", "cudalink")
         if isinstance(small, RunResult):
             out["small_fps_cudalink"] = small.fps()
@@ -1468,6 +1482,17 @@ def goals(
             "3x",
         )
     )
+    bare_fan = extra.get("fanout_floor")
+    if bare_fan:
+        table.append(
+            (
+                "fan-out p99 vs the OS's own fan-out p99",
+                side("fanout", peer, "cudalink", "p99"),
+                stat(bare_fan, "p99"),
+                "as many bare processes woken by one write each, same cadence, in turns with the fan-out",
+                "1.5x",
+            )
+        )
     out: list[Goal] = []
     for goal, value, ref, label, kind in table:
         target, test = _GOAL_KINDS[kind]

@@ -221,20 +221,29 @@ def _run_child(
     ev_handle: tuple[bytes, int] | None,
     frames: int,
     interval: float,
+    k: int = 1,
 ) -> dict[str, list[int]]:
+    """Run ``k`` floor children of ``kind`` side by side, each woken at every beat; their samples pooled."""
     import queue as queue_mod
 
     q: mpq.Queue[FloorMsg] = ctx.Queue()
-    ours, theirs = ctx.Pipe(duplex=True)  # a socketpair on POSIX
-    w = ours.fileno()
-    p = ctx.Process(target=floor_child, args=(theirs, name, kind, shape, device, lib, ev_handle, q), daemon=True)
-    p.start()
-    theirs.close()
+    ours: list[Connection] = []
+    procs = []
     try:
+        for _ in range(k if kind != "spin" else 1):
+            mine, theirs = ctx.Pipe(duplex=True)  # a socketpair on POSIX
+            p = ctx.Process(
+                target=floor_child, args=(theirs, name, kind, shape, device, lib, ev_handle, q), daemon=True
+            )
+            p.start()
+            theirs.close()
+            ours.append(mine)
+            procs.append(p)
         _T2.pack_into(seg.buf, 0, 0, ~0)
-        msg = q.get(timeout=120)
-        if msg[0] == "error":
-            raise RuntimeError(msg[1])
+        for _ in procs:
+            msg = q.get(timeout=120)
+            if msg[0] == "error":
+                raise RuntimeError(msg[1])
         time.sleep(0.05)
         work = None
         if device < 0:  # a CPU producer copies each frame into shared memory: the floor pays that too
@@ -244,23 +253,60 @@ def _run_child(
             def work() -> None:
                 np.copyto(slot, frame)
 
+        fds = [c.fileno() for c in ours]
+
+        def wake_all(t: int) -> None:  # as a producer wakes its consumers: one write each, in turn
+            data = _T.pack(t)
+            for fd in fds:
+                os.write(fd, data)
+
         if kind == "spin":
             _pace(interval, frames, lambda t: _T2.pack_into(seg.buf, 0, t, ~t), work)
         else:
-            _pace(interval, frames, lambda t: os.write(w, _T.pack(t)), work)
+            _pace(interval, frames, wake_all, work)
         del work
-        try:
-            msg = q.get(timeout=60)
-        except queue_mod.Empty as exc:
-            raise RuntimeError(f"floor child '{kind}' sent no result") from exc
-        if msg[0] != "result":  # an error ("ready" came first, above)
-            raise RuntimeError(f"floor child '{kind}': {msg[1]}")
-        return dict(msg[1])
+        pooled: dict[str, list[int]] = {}
+        for _ in procs:
+            try:
+                msg = q.get(timeout=60)
+            except queue_mod.Empty as exc:
+                raise RuntimeError(f"floor child '{kind}' sent no result") from exc
+            if msg[0] != "result":  # an error ("ready" came first, above)
+                raise RuntimeError(f"floor child '{kind}': {msg[1]}")
+            for key, v in dict(msg[1]).items():
+                pooled.setdefault(key, []).extend(v)
+        return pooled
     finally:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.terminate()
-        ours.close()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+        for c in ours:
+            c.close()
+
+
+def fanout_wake(k: int, shape: tuple[int, ...], frames: int, interval: float, warm: int, device: int = -1) -> list[int]:
+    """The OS's share of a fan-out: ``k`` bare Python processes woken at each beat by one write each on
+    their own socketpair (what cudalink's producer does for ``k`` sleeping consumers), the frame copied
+    into shared memory first where the bench runs the CPU backend (``device`` < 0); each child's wake
+    latencies, warm-up dropped, pooled."""
+    from ..transport.shm import _open_segment, _unlink_segment
+
+    ctx = mp.get_context("spawn")
+    name = f"cudalink-fanfloor-{os.getpid()}-{time.monotonic_ns() & 0xFFFFFF:x}"
+    if device >= 0:  # no host copy per beat on the GPU backend: the children read a few bytes
+        shape = (1, 1, 4)
+    seg = _open_segment(name, create=True, size=16 + int(math.prod(shape)))
+    try:
+        # warm-up per child: the first ``warm`` beats of each are dropped, as in the bench's own runs
+        got = _run_child(ctx, seg, name, "cpu", shape, device, "numpy", None, frames + warm, interval, k)
+        wakes = got.get("wake", [])
+        per = frames + warm
+        return [w for i in range(0, len(wakes), per) for w in wakes[i + warm : i + per]]
+    finally:
+        with contextlib.suppress(Exception):
+            seg.close()
+        _unlink_segment(name)
 
 
 class CopyRecordFloor:

@@ -10,7 +10,9 @@ Rows (each against its floor taken in the same run, between two processes on thi
   takes: fps and GB/s, against the bare UCXX stream of the same bytes and a plain TCP socket
   (``sendall``/``recv_into``).
 - on a GPU host also GPU producer -> GPU consumer fps and GB/s, 1080p and 4K, against the GPU's own
-  device-to-device copy of the same bytes (``cuMemcpyDtoDAsync``), reported as is.
+  device-to-device copy of the same bytes (``cuMemcpyDtoDAsync``), reported as is; and the same with the
+  server staging GPU frames through host memory (``CUDALINK_UCX_STAGE=host``: what a consumer on another
+  host without RDMA gets), against the bare UCXX host stream above.
 
 ``UCX_TLS`` is left to the user (``tcp`` forces TCP; on a GPU host ``tcp,cuda_copy[,cuda_ipc]``).
 """
@@ -26,6 +28,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,12 +43,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child(*args: str) -> subprocess.Popen[str]:
+def _child(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "cudalink.tools.remote_bench", *args],
         stdout=subprocess.PIPE,
         text=True,
-        env=dict(os.environ),
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -125,14 +128,17 @@ def cudalink_handoff(shape: tuple[int, ...], frames: int, period: float) -> dict
         p.wait(10)
 
 
-def cudalink_stream(shape: tuple[int, ...], seconds: float, device: str = "cpu") -> dict[str, float]:
+def cudalink_stream(
+    shape: tuple[int, ...], seconds: float, device: str = "cpu", env: dict[str, str] | None = None
+) -> dict[str, float]:
     """Frames per second and GB/s, ``latest=False``; ``device``: where both the producer's link and the
-    consumer's landing buffers live ("cpu", or a GPU ordinal: GPU to GPU through UCX's CUDA transports)."""
+    consumer's landing buffers live ("cpu", or a GPU ordinal: GPU to GPU through UCX's CUDA transports).
+    ``env``: for the producer and its server (``CUDALINK_UCX_STAGE``)."""
     import cudalink
 
     port = _free_port()
     name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
-    p = _child("producer", name, ",".join(map(str, shape)), str(port), "0", str(seconds + 30), device)
+    p = _child("producer", name, ",".join(map(str, shape)), str(port), "0", str(seconds + 30), device, env=env)
     where: str | int = device if device == "cpu" else int(device)
     try:
         _wait_line(p, "ready")
@@ -368,6 +374,16 @@ def run(quick: bool = False, gpu: bool | None = None) -> dict[str, Any]:
                 out["gpu_stream_error"] = f"{label}: {type(exc).__name__}: {exc}"
                 break
             out["gpu_stream"][label] = {"cudalink": c, "d2d": d, "share_of_d2d": c["GBps"] / d["GBps"]}
+        out["gpu_staged"] = {}
+        for label in ("1080p", "4K"):
+            shape = SIZES[label]
+            try:
+                c = cudalink_stream(shape, secs, device="0", env={"CUDALINK_UCX_STAGE": "host"})
+            except Exception as exc:
+                out["gpu_staged_error"] = f"{label}: {type(exc).__name__}: {exc}"
+                break
+            b = out["stream"][label]["bare_ucxx"]
+            out["gpu_staged"][label] = {"cudalink": c, "bare_ucxx_host": b, "share_of_bare": c["fps"] / b["fps"]}
     return out
 
 
@@ -389,13 +405,29 @@ def print_report(r: dict[str, Any]) -> None:
             f"{label:<10} {c['fps']:>12.1f} ({c['GBps']:.2f}) {b['fps']:>12.1f} ({b['GBps']:.2f})"
             f" {t['fps']:>10.1f} ({t['GBps']:.2f}) {row['share_of_bare']:>6.0%}"
         )
-    if r.get("gpu_stream_error"):
-        print(f"GPU->GPU rows failed: {r['gpu_stream_error']}")
-    if r.get("gpu_stream"):
-        print(f"{'GPU->GPU':<10} {'cudalink fps (GB/s)':>22} {'bare D2D copy GB/s':>22} share of D2D (as is)")
-        for label, row in r["gpu_stream"].items():
-            c, d = row["cudalink"], row["d2d"]
-            print(f"{label:<10} {c['fps']:>12.1f} ({c['GBps']:.2f}) {d['GBps']:>22.1f} {row['share_of_d2d']:>8.1%}")
+    parts: tuple[tuple[str, str, str, str, Callable[[dict[str, Any]], str], str], ...] = (
+        ("gpu_stream", "GPU->GPU", "bare D2D copy GB/s", "share of D2D (as is)", _d2d_cell, "share_of_d2d"),
+        ("gpu_staged", "staged", "bare UCXX host", "share (as across hosts on TCP)", _host_cell, "share_of_bare"),
+    )
+    for key, title, ref, share, ref_cell, share_key in parts:
+        if r.get(f"{key}_error"):
+            print(f"{title} rows failed: {r[f'{key}_error']}")
+        for i, (label, row) in enumerate((r.get(key) or {}).items()):
+            if i == 0:
+                print(f"{title:<10} {'cudalink fps (GB/s)':>22} {ref:>22} {share}")
+            print(f"{label:<10} {_rate(row['cudalink'])} {ref_cell(row)} {row[share_key]:>8.1%}")
+
+
+def _rate(x: dict[str, float]) -> str:
+    return f"{x['fps']:>12.1f} ({x['GBps']:.2f})"
+
+
+def _d2d_cell(row: dict[str, Any]) -> str:
+    return f"{row['d2d']['GBps']:>22.1f}"
+
+
+def _host_cell(row: dict[str, Any]) -> str:
+    return _rate(row["bare_ucxx_host"])
 
 
 def cmd_remote_bench(args: argparse.Namespace) -> int:

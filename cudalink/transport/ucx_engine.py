@@ -102,6 +102,28 @@ def describe() -> dict[str, object]:
     return out
 
 
+# -- what travels: GPU memory as is, or host bytes ---------------------------------------------------------
+
+
+def rdma_transports(names: set[str] | list[str]) -> bool:
+    """Whether UCX found a network transport that moves GPU memory itself (InfiniBand/RoCE verbs, EFA...):
+    anything beyond TCP, shared memory and the CUDA copy engines."""
+    local = {"tcp", "self", "posix", "sysv", "cma", "knem", "xpmem", "cuda_copy", "cuda_ipc", "gdr_copy"}
+    local |= {"rocm_copy", "rocm_ipc", "rocm_gdr"}
+    return any(n.split("/")[0] not in local for n in names)
+
+
+def stage_on_host(consumer_gpu: bool, same_host: bool, rdma: bool, mode: str = "auto") -> bool:
+    """Whether a server sends a GPU frame as host bytes: always for a consumer landing on the host; across
+    hosts unless UCX has an RDMA transport; on one host never (UCX's ``cuda_ipc`` moves GPU memory there).
+    ``mode`` (``CUDALINK_UCX_STAGE``) forces ``host`` or ``gpu``."""
+    if mode == "host" or not consumer_gpu:
+        return True
+    if mode == "gpu":
+        return False
+    return not same_host and not rdma
+
+
 # -- Sender(serve=...) -----------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,10 @@ arrays where ``device="cpu"`` or no GPU is usable (a GPU producer can feed a CPU
 GPU buffers from ``cuda.landing`` (UCX's CUDA transports write there). The server may send only as many
 frames as it has credits; a frame released here returns its buffer and one credit.
 
+Where the server stages GPU frames through host memory (another host without RDMA: WELCOME says so), a
+GPU consumer receives each frame into one page-locked buffer and copies it into the landing buffer on
+the GPU (``cuda.ucx.Pinned``); the frame's ready event is recorded after that copy.
+
 ``copy``: frames always land in memory this Receiver owns, so ``"auto"`` and ``"always"`` mean the same,
 and ``"never"`` is refused (the network has no zero-copy).
 """
@@ -27,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _platform
 from ..errors import FormatError, LinkError, ProtocolError
 from ..frames.frame import Frame, _Hold
 from ..frames.spec import FrameSpec
@@ -127,6 +132,7 @@ class UcxSource:
                 self._device is not None and self._device >= 0,
                 CREDITS,
                 self.addr.name,
+                _platform.host_id(),
             )
             await ep.send(ucx_wire.pack_hello(hello))
             msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)
@@ -226,12 +232,15 @@ class UcxAttachment:
         self.path = "network"  # stats()["path"]: received into buffers this Receiver owns
         n = welcome.credits
         self.pool: Any = None
+        self.pinned: Any = None
         if device >= 0:  # GPU landing: UCX's CUDA transports write straight into buffers of this pool
             from ..cuda import landing
             from ..cuda import ucx as cuda_ucx
 
             cuda_ucx.use_device(device)  # this runs on the UCX loop's thread, which touches CUDA from now on
             self.pool = landing.Landing(device, self.capacity, limit=n)
+            # frames staged through host memory by the server land here first, then on the GPU
+            self.pinned = cuda_ucx.Pinned(device, self.capacity) if welcome.staged else None
             self.buffers = []
             self.free = [-1] * n  # credits only; the pool picks the buffer
         else:
@@ -314,15 +323,17 @@ class UcxAttachment:
         never blocking the loop); the landed buffer's ready event is recorded after UCX has finished."""
         from ..cuda import ucx as cuda_ucx
 
+        pinned = self.pinned
+        if pinned is not None:  # staged by the server: host bytes first, while our GPU may still be busy
+            await pinned.idle()
+            await self.ep.recv(pinned.array[:nbytes])
         landed, stream = self.pool.take()
-        marker = cuda_ucx.mark(stream)
+        await cuda_ucx.drained(stream)
         try:
-            while not cuda_ucx.done(marker):
-                await asyncio.sleep(0.0001)
-        finally:
-            cuda_ucx.forget(marker)
-        try:
-            await self.ep.recv(cuda_ucx.DeviceBytes(landed.ptr, nbytes))
+            if pinned is not None:
+                pinned.to_device(landed.ptr, nbytes, stream)
+            else:
+                await self.ep.recv(cuda_ucx.DeviceBytes(landed.ptr, nbytes))
             landed.mark_ready(stream)
         except BaseException:
             landed.give_back([])
@@ -433,6 +444,9 @@ class UcxAttachment:
         for fd in (self.rfd, self.wfd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        if self.pinned is not None:  # nothing can receive into it now: the reader task held this attachment
+            with contextlib.suppress(Exception):
+                self.pinned.close()
 
 
 def error_without_ucx(url: str) -> LinkError:

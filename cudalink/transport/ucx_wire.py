@@ -14,13 +14,15 @@ trailer. All integers are little-endian::
 Kinds and bodies::
 
     CHALLENGE  server -> client  32s nonce                                   (sent at connect)
-    HELLO      client -> server  32s proof, u8 latest, u8 wants device, u16 credits, u16 name length, name
+    HELLO      client -> server  32s proof, u8 latest, u8 wants device, u16 credits, u16 name length,
+                                 16s host (the client's boot id: is it the server's host?), name
     WELCOME    server -> client  u64 generation, u64 capacity, u16 credits, u8 producer backend,
+                                 u8 staged (1: GPU frames travel as host bytes), 4x pad,
                                  u64 floor (frames published before this consumer joined)
     REJECT     server -> client  u16 reason, u16 text length, text (at most REJECT_TEXT_MAX bytes of UTF-8)
     FRAME      server -> client  u64 generation, u64 server skipped, 256s slot record (transport.wire.RECORD:
                                  seq, timestamp, spec, meta); then one message of exactly ``nbytes`` bytes:
-                                 the pixels, straight from the producer's slot
+                                 the pixels (GPU memory as UCX moves it, or host bytes where staged)
     CREDIT     client -> server  u32 frames released (each lets the server send one more)
     PING       either way        nothing: "still here" while idle (a peer silent for DEAD_AFTER_S is gone)
     BYE        either way        u16 reason, u16 text length, text: the sender closes the connection
@@ -41,7 +43,7 @@ from . import wire
 
 MAGIC = b"CLUX"
 TRAILER = b"CLUE"
-VERSION = 1
+VERSION = 2
 MSG_SIZE = 320
 HEAD = struct.Struct("<4sHH")
 BODY_OFF = HEAD.size
@@ -50,6 +52,7 @@ NONCE_SIZE = 32
 PROOF_SIZE = 32
 KEY_SIZE = 32
 NAME_MAX = 64
+HOST_ID_SIZE = 16
 REJECT_TEXT_MAX = 200
 MAX_CREDITS = 64  # receive buffers a client may hold; the server leases at most one slot per consumer at a time
 DEFAULT_PORT = 13337
@@ -73,8 +76,8 @@ KIND_NAMES = {
     BYE: "BYE",
 }
 
-_HELLO = struct.Struct("<32sBBHH")
-_WELCOME = struct.Struct("<QQHBxxxxxQ")
+_HELLO = struct.Struct("<32sBBHH16s")
+_WELCOME = struct.Struct("<QQHBBxxxxQ")
 _TEXT = struct.Struct("<HH")
 _FRAME = struct.Struct("<QQ")
 _CREDIT = struct.Struct("<I")
@@ -172,6 +175,7 @@ class Hello:
     device: bool  #: the client lands frames in GPU memory (the server may then send GPU memory as is)
     credits: int
     name: str
+    host: bytes = bytes(HOST_ID_SIZE)  #: the client's host (``_platform.host_id``): all zeros when unknown
 
 
 def pack_hello(h: Hello) -> bytes:
@@ -180,12 +184,15 @@ def pack_hello(h: Hello) -> bytes:
         raise ProtocolError(f"cudalink: link name {h.name!r} is not 1..{NAME_MAX} bytes")
     if not 1 <= h.credits <= MAX_CREDITS:
         raise ProtocolError(f"cudalink: credits must be 1..{MAX_CREDITS}, got {h.credits}")
-    return _message(HELLO, _HELLO.pack(h.proof, int(h.latest), int(h.device), h.credits, len(raw)) + raw)
+    if len(h.host) != HOST_ID_SIZE:
+        raise ProtocolError(f"cudalink: a host id is {HOST_ID_SIZE} bytes, got {len(h.host)}")
+    body = _HELLO.pack(h.proof, int(h.latest), int(h.device), h.credits, len(raw), h.host)
+    return _message(HELLO, body + raw)
 
 
 def unpack_hello(msg: bytes | bytearray | memoryview) -> Hello:
     expect(msg, HELLO)
-    answer, latest, device, credits, nlen = _HELLO.unpack_from(msg, BODY_OFF)
+    answer, latest, device, credits, nlen, host = _HELLO.unpack_from(msg, BODY_OFF)
     if latest > 1 or device > 1:
         raise ProtocolError(f"cudalink: HELLO flags latest={latest} device={device}")
     if not 1 <= credits <= MAX_CREDITS:
@@ -197,7 +204,7 @@ def unpack_hello(msg: bytes | bytearray | memoryview) -> Hello:
         name = bytes(msg[start : start + nlen]).decode()
     except UnicodeDecodeError as exc:
         raise ProtocolError("cudalink: HELLO name is not UTF-8") from exc
-    return Hello(bytes(answer), bool(latest), bool(device), credits, name)
+    return Hello(bytes(answer), bool(latest), bool(device), credits, name, bytes(host))
 
 
 @dataclass(frozen=True)
@@ -207,6 +214,7 @@ class Welcome:
     credits: int
     backend: int  #: transport.wire.BACKEND_* of the producer's slots
     floor: int = 0  #: frames published before the server attached for this consumer (not skipped by it)
+    staged: bool = False  #: GPU frames travel as host bytes (the server copies them out, the client back in)
 
 
 #: the largest frame a client accepts to allocate landing buffers for (a lie beyond it is a ProtocolError)
@@ -214,7 +222,8 @@ CAPACITY_MAX = 1 << 34
 
 
 def pack_welcome(w: Welcome) -> bytes:
-    return _message(WELCOME, _WELCOME.pack(w.generation, w.capacity, w.credits, w.backend, w.floor))
+    body = _WELCOME.pack(w.generation, w.capacity, w.credits, w.backend, int(w.staged), w.floor)
+    return _message(WELCOME, body)
 
 
 def unpack_welcome(msg: bytes | bytearray | memoryview) -> Welcome:
@@ -222,7 +231,7 @@ def unpack_welcome(msg: bytes | bytearray | memoryview) -> Welcome:
     expect(msg, WELCOME, REJECT, BYE)
     if HEAD.unpack_from(msg)[2] != WELCOME:
         raise refusal(msg)
-    gen, capacity, credits, backend, floor = _WELCOME.unpack_from(msg, BODY_OFF)
+    gen, capacity, credits, backend, staged, floor = _WELCOME.unpack_from(msg, BODY_OFF)
     if gen == 0:
         raise ProtocolError("cudalink: WELCOME names generation 0")
     if not 0 < capacity <= CAPACITY_MAX:
@@ -231,7 +240,9 @@ def unpack_welcome(msg: bytes | bytearray | memoryview) -> Welcome:
         raise ProtocolError(f"cudalink: WELCOME grants {credits} credits")
     if backend not in wire.BACKEND_NAMES:
         raise ProtocolError(f"cudalink: WELCOME names backend {backend}")
-    return Welcome(gen, capacity, credits, backend, floor)
+    if staged > 1:
+        raise ProtocolError(f"cudalink: WELCOME flag staged={staged}")
+    return Welcome(gen, capacity, credits, backend, floor, bool(staged))
 
 
 # -- refusals and goodbyes ------------------------------------------------------------------------------------

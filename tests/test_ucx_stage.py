@@ -1,0 +1,60 @@
+"""Which bytes a ucx:// server sends for a GPU frame (GPU memory as is, or host bytes), and the host id the
+decision rests on. The data paths themselves run in ``tests/test_ucx_gpu.py`` (GPU)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+import cudalink
+from cudalink import _platform
+from cudalink.transport import ucx_engine
+
+
+@pytest.mark.parametrize(
+    ("gpu", "same_host", "rdma", "mode", "staged"),
+    [
+        (True, True, False, "auto", False),  # one host: cuda_ipc moves GPU memory
+        (True, False, False, "auto", True),  # across hosts on TCP: UCX's own GPU staging is slow
+        (True, False, True, "auto", False),  # across hosts with RDMA: GPU memory as is (GPUDirect)
+        (False, True, False, "auto", True),  # a consumer landing on the host always gets host bytes
+        (False, False, True, "gpu", True),
+        (True, True, True, "host", True),
+        (True, False, False, "gpu", False),
+    ],
+)
+def test_stage_on_host(gpu: bool, same_host: bool, rdma: bool, mode: str, staged: bool) -> None:
+    assert ucx_engine.stage_on_host(gpu, same_host, rdma, mode) is staged
+
+
+def test_rdma_transports_are_the_network_ones_beyond_tcp() -> None:
+    assert not ucx_engine.rdma_transports({"posix", "tcp", "self", "sysv", "cma"})  # what a plain VM has
+    assert not ucx_engine.rdma_transports(["tcp", "cuda_copy", "cuda_ipc", "gdr_copy"])
+    assert ucx_engine.rdma_transports({"tcp", "rc_mlx5", "cuda_copy"})
+    assert ucx_engine.rdma_transports({"dc_mlx5/mlx5_0:1"})
+
+
+def test_host_id_is_the_boot_id(tmp_path: Path) -> None:
+    boot = uuid.uuid4()
+    f = tmp_path / "boot_id"
+    f.write_text(f"{boot}\n")
+    assert _platform.host_id(str(f)) == boot.bytes
+    assert _platform.host_id() == _platform.host_id()  # stable within a boot
+
+
+def test_host_id_without_a_boot_id_is_a_hash_of_the_host_name(tmp_path: Path) -> None:
+    missing = _platform.host_id(str(tmp_path / "none"))
+    garbage = tmp_path / "bad"
+    garbage.write_text("not a uuid")
+    assert len(missing) == 16 and missing == _platform.host_id(str(garbage))
+
+
+def test_a_bad_stage_mode_is_refused_when_the_server_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudalink import ucx_server
+
+    monkeypatch.setenv("CUDALINK_UCX_STAGE", "pcie")
+    with pytest.raises(cudalink.LinkError, match="CUDALINK_UCX_STAGE='pcie'; use auto, host or gpu"):
+        ucx_server.Server(0, os.urandom(32), "x")

@@ -12,6 +12,8 @@ slot: the slots come from a CUDA memory pool, and UCX 1.21's ``cuda_ipc`` cannot
 H100 (2026-11-25, bare UCXX, 1080p RGBA, ``UCX_TLS=tcp,cuda_copy,cuda_ipc``) a send from pool memory fell
 back to staging at 0.25 GB/s, from ``cuMemAlloc`` memory it ran at 15 GB/s; the copy costs the GPU a few
 microseconds per frame, and a remote consumer then never holds a producer's slot during a network send.
+For a consumer on another host without RDMA, or one landing on the host, the frame is instead copied
+straight from the slot into page-locked host memory and sent as host bytes (``ucx_engine.stage_on_host``).
 
 Flow control is by credits: a consumer grants as many as it has landing buffers and returns one per
 frame it has released. With no credit left the server takes nothing: the local ring moves on and

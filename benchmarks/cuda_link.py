@@ -66,12 +66,13 @@ def consumer(address: str, copy: str, n: int, q: Any) -> None:
             t2 = clock()
             take.append(t1 - t0)
             release.append(t2 - t1)
+        stats = rx.stats()  # while attached: its "path" says how the frames came (after close it cannot)
     except cudalink.LinkError as exc:
         q.put(("error", str(exc)))
         return
     finally:
         rx.close()
-    q.put((take[50:], release[50:], rx.stats()))  # the first 50: warm-up (imports, first exports)
+    q.put((take[50:], release[50:], stats))  # the first 50: warm-up (imports, first exports)
 
 
 def run_path(protocol: str, copy: str, n: int, shape: tuple[int, ...]) -> dict[str, Any]:

@@ -62,14 +62,18 @@ def forget(marker: tuple[Any, Any]) -> None:
     driver.destroy_event(marker[0])
 
 
-async def drained(stream: object) -> None:
-    """Return once everything queued on ``stream`` so far has run, polling (the loop keeps running)."""
-    marker = mark(stream)
+async def passed(marker: tuple[Any, Any]) -> None:
+    """Return once ``marker`` (from :func:`mark`) has passed, polling (the loop keeps running); then forget it."""
     try:
         while not done(marker):
             await asyncio.sleep(POLL_S)
     finally:
         forget(marker)
+
+
+async def drained(stream: object) -> None:
+    """Return once everything queued on ``stream`` so far has run."""
+    await passed(mark(stream))
 
 
 class Pinned:
@@ -108,11 +112,9 @@ class Pinned:
         m = self._pending
         if m is not None:
             try:
-                while not done(m):
-                    await asyncio.sleep(POLL_S)
+                await passed(m)
             finally:
                 self._pending = None
-                forget(m)
 
     def close(self) -> None:
         """Free the memory once no copy reads it (CPU-side wait: at teardown only)."""

@@ -10,7 +10,6 @@ import asyncio
 import os
 import queue
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -46,9 +45,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ucx_engine.free_port()
 
 
 class Proc:

@@ -33,14 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from ..transport import ucx_engine
+
 SIZES = {"64x64x4": (64, 64, 4), "1080p": (1080, 1920, 4), "4K": (2160, 3840, 4)}
 STAMP = struct.Struct("<Qq")  # seq, monotonic ns at send
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _child(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -100,7 +96,7 @@ def _producer(name: str, shape: str, port: int, period: float, seconds: float, d
 def cudalink_handoff(shape: tuple[int, ...], frames: int, period: float) -> dict[str, float]:
     import cudalink
 
-    port = _free_port()
+    port = ucx_engine.free_port()
     name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
     p = _child("producer", name, ",".join(map(str, shape)), str(port), str(period), str(frames * period + 30))
     try:
@@ -136,7 +132,7 @@ def cudalink_stream(
     ``env``: for the producer and its server (``CUDALINK_UCX_STAGE``)."""
     import cudalink
 
-    port = _free_port()
+    port = ucx_engine.free_port()
     name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
     p = _child("producer", name, ",".join(map(str, shape)), str(port), "0", str(seconds + 30), device, env=env)
     where: str | int = device if device == "cpu" else int(device)
@@ -170,8 +166,6 @@ def cudalink_stream(
 
 
 def _bare_sender(port: int, nbytes: int, period: float, count: int) -> None:
-    from ..transport import ucx_engine
-
     ucxx = ucx_engine.load()
 
     async def main() -> None:
@@ -197,11 +191,9 @@ def _bare_sender(port: int, nbytes: int, period: float, count: int) -> None:
 
 def _bare(nbytes: int, count: int, period: float) -> tuple[list[float], float]:
     """Receive ``count`` header+payload pairs from a bare sender process; latencies (µs) and seconds taken."""
-    from ..transport import ucx_engine
-
     eng = ucx_engine.engine()
     ucxx = eng.ucxx
-    port = _free_port()
+    port = ucx_engine.free_port()
     done: asyncio.Future[tuple[list[float], float]] | None = None
 
     async def serve() -> tuple[list[float], float]:
@@ -334,8 +326,6 @@ def tcp_stream(nbytes: int, count: int) -> dict[str, float]:
 
 def run(quick: bool = False, gpu: bool | None = None) -> dict[str, Any]:
     import secrets
-
-    from ..transport import ucx_engine
 
     os.environ.setdefault("CUDALINK_KEY", secrets.token_hex(32))  # this run's own key, for its children too
     frames = 100 if quick else 500

@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -134,6 +135,15 @@ def check_listen(listen: str) -> None:
     ucx_wire.parse_address(listen, need_name=False)
     if importlib.util.find_spec("ucxx") is None:
         raise LinkError(f"cudalink: serve={listen!r} needs UCXX, which is not installed; {INSTALL_HINT}")
+
+
+def free_port() -> int:
+    """A TCP port no socket of this host holds now, on any address: UCXX's listener binds every interface
+    whatever host it is given, so a port free on 127.0.0.1 alone may still be taken on another address
+    (by an outgoing connection's local port, say). For tests and benches that pick their own port."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def spawn_server(name: str, listen: str) -> subprocess.Popen[bytes]:

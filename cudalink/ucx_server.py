@@ -88,6 +88,8 @@ class _Consumer:
         self.why = ""
         self.silent = False  # dropped for silence: maybe only stalled, so its endpoint outlives it a while
         self.staged = False  # GPU frames go out as host bytes (see ucx_engine.stage_on_host)
+        self.inline = 0  # host bytes up to this many go in the FRAME message itself (the client's HELLO)
+        self.out = bytearray()  # that one message, made once
         self.stage: Any = None  # their page-locked buffer, made with the first GPU frame
 
     async def run(self) -> None:
@@ -146,6 +148,7 @@ class _Consumer:
             return False
         self.rx = rx
         self.credits = min(hello.credits, MAX_GRANT)
+        self.inline = min(hello.inline, rx.capacity)
         backend = {v: k for k, v in shm_wire.BACKEND_NAMES.items()}.get(rx.backend, shm_wire.BACKEND_HOST)
         self.staged = self.staged and backend != shm_wire.BACKEND_HOST  # host frames are host bytes anyway
         welcome = ucx_wire.Welcome(rx.generation, rx.capacity, self.credits, backend, rx._floor, self.staged)
@@ -276,10 +279,17 @@ class _Consumer:
                     spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
                 else:
                     data = frame.numpy()
-                head = ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta)
-                # both posted at once (UCX keeps one endpoint's messages of one tag in order): the pixels
-                # need not wait for the header's completion to be reported
-                await asyncio.gather(self.ep.send(head), self.ep.send(data))
+                inline = isinstance(data, np.ndarray) and data.nbytes <= self.inline
+                head = ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta, inline)
+                if inline:  # one message, header and pixels: the slot goes back before the network send
+                    msg = self._one(head, data)
+                    data = None
+                    frame.release()
+                    await self.ep.send(msg)
+                else:
+                    # both posted at once (UCX keeps one endpoint's messages of one tag in order): the
+                    # pixels need not wait for the header's completion to be reported
+                    await asyncio.gather(self.ep.send(head), self.ep.send(data))
             except Exception as exc:
                 await self._failed(f"sending frame {frame.seq} failed", exc)
                 return
@@ -292,6 +302,15 @@ class _Consumer:
             self.credits -= 1
             self.sent += 1
             last_sent = time.monotonic()
+
+    def _one(self, head: bytes, data: np.ndarray[Any, Any]) -> memoryview:
+        """The FRAME header and the pixels copied behind it; the frame may be released right after."""
+        if not self.out:
+            self.out = bytearray(ucx_wire.MSG_SIZE + self.inline)
+        end = ucx_wire.MSG_SIZE + data.nbytes
+        self.out[: ucx_wire.MSG_SIZE] = head
+        np.frombuffer(self.out, np.uint8, data.nbytes, ucx_wire.MSG_SIZE)[:] = data.reshape(-1).view(np.uint8)
+        return memoryview(self.out)[:end]
 
     def _close(self, abort: bool = True) -> None:
         if self.rx is not None:

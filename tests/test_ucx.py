@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import cudalink
@@ -238,6 +239,74 @@ def test_reconfigure_reaches_the_remote_consumer() -> None:
     finally:
         srv.stop()
         prod.stop()
+
+
+def test_frames_either_side_of_the_inline_limit_arrive_whole() -> None:
+    """A host consumer gets frames up to INLINE_MAX as one message (header and pixels), larger ones as a
+    header and a second message; a stream that switches between the two loses and mixes nothing."""
+    big = (160, 160, 4)  # 102400 bytes: over the inline limit
+    assert int(np.prod(big)) > ucx_wire.INLINE_MAX >= 32 * 32 * 4
+    name = unique("i")
+    prod = producer(name, "--frames", "1000000", "--fps", "300", "--shape", "160,160,4", "--reshape", "32,32,4")
+    srv, url = server(name)
+    try:
+        shapes: dict[tuple[int, ...], int] = {}
+        last = 0
+        with cudalink.Receiver(url, latest=False, timeout=10.0, device="cpu") as rx:
+            while min(shapes.values(), default=0) < 30 or len(shapes) < 2:
+                with rx.recv(timeout=5.0) as f:
+                    check(f)
+                    assert f.seq > last
+                    last = f.seq
+                    shapes[f.shape] = shapes.get(f.shape, 0) + 1
+        assert set(shapes) == {big, (32, 32, 4)}
+    finally:
+        srv.stop()
+        prod.stop()
+
+
+async def _raw_frames(url: str, inline: int, n: int) -> list[tuple[bool, int, tuple[int, ...], bytes]]:
+    """Speak the protocol by hand, asking for ``inline`` pixel bytes in FRAME messages: each frame's inline
+    flag, seq, shape and pixels as they came off the wire."""
+    addr = ucx_wire.parse_address(url, need_name=True)
+    ep = await ucx_engine.engine().ucxx.create_endpoint(addr.host, addr.port)
+    buf = bytearray(ucx_wire.MSG_SIZE + inline)
+    head = memoryview(buf)[: ucx_wire.MSG_SIZE]
+    try:
+        await ucx_engine.recv_msg(ep, buf, None)
+        nonce = ucx_wire.unpack_challenge(head)
+        hello = ucx_wire.Hello(
+            ucx_wire.proof(bytes.fromhex(KEY), nonce), False, False, 2, addr.name or "", inline=inline
+        )
+        await ep.send(ucx_wire.pack_hello(hello))
+        await ucx_engine.recv_msg(ep, buf, None)
+        ucx_wire.unpack_welcome(head)
+        got = []
+        while len(got) < n:
+            await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), 5.0)
+            if ucx_wire.kind_of(head) != ucx_wire.FRAME:
+                continue
+            h = ucx_wire.unpack_frame(head, 1 << 20, inline)
+            if h.inline:
+                pixels = bytes(buf[ucx_wire.MSG_SIZE : ucx_wire.MSG_SIZE + h.nbytes])
+            else:
+                data = bytearray(h.nbytes)
+                await ep.recv(data)
+                pixels = bytes(data)
+            got.append((h.inline, h.seq, h.spec.shape, pixels))
+            await ep.send(ucx_wire.pack_credit(1))
+        return got
+    finally:
+        ep.abort()
+
+
+@pytest.mark.parametrize("inline", [0, ucx_wire.INLINE_MAX])
+def test_a_client_gets_pixels_inline_only_if_it_asked(stream: tuple[Proc, Proc, str], inline: int) -> None:
+    _, _, url = stream
+    frames = ucx_engine.engine().run(_raw_frames(url, inline, 5), 30.0)
+    for flag, seq, shape, pixels in frames:
+        assert flag is bool(inline)
+        assert pixels == pattern(shape, seq).tobytes(), f"frame {seq}: content differs"
 
 
 # -- faults -------------------------------------------------------------------------------------------------
@@ -607,3 +676,36 @@ def test_two_network_namespaces_joined_by_a_veth_pair() -> None:
                 p.stop()
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+# -- bench --remote ---------------------------------------------------------------------------------------------
+
+
+def test_remote_bench_times_cudalink_and_both_bare_floors(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its parts measure what they say (a latency per frame, from stamps the sender wrote), and the report
+    shows the goal's floor (one message) beside the two-message one."""
+    from cudalink.tools import remote_bench as rb
+
+    c = rb.cudalink_handoff((8, 8, 4), 20, 0.002)
+    one = rb.bare_handoff(8 * 8 * 4, 20, 0.002, one=True)
+    two = rb.bare_handoff(8 * 8 * 4, 20, 0.002, one=False)
+    for row in (c, one, two):
+        assert row["n"] == 20 and 0 < row["p50_us"] <= row["p99_us"] < 1e6
+    rb.print_report(
+        {
+            "ucx_tls": "tcp",
+            "progress": "thread",
+            "handoff": {
+                "8x8x4": {
+                    "cudalink": c,
+                    "bare_ucxx": one,
+                    "bare_ucxx_two": two,
+                    "ratio_p50": c["p50_us"] / one["p50_us"],
+                    "ratio_p50_two": c["p50_us"] / two["p50_us"],
+                }
+            },
+            "stream": {},
+        }
+    )
+    out = capsys.readouterr().out
+    assert "bare, 1 msg" in out and "bare, 2 msgs" in out and "8x8x4" in out

@@ -24,6 +24,7 @@ def _decoders(msg: bytes, cap: int) -> list[object]:
         lambda: uw.unpack_welcome(msg),
         lambda: uw.unpack_text(msg),
         lambda: uw.unpack_frame(msg, cap),
+        lambda: uw.unpack_frame(msg, cap, min(cap, uw.INLINE_MAX)),
         lambda: uw.unpack_credit(msg),
         lambda: uw.kind_of(msg),
     ]
@@ -48,9 +49,12 @@ def test_challenge_and_proof(nonce: bytes, key: bytes) -> None:
     credits=st.integers(1, uw.MAX_CREDITS),
     name=names,
     host=st.binary(min_size=uw.HOST_ID_SIZE, max_size=uw.HOST_ID_SIZE),
+    inline=st.integers(0, uw.INLINE_MAX),
 )
-def test_hello_roundtrip(proof: bytes, latest: bool, device: bool, credits: int, name: str, host: bytes) -> None:
-    h = uw.Hello(proof, latest, device, credits, name, host)
+def test_hello_roundtrip(
+    proof: bytes, latest: bool, device: bool, credits: int, name: str, host: bytes, inline: int
+) -> None:
+    h = uw.Hello(proof, latest, device, credits, name, host, inline)
     assert uw.unpack_hello(uw.pack_hello(h)) == h
 
 
@@ -61,15 +65,21 @@ def test_hello_limits() -> None:
         uw.pack_hello(uw.Hello(bytes(32), True, False, 0, "x"))
     with pytest.raises(cudalink.ProtocolError, match="host id"):
         uw.pack_hello(uw.Hello(bytes(32), True, False, 2, "x", b"short"))
+    with pytest.raises(cudalink.ProtocolError, match="inline"):
+        uw.pack_hello(uw.Hello(bytes(32), True, False, 2, "x", inline=uw.INLINE_MAX + 1))
+    lie = bytearray(uw.pack_hello(uw.Hello(bytes(32), True, False, 2, "x")))
+    lie[uw.BODY_OFF + 54 : uw.BODY_OFF + 58] = (uw.INLINE_MAX + 1).to_bytes(4, "little")
+    with pytest.raises(cudalink.ProtocolError, match="inline"):
+        uw.unpack_hello(bytes(lie))
 
 
 def test_hello_golden_layout() -> None:
     """The host id sits between the fixed fields and the name, where the module docstring says."""
-    msg = uw.pack_hello(uw.Hello(b"P" * 32, True, True, 3, "cam", b"H" * 16))
+    msg = uw.pack_hello(uw.Hello(b"P" * 32, True, True, 3, "cam", b"H" * 16, 0xFF01))
     body = msg[uw.BODY_OFF :]
     assert body[:32] == b"P" * 32
     assert body[32:40] == bytes([1, 1, 3, 0, 3, 0, *b"HH"])
-    assert body[38:54] == b"H" * 16 and body[54:57] == b"cam"
+    assert body[38:54] == b"H" * 16 and body[54:58] == bytes([1, 0xFF, 0, 0]) and body[58:61] == b"cam"
 
 
 @given(
@@ -125,6 +135,28 @@ def test_frame_header_roundtrip(spec: FrameSpec, gen: int, skipped: int, seq: in
     got = (h.generation, h.server_skipped, h.seq, h.timestamp_ns, h.spec, h.meta)
     assert got == (gen, skipped, seq, ts, spec, meta)
     assert h.nbytes == spec.nbytes
+
+
+@given(spec=specs, inline=st.booleans())
+def test_frame_inline_flag_roundtrips(spec: FrameSpec, inline: bool) -> None:
+    msg = uw.pack_frame(1, 0, 1, 0, spec, b"", inline)
+    assert len(msg) == uw.MSG_SIZE
+    if inline and spec.nbytes > uw.INLINE_MAX:
+        with pytest.raises(cudalink.ProtocolError, match="inline"):
+            uw.unpack_frame(msg, spec.nbytes, uw.INLINE_MAX)
+    else:
+        assert uw.unpack_frame(msg, spec.nbytes, uw.INLINE_MAX).inline is inline
+
+
+def test_inline_pixels_a_client_did_not_ask_for_are_refused() -> None:
+    spec = FrameSpec((64, 64, 4), "uint8")
+    msg = uw.pack_frame(1, 0, 1, 0, spec, b"", True)
+    with pytest.raises(cudalink.ProtocolError, match="takes 0"):
+        uw.unpack_frame(msg, spec.nbytes)  # a GPU landing asks for none
+    bad = bytearray(msg)
+    bad[uw.BODY_OFF + 16 + wire.RECORD_SIZE] = 2
+    with pytest.raises(cudalink.ProtocolError, match="inline=2"):
+        uw.unpack_frame(bytes(bad), spec.nbytes, uw.INLINE_MAX)
 
 
 def test_frame_larger_than_the_landing_buffers_is_refused_before_use() -> None:

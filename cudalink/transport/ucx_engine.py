@@ -271,12 +271,13 @@ def engine() -> Engine:
 
 
 async def recv_msg(ep: Any, buf: bytearray, timeout: float | None) -> bytearray:
-    """Receive one fixed-size message into ``buf`` (zeroed first: a short message then lacks its trailer).
+    """Receive one message into ``buf`` (its first ``MSG_SIZE`` bytes zeroed first: a short message then
+    lacks its trailer). ``buf`` is ``MSG_SIZE`` bytes, or more where a FRAME may carry its pixels inline.
 
-    A message of another size is a :class:`ProtocolError` (UCX reports it truncated); a dead peer raises
-    what UCX raises (``ConnectionError``-like UCXX errors), which the callers treat as EOF.
+    A longer message is a :class:`ProtocolError` (UCX reports it truncated); a dead peer raises what UCX
+    raises (``ConnectionError``-like UCXX errors), which the callers treat as EOF.
     """
-    buf[:] = bytes(ucx_wire.MSG_SIZE)
+    buf[: ucx_wire.MSG_SIZE] = bytes(ucx_wire.MSG_SIZE)
     try:
         if timeout is None:
             await ep.recv(buf)

@@ -133,6 +133,7 @@ class UcxSource:
                 CREDITS,
                 self.addr.name,
                 _platform.host_id(),
+                ucx_wire.INLINE_MAX if self._device is not None and self._device < 0 else 0,
             )
             await ep.send(ucx_wire.pack_hello(hello))
             msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)
@@ -142,7 +143,7 @@ class UcxSource:
                 ep.abort()
             raise
         assert self._device is not None
-        att = UcxAttachment(eng, ep, welcome, self._device)
+        att = UcxAttachment(eng, ep, welcome, self._device, hello.inline)
         att.start()
         return att
 
@@ -220,8 +221,11 @@ class UcxAttachment:
     receive = staticmethod(_receive)
     sleep_receive = staticmethod(_sleep_receive)
 
-    def __init__(self, eng: ucx_engine.Engine, ep: Any, welcome: ucx_wire.Welcome, device: int) -> None:
+    def __init__(
+        self, eng: ucx_engine.Engine, ep: Any, welcome: ucx_wire.Welcome, device: int, inline: int = 0
+    ) -> None:
         self.eng = eng
+        self.inline = inline  # the pixel bytes a FRAME message may carry (what our HELLO asked for)
         self.ep = ep
         self.generation = welcome.generation
         self.capacity = welcome.capacity
@@ -283,10 +287,11 @@ class UcxAttachment:
         self._wake()
 
     async def _reader(self) -> None:
-        buf = bytearray(ucx_wire.MSG_SIZE)
+        buf = bytearray(ucx_wire.MSG_SIZE + self.inline)
+        msg = memoryview(buf)[: ucx_wire.MSG_SIZE]
         try:
             while True:
-                msg = await ucx_engine.recv_msg(self.ep, buf, None)
+                await ucx_engine.recv_msg(self.ep, buf, None)
                 self.heard = time.monotonic()
                 kind = ucx_wire.expect(msg, ucx_wire.FRAME, ucx_wire.PING, ucx_wire.BYE)
                 if kind == ucx_wire.PING:
@@ -296,13 +301,16 @@ class UcxAttachment:
                     self.producer_gone = reason == ucx_wire.R_PRODUCER_GONE
                     self._end(f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {text}")
                     return
-                head = ucx_wire.unpack_frame(msg, self.capacity)
+                head = ucx_wire.unpack_frame(msg, self.capacity, self.inline)
                 if head.generation != self.generation:
                     raise ProtocolError(f"cudalink: frame of generation {head.generation} on {self.generation}")
                 if not self.free:
                     raise ProtocolError("cudalink: the ucx server sent a frame beyond its credits")
                 idx = self.free.pop()
-                if self.pool is not None:
+                if head.inline:  # the pixels came in this message (only a host landing asks for that)
+                    n = head.nbytes
+                    self.buffers[idx][:n] = np.frombuffer(buf, np.uint8, n, ucx_wire.MSG_SIZE)
+                elif self.pool is not None:
                     idx = await self._land(head.nbytes)
                 else:
                     await self.ep.recv(self.buffers[idx][: head.nbytes])

@@ -3,7 +3,9 @@
 UCX moves the bytes (tag send/recv on one endpoint per remote consumer); this file says what they mean.
 Every message is exactly ``MSG_SIZE`` bytes, so a receiver always posts one fixed buffer and a peer
 cannot make it allocate anything: a message of another size is refused by UCX (truncated) or lacks the
-trailer. All integers are little-endian::
+trailer. One exception, which the client asks for: a small frame's pixels may follow its FRAME header in
+the same message (``inline``), into a buffer the client posted at ``MSG_SIZE + inline`` bytes. All
+integers are little-endian::
 
     0   4s  magic    b"CLUX"
     4   u16 version  VERSION; any other value is refused
@@ -15,14 +17,18 @@ Kinds and bodies::
 
     CHALLENGE  server -> client  32s nonce                                   (sent at connect)
     HELLO      client -> server  32s proof, u8 latest, u8 wants device, u16 credits, u16 name length,
-                                 16s host (the client's boot id: is it the server's host?), name
+                                 16s host (the client's boot id: is it the server's host?),
+                                 u32 inline (the most pixel bytes it takes inside a FRAME message; 0: none), name
     WELCOME    server -> client  u64 generation, u64 capacity, u16 credits, u8 producer backend,
                                  u8 staged (1: GPU frames travel as host bytes), 4x pad,
                                  u64 floor (frames published before this consumer joined)
     REJECT     server -> client  u16 reason, u16 text length, text (at most REJECT_TEXT_MAX bytes of UTF-8)
     FRAME      server -> client  u64 generation, u64 server skipped, 256s slot record (transport.wire.RECORD:
-                                 seq, timestamp, spec, meta); then one message of exactly ``nbytes`` bytes:
-                                 the pixels (GPU memory as UCX moves it, or host bytes where staged)
+                                 seq, timestamp, spec, meta), u8 inline; inline 0: then one message of
+                                 exactly ``nbytes`` bytes, the pixels (GPU memory as UCX moves it, or host
+                                 bytes where staged); inline 1: the ``nbytes`` host bytes follow the trailer
+                                 in this message (at most the client's HELLO inline). One message instead of
+                                 two saves a small frame a network round: the receive is already posted.
     CREDIT     client -> server  u32 frames released (each lets the server send one more)
     PING       either way        nothing: "still here" while idle (a peer silent for DEAD_AFTER_S is gone)
     BYE        either way        u16 reason, u16 text length, text: the sender closes the connection
@@ -43,7 +49,7 @@ from . import wire
 
 MAGIC = b"CLUX"
 TRAILER = b"CLUE"
-VERSION = 2
+VERSION = 3
 MSG_SIZE = 320
 HEAD = struct.Struct("<4sHH")
 BODY_OFF = HEAD.size
@@ -54,6 +60,8 @@ KEY_SIZE = 32
 NAME_MAX = 64
 HOST_ID_SIZE = 16
 REJECT_TEXT_MAX = 200
+#: the most pixel bytes a client takes inline in a FRAME message (its receive buffer grows by this much)
+INLINE_MAX = 1 << 16
 MAX_CREDITS = 64  # receive buffers a client may hold; the server leases at most one slot per consumer at a time
 DEFAULT_PORT = 13337
 
@@ -76,7 +84,7 @@ KIND_NAMES = {
     BYE: "BYE",
 }
 
-_HELLO = struct.Struct("<32sBBHH16s")
+_HELLO = struct.Struct("<32sBBHH16sI")
 _WELCOME = struct.Struct("<QQHBBxxxxQ")
 _TEXT = struct.Struct("<HH")
 _FRAME = struct.Struct("<QQ")
@@ -176,6 +184,7 @@ class Hello:
     credits: int
     name: str
     host: bytes = bytes(HOST_ID_SIZE)  #: the client's host (``_platform.host_id``): all zeros when unknown
+    inline: int = 0  #: the most pixel bytes the client takes inside a FRAME message (0: always a second one)
 
 
 def pack_hello(h: Hello) -> bytes:
@@ -186,15 +195,19 @@ def pack_hello(h: Hello) -> bytes:
         raise ProtocolError(f"cudalink: credits must be 1..{MAX_CREDITS}, got {h.credits}")
     if len(h.host) != HOST_ID_SIZE:
         raise ProtocolError(f"cudalink: a host id is {HOST_ID_SIZE} bytes, got {len(h.host)}")
-    body = _HELLO.pack(h.proof, int(h.latest), int(h.device), h.credits, len(raw), h.host)
+    if not 0 <= h.inline <= INLINE_MAX:
+        raise ProtocolError(f"cudalink: inline must be 0..{INLINE_MAX} bytes, got {h.inline}")
+    body = _HELLO.pack(h.proof, int(h.latest), int(h.device), h.credits, len(raw), h.host, h.inline)
     return _message(HELLO, body + raw)
 
 
 def unpack_hello(msg: bytes | bytearray | memoryview) -> Hello:
     expect(msg, HELLO)
-    answer, latest, device, credits, nlen, host = _HELLO.unpack_from(msg, BODY_OFF)
+    answer, latest, device, credits, nlen, host, inline = _HELLO.unpack_from(msg, BODY_OFF)
     if latest > 1 or device > 1:
         raise ProtocolError(f"cudalink: HELLO flags latest={latest} device={device}")
+    if inline > INLINE_MAX:
+        raise ProtocolError(f"cudalink: HELLO takes {inline} inline bytes (0..{INLINE_MAX})")
     if not 1 <= credits <= MAX_CREDITS:
         raise ProtocolError(f"cudalink: HELLO asks for {credits} credits (1..{MAX_CREDITS})")
     if not 1 <= nlen <= NAME_MAX:
@@ -204,7 +217,7 @@ def unpack_hello(msg: bytes | bytearray | memoryview) -> Hello:
         name = bytes(msg[start : start + nlen]).decode()
     except UnicodeDecodeError as exc:
         raise ProtocolError("cudalink: HELLO name is not UTF-8") from exc
-    return Hello(bytes(answer), bool(latest), bool(device), credits, name, bytes(host))
+    return Hello(bytes(answer), bool(latest), bool(device), credits, name, bytes(host), inline)
 
 
 @dataclass(frozen=True)
@@ -302,27 +315,40 @@ class FrameHeader:
     timestamp_ns: int
     spec: FrameSpec
     meta: bytes
+    inline: bool = False  #: the pixels follow in this message (see the module's docstring)
 
     @property
     def nbytes(self) -> int:
         return self.spec.nbytes
 
 
-def pack_frame(generation: int, server_skipped: int, seq: int, ts: int, spec: FrameSpec, meta: bytes) -> bytes:
+_INLINE_OFF = BODY_OFF + _FRAME.size + wire.RECORD_SIZE
+
+
+def pack_frame(
+    generation: int, server_skipped: int, seq: int, ts: int, spec: FrameSpec, meta: bytes, inline: bool = False
+) -> bytes:
+    """A FRAME header; with ``inline`` the caller sends it with the pixels right behind it, as one message."""
     rec = bytearray(wire.RECORD_SIZE)
     wire.pack_record(rec, 0, seq, ts, spec, meta)
-    return _message(FRAME, _FRAME.pack(generation, server_skipped) + bytes(rec))
+    return _message(FRAME, _FRAME.pack(generation, server_skipped) + bytes(rec) + bytes((int(inline),)))
 
 
-def unpack_frame(msg: bytes | bytearray | memoryview, capacity: int) -> FrameHeader:
-    """A FRAME header, checked against the ``capacity`` of the buffers it will land in before any is used."""
+def unpack_frame(msg: bytes | bytearray | memoryview, capacity: int, inline: int = 0) -> FrameHeader:
+    """A FRAME header, checked against the ``capacity`` of the buffers it will land in before any is used
+    (and, for pixels inline, against the ``inline`` bytes this client asked for)."""
     expect(msg, FRAME)
     gen, skipped = _FRAME.unpack_from(msg, BODY_OFF)
     start = BODY_OFF + _FRAME.size
     rec = wire.unpack_record(bytes(msg[start : start + wire.RECORD_SIZE]), 0, capacity)
     if rec.spec.strides is not None:
         raise ProtocolError("cudalink: a ucx frame must be contiguous")
-    return FrameHeader(gen, skipped, rec.seq, rec.timestamp_ns, rec.spec, rec.meta)
+    flag = msg[_INLINE_OFF]
+    if flag > 1:
+        raise ProtocolError(f"cudalink: FRAME flag inline={flag}")
+    if flag and rec.spec.nbytes > inline:
+        raise ProtocolError(f"cudalink: a FRAME carries {rec.spec.nbytes} bytes inline; this client takes {inline}")
+    return FrameHeader(gen, skipped, rec.seq, rec.timestamp_ns, rec.spec, rec.meta, bool(flag))
 
 
 def pack_credit(n: int) -> bytes:

@@ -459,8 +459,11 @@ def test_copy_send_is_timed_on_its_own_stream_and_never_beats_the_bare_copy() ->
 
     got = copysend.measure(0, "torch", (1080, 1920, 4), iters=30)
     ours, bare = float(np.median(got["send"])), float(np.median(got["bare"]))
-    assert len(got["send"]) == len(got["bare"]) == 30
+    evented = float(np.median(got["bare_event"]))
+    assert len(got["send"]) == len(got["bare"]) == len(got["bare_event"]) == 30
     assert 0.5 < bare / ours <= 1.03, (ours, bare)
+    assert bare <= evented * 1.03, (bare, evented)  # the event record is GPU work on top of the copy
+    assert 0.8 < evented / ours <= 1.05, (ours, evented)  # send() queues the copy and that record, nothing more
     assert got["peak_gbps"] is not None and got["peak_gbps"] > 100, got["peak_gbps"]  # GB/s of bytes copied
 
 

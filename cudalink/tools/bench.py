@@ -1194,6 +1194,12 @@ class Bench:
                     if s and s["p50"] > 0
                 }
                 parts = [f"{who} {r:,.0f} GB/s" for who, r in rates.items()]
+                ev = summarize(got.get("bare_event") or [])
+                if ev and row["cudalink"] and row["cudalink"]["p50"] > 0:  # what send() queues, bare
+                    share = ev["p50"] / row["cudalink"]["p50"]
+                    parts.append(
+                        f"bare copy + IPC event record {ev['p50']:.1f} us (cudalink at {share:.0%} of its speed)"
+                    )
                 if got["timing"] != "gated":
                     parts.append("stream not gated: queueing time counts (no cuStreamWaitValue32)")
                 if peak and "cudalink" in rates:

@@ -19,9 +19,10 @@ ended is counted as **late**: that frame was not pipelined after all (it is stil
 
 Cases, each at a cadence:
 
-- **ahead** (the pipelined case): the write kernel spins 500 µs and ``send()`` is called at once, before
-  it finished; the consumer is woken, receives and queues its kernel while the producer's still runs, so
-  the figure is the GPU's own handoff: the copy, the ready event, the consumer's stream wait.
+- **ahead** (the pipelined case): the write kernel spins 500 µs (at 60 fps an eighth of the period,
+  2.1 ms: :func:`ahead_spin_ns`) and ``send()`` is called at once, before it finished; the consumer is
+  woken, receives and queues its kernel while the producer's still runs, so the figure is the GPU's own
+  handoff: the copy, the ready event, the consumer's stream wait.
 - **behind**: the write kernel spins 0 µs and the producer waits for it (``cuStreamSynchronize``) before
   ``send()``: the figure then holds the CPU's whole path, send to ``recv()`` to the consumer's launch.
 
@@ -120,6 +121,17 @@ $L_spin:
 
 #: the producer's work before its stamp in the "ahead" cases: longer than send() + wake + recv + export
 AHEAD_SPIN_NS = 500_000
+
+
+def ahead_spin_ns(interval: float) -> int:
+    """The write kernel's spin in an "ahead" case at a cadence of ``interval`` seconds: AHEAD_SPIN_NS (a
+    quarter of the 2 ms period), or an eighth of a longer period. At 60 fps a consumer that slept 16 ms
+    takes longer than 500 µs from ``send()`` to its launch (the H100 run of 2026-11-25 counted 97 of 120
+    frames late, with MPS): its frames were not pipelined, and the figure held CPU time the case is
+    defined without. The late count still says whether the spin was long enough."""
+    return max(AHEAD_SPIN_NS, int(interval * 1e9) // 8)
+
+
 #: torch.multiprocessing's pool of shared tensors, sent round robin
 POOL = 8
 
@@ -145,7 +157,7 @@ class Series(TypedDict):
     unordered: int
     frames: int
     #: "ahead" cases across processes: frames whose consumer queued its read kernel (CPU clock) later than
-    #: the producer's write kernel could have ended (its launch + AHEAD_SPIN_NS): not pipelined after all
+    #: the producer's write kernel could have ended (its launch + its spin): not pipelined after all
     late: int
 
 
@@ -456,7 +468,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> tuple[dict[
                 _backends.SEND_GRAPH = graph
                 for j in range(counts[key]):
                     wrote[gi] = time.monotonic_ns()
-                    k.write(p, src_ptr, log + 8 * gi, 0 if behind else AHEAD_SPIN_NS)
+                    k.write(p, src_ptr, log + 8 * gi, 0 if behind else ahead_spin_ns(interval))
                     if behind:
                         _sync(p)  # the kernel is done before send() is called
                     seq = tx.send(src)  # as a user calls it: torch copies on its current stream, P
@@ -475,6 +487,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> tuple[dict[
     logged = k.fetch(log, total)
     stamps = np.asarray(got, np.uint64)
     res: dict[str, Series] = {key: {"ns": [], "unordered": 0, "frames": 0, "late": 0} for key, _, _, _ in _LINK_PHASES}
+    spin = {key: ahead_spin_ns(interval) for key, interval, _, _ in _LINK_PHASES}
     for n, seq in enumerate(seqs):
         where = of_seq.get(seq)
         if where is None:
@@ -484,7 +497,7 @@ def _link(k: Kernels, g: GpuLib, device: int, lib: str, pl: Plan) -> tuple[dict[
         series = res[key]
         series["frames"] += 1
         series["unordered"] += bad
-        if key.endswith("_ahead") and launched[n] > wrote[gi] + AHEAD_SPIN_NS:
+        if key.endswith("_ahead") and launched[n] > wrote[gi] + spin[key]:
             series["late"] += 1
         if j >= pl["warm"]:
             series["ns"] += ns

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import numpy as np
@@ -181,6 +182,23 @@ class HostSlots:
         self, slot: int, spec: FrameSpec, src: object, stream: object, fences: list[RawEvent], checked: object
     ) -> None:
         np.copyto(self._array(slot, spec), cast("npt.NDArray[np.generic]", checked), casting="no")
+        if _trace.ON:
+            _trace.mark(_trace.COPY_QUEUED)
+
+    def copy_split(self, slot: int, spec: FrameSpec, src: object, cut: int, between: Callable[[], None]) -> None:
+        """``copy_in`` in two parts, ``between()`` called after the first ``cut`` bytes (before all of them
+        where ``cut`` <= 0, or where the arrays are not both compact)."""
+        dst = self._array(slot, spec)
+        arr = cast("npt.NDArray[np.generic]", src)
+        if cut <= 0 or cut >= spec.nbytes or not (arr.flags.c_contiguous and dst.flags.c_contiguous):
+            between()
+            np.copyto(dst, arr, casting="no")
+        else:
+            d = dst.reshape(-1).view(np.uint8)
+            s = arr.reshape(-1).view(np.uint8)
+            d[:cut] = s[:cut]
+            between()
+            d[cut:] = s[cut:]
         if _trace.ON:
             _trace.mark(_trace.COPY_QUEUED)
 

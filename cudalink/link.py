@@ -54,6 +54,10 @@ _default_transport: Transport | None = None
 _perf_ns = time.perf_counter_ns
 _AHEAD_SPIN_S = wire.AHEAD_SPIN_NS / 1e9
 _AHEAD_CLAMP_NS = 2 * wire.AHEAD_MAX_NS  # one stalled send moves the moving average of send times little
+#: a host copy too long to wake ahead of (a 1080p memcpy: about a millisecond) wakes who asked this long
+#: before its end instead: about one OS wake, so the consumer is running, spinning, when the frame lands
+_LATE_LEAD_NS = 150_000
+_COPY_CLAMP_NS = 100_000_000
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
 _META_MAX = wire.META_MAX
 
@@ -283,6 +287,7 @@ class Sender:
         #: sends finish soon after (a moving average, claim -> publish), since the woken consumer spins
         self._ahead = True
         self._send_ns = 0
+        self._copy_ns = 0  # the same average unclamped (host copies too slow to wake ahead of: see _copy_late)
         self._transport = transport or default_transport()
         self._slots = _backends.make_producer_slots(device, slots, cap, handles, self._transport.passes_fds)
         self.device = "cpu" if device == "cpu" else f"cuda:{self._slots.device}"
@@ -494,7 +499,10 @@ class Sender:
                 fences = self._fences(slot, fenced) if fenced else []
                 if _trace.ON:
                     _trace.mark(_trace.SLOT_CLAIMED)
-                self._slots.copy_in(slot, spec, array, stream, fences, checked)
+                if self._ahead or not self._host:
+                    self._slots.copy_in(slot, spec, array, stream, fences, checked)
+                else:
+                    self._copy_late(slot, spec, checked)
             except BaseException:
                 ring.abort(slot)
                 raise
@@ -502,6 +510,8 @@ class Sender:
             # sends stay slow, as a 4K host memcpy does. Learned before the publish, not between it and
             # the wake-up, where every step adds to the handoff.
             dt = _perf_ns() - t0
+            if self._host:
+                self._copy_ns += ((dt if dt < _COPY_CLAMP_NS else _COPY_CLAMP_NS) - self._copy_ns) >> 3
             dt = dt if dt < _AHEAD_CLAMP_NS else _AHEAD_CLAMP_NS
             avg = self._send_ns = self._send_ns + ((dt - self._send_ns) >> 4)
             self._ahead = avg < wire.AHEAD_MAX_NS
@@ -515,6 +525,21 @@ class Sender:
             if asleep:
                 self._wake(asleep, _trace.WAKING, _trace.WAKE_SENT)
             return seq
+
+    def _copy_late(self, slot: int, spec: FrameSpec, checked: object) -> None:
+        """A host copy too slow to wake ahead of: wake who asked _LATE_LEAD_NS before it ends (the copy in
+        two parts, the wake-up between), so that OS wake overlaps the copy's tail instead of following the
+        publish. Sends average ``_copy_ns``; how far in to wake is read from it."""
+        avg = self._copy_ns
+        nbytes = spec.nbytes
+        cut = nbytes - nbytes * _LATE_LEAD_NS // avg if avg > _LATE_LEAD_NS else 0
+        host = cast(_backends.HostSlots, self._slots)
+        host.copy_split(slot, spec, checked, cut, self._wake_ahead)
+
+    def _wake_ahead(self) -> None:
+        woke = self._ring.wake_ahead(self._handler.joined)
+        if woke:
+            self._wake(woke, _trace.WAKING_AHEAD, _trace.AHEAD_SENT)
 
     def _wake(self, mask: int, waking: str, sent: str) -> None:
         """One wake-up byte to each joined consumer in ``mask`` (bit i: index i), marked ``waking``/``sent``.

@@ -4,6 +4,7 @@ GPU side of the same path is in test_gpu.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -399,8 +400,10 @@ def test_a_send_that_fails_after_waking_ahead_loses_nothing(pair: PairFactory) -
         assert rx.received == 1 and rx.skipped == 0
 
 
-def test_a_sender_whose_sends_stay_slow_stops_waking_ahead(pair: PairFactory, traced: object) -> None:
-    """A consumer woken ahead spins for the rest of the send: not worth it behind a long host memcpy."""
+def test_a_sender_whose_sends_stay_slow_wakes_late_in_the_copy(pair: PairFactory, traced: object) -> None:
+    """Woken at the claim, a consumer would spin through a whole long host memcpy; once sends are known to
+    be slow, the wake-up ahead goes out near the copy's end instead (``Sender._copy_late``), so the OS wake
+    still overlaps the copy and no wake-up follows the publish."""
     shape = (2048, 4096, 4)  # 32 MiB: a memcpy far beyond wire.AHEAD_MAX_NS on any machine
     tx, rx = pair(DEFAULT, shape=shape, dtype="uint8", slots=2, rx={"wait": "block", "timeout": 10.0})
     src = np.ones(shape, np.uint8)
@@ -409,10 +412,11 @@ def test_a_sender_whose_sends_stay_slow_stops_waking_ahead(pair: PairFactory, tr
         t.start()
         _until(lambda: _waiting_word(tx) == wire.WAIT_AHEAD)
         _trace.take()
-        tx.send(src)  # the first send wakes ahead: it knows no better yet
+        tx.send(src)  # the first send wakes ahead at the claim: it knows no better yet
         t.join(10)
-        assert _trace.WAKING_AHEAD in [m for m, _ in _trace.take()]
-        for _ in range(11):  # a few slow sends, not one: a single stall must not switch it off
+        first = dict(_trace.take())
+        assert first[_trace.WAKING_AHEAD] <= first[_trace.SLOT_CLAIMED]
+        for _ in range(11):  # a few slow sends, not one: a single stall must not switch it over
             tx.send(src)
         rx.recv().release()  # the newest of them: nothing unseen is left, so the next recv() sleeps
         t = _Catcher(rx, n=1)
@@ -421,8 +425,11 @@ def test_a_sender_whose_sends_stay_slow_stops_waking_ahead(pair: PairFactory, tr
         _trace.take()
         tx.send(src)
         t.join(10)
-        marks = [m for m, _ in _trace.take()]
-        assert _trace.WAKING_AHEAD not in marks and _trace.WAKE_SENT in marks
+        m = dict(_trace.take())
+        assert _trace.WAKE_SENT not in m  # woken ahead: nothing to wake after the publish
+        claimed, woke, published = m[_trace.SLOT_CLAIMED], m[_trace.WAKING_AHEAD], m[_trace.PUBLISHED]
+        assert claimed < woke < published
+        assert published - woke < (published - claimed) / 2, (woke - claimed, published - woke)  # late in the copy
         assert len(t.got) == 1 and not isinstance(t.got[0], Exception)
 
 
@@ -460,3 +467,44 @@ def test_frames_cross_processes_intact_when_woken_ahead(spawned: object, name: s
     _pid, got, mismatches, tail, skipped, ordered = result.get(timeout=60)
     assert (got, mismatches, skipped, ordered) == (300, 0, 0, True), tail
     assert ahead >= 75, ahead  # the consumer sleeps between frames 2 ms apart: most sends woke it ahead
+
+
+def test_a_late_wake_splits_the_copy_without_changing_a_byte(pair: PairFactory) -> None:
+    """The copy in two parts around the wake-up: every frame arrives whole, from compact sources and from
+    strided ones (copied in one part, the wake-up first)."""
+    shape = (1024, 2048, 4)  # 8 MiB: slow enough to wake late on any machine
+    tx, rx = pair(DEFAULT, shape=shape, dtype="uint8", slots=2, rx={"wait": "block", "timeout": 10.0, "latest": False})
+    base = (np.arange(int(np.prod(shape)) * 2, dtype=np.uint32) % 251).astype(np.uint8)
+    with tx, rx:
+        for i in range(16):
+            if i % 4 == 3:  # every second column of a wider array: not compact
+                src = (base.reshape(1024, 4096, 4) + np.uint8(i))[:, ::2]
+                assert not src.flags.c_contiguous
+            else:
+                src = base[: int(np.prod(shape))].reshape(shape) + np.uint8(i)
+            tx.send(src)
+            with rx.recv() as f:
+                assert np.array_equal(np.from_dlpack(f), src), i
+        assert not tx._ahead  # the sends were slow: the late path ran
+
+
+def test_copy_split_calls_between_once_wherever_it_cuts() -> None:
+    from cudalink._backends import HostSlots
+    from cudalink.frames.spec import FrameSpec
+
+    class Region:
+        def __init__(self, n: int) -> None:
+            self.mem = bytearray(n)
+            self.buf = memoryview(self.mem)
+            self.address = 0
+
+    spec = FrameSpec((8, 16, 4), "uint8")
+    slots = HostSlots(2, spec.nbytes)
+    slots.bind(Region(slots.data_size))  # type: ignore[arg-type]
+    src = (np.arange(spec.nbytes) % 251).astype(np.uint8).reshape(spec.shape)
+    for cut in (-5, 0, 1, 100, spec.nbytes - 1, spec.nbytes, spec.nbytes + 7):
+        calls: list[int] = []
+        slots._array(1, spec)[...] = 0
+        slots.copy_split(1, spec, src, cut, functools.partial(calls.append, 1))
+        assert calls == [1], cut
+        assert np.array_equal(slots._array(1, spec), src), cut

@@ -39,11 +39,11 @@ if TYPE_CHECKING:
 #: the later of its wake and the publish, and the spin in between is a total below.
 STAGES: tuple[tuple[str, str, str], ...] = (
     (_trace.SOURCE_READ, "read and check the source array (pointer, shape, stream)", "producer"),
-    (_trace.WAKING_AHEAD, "claim a slot, find consumers to wake ahead", "producer"),
+    (_trace.WAKING_AHEAD, "claim a slot, find consumers to wake ahead (CPU: copy the frame's head)", "producer"),
     (_trace.AHEAD_SENT, "write the wake-up ahead (syscall)", "producer"),
     (_trace.SLOT_CLAIMED, "claim a slot (unless above), check release fences", "producer"),
     (_trace.FENCES_WAITED, "queue waits on pending release fences", "producer"),
-    (_trace.COPY_QUEUED, "copy (GPU: queue cuMemcpyAsync; CPU: memcpy)", "producer"),
+    (_trace.COPY_QUEUED, "copy (GPU: queue cuMemcpyAsync; CPU: memcpy, after a wake-up ahead its tail)", "producer"),
     (_trace.EVENT_RECORDED, "record the slot's ready event", "producer"),
     (_trace.PUBLISHED, "update the send-time average, publish: record, stamp, fence", "producer"),
     (_trace.WAKING, "find the sleeping consumers", "producer"),
@@ -80,8 +80,11 @@ def stage_start(end: str, m: dict[str, int]) -> str | None:
         return next((c for c in fixed if c in m), None)
     if end == _trace.LEASED and _trace.WOKEN in m and _trace.PUBLISHED in m:
         return max((_trace.WOKEN, _trace.PUBLISHED), key=m.__getitem__)  # woken ahead: after the publish
-    earlier = [c for c in _CHAIN[: _CHAIN.index(end)] if c in m]
-    return earlier[-1] if earlier else None
+    # the latest earlier mark in time: a host copy too slow to wake ahead of wakes after its head
+    # (``Sender._copy_late``), so there the wake-up ahead comes after the claim, inside the copy
+    at = m.get(end)
+    earlier = [c for c in _CHAIN[: _CHAIN.index(end)] if c in m and (at is None or m[c] <= at)]
+    return max(earlier, key=lambda c: m[c]) if earlier else None
 
 
 def total_span(a: str, b: str, m: dict[str, int]) -> int | None:

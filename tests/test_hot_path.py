@@ -403,7 +403,7 @@ def test_a_send_that_fails_after_waking_ahead_loses_nothing(pair: PairFactory) -
 def test_a_sender_whose_sends_stay_slow_wakes_late_in_the_copy(pair: PairFactory, traced: object) -> None:
     """Woken at the claim, a consumer would spin through a whole long host memcpy; once sends are known to
     be slow, the wake-up ahead goes out near the copy's end instead (``Sender._copy_late``), so the OS wake
-    still overlaps the copy and no wake-up follows the publish."""
+    still overlaps the copy."""
     shape = (2048, 4096, 4)  # 32 MiB: a memcpy far beyond wire.AHEAD_MAX_NS on any machine
     tx, rx = pair(DEFAULT, shape=shape, dtype="uint8", slots=2, rx={"wait": "block", "timeout": 10.0})
     src = np.ones(shape, np.uint8)
@@ -426,7 +426,8 @@ def test_a_sender_whose_sends_stay_slow_wakes_late_in_the_copy(pair: PairFactory
         tx.send(src)
         t.join(10)
         m = dict(_trace.take())
-        assert _trace.WAKE_SENT not in m  # woken ahead: nothing to wake after the publish
+        # (a wake-up after the publish too is allowed: a consumer that spun out its AHEAD_SPIN_NS on a busy
+        # machine before the frame came sleeps again, and is woken as usual)
         claimed, woke, published = m[_trace.SLOT_CLAIMED], m[_trace.WAKING_AHEAD], m[_trace.PUBLISHED]
         assert claimed < woke < published
         assert published - woke < (published - claimed) / 2, (woke - claimed, published - woke)  # late in the copy

@@ -192,13 +192,13 @@ class HostSlots:
         arr = cast("npt.NDArray[np.generic]", src)
         if cut <= 0 or cut >= spec.nbytes or not (arr.flags.c_contiguous and dst.flags.c_contiguous):
             between()
-            np.copyto(dst, arr, casting="no")
-        else:
-            d = dst.reshape(-1).view(np.uint8)
-            s = arr.reshape(-1).view(np.uint8)
-            d[:cut] = s[:cut]
-            between()
-            d[cut:] = s[cut:]
+            self.copy_in(slot, spec, arr, None, [], arr)
+            return
+        d = dst.reshape(-1).view(np.uint8)
+        s = arr.reshape(-1).view(np.uint8)
+        d[:cut] = s[:cut]
+        between()
+        d[cut:] = s[cut:]
         if _trace.ON:
             _trace.mark(_trace.COPY_QUEUED)
 

@@ -274,11 +274,12 @@ class _Consumer:
 
                         self.stage = cuda_ucx.Pinned(int(frame.device.split(":")[1]), rx.capacity)
                     data = await _gpu_ready(frame, self.stage)
-                elif spec.strides is not None:  # a padded crop: one host copy, sent contiguous
-                    data = np.ascontiguousarray(frame.numpy())
-                    spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
                 else:
                     data = frame.numpy()
+                    if spec.strides is not None:  # a padded crop goes contiguous: behind the header, or copied once
+                        spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
+                        if data.nbytes > self.inline:
+                            data = np.ascontiguousarray(data)
                 inline = isinstance(data, np.ndarray) and data.nbytes <= self.inline
                 head = ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta, inline)
                 if inline:  # one message, header and pixels: the slot goes back before the network send
@@ -304,12 +305,13 @@ class _Consumer:
             last_sent = time.monotonic()
 
     def _one(self, head: bytes, data: np.ndarray[Any, Any]) -> memoryview:
-        """The FRAME header and the pixels copied behind it; the frame may be released right after."""
+        """The FRAME header and the pixels copied behind it, compact (``data`` may be a padded crop); the
+        frame may be released right after."""
         if not self.out:
             self.out = bytearray(ucx_wire.MSG_SIZE + self.inline)
         end = ucx_wire.MSG_SIZE + data.nbytes
         self.out[: ucx_wire.MSG_SIZE] = head
-        np.frombuffer(self.out, np.uint8, data.nbytes, ucx_wire.MSG_SIZE)[:] = data.reshape(-1).view(np.uint8)
+        np.copyto(np.frombuffer(self.out, data.dtype, data.size, ucx_wire.MSG_SIZE).reshape(data.shape), data)
         return memoryview(self.out)[:end]
 
     def _close(self, abort: bool = True) -> None:

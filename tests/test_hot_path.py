@@ -509,3 +509,28 @@ def test_copy_split_calls_between_once_wherever_it_cuts() -> None:
         slots.copy_split(1, spec, src, cut, functools.partial(calls.append, 1))
         assert calls == [1], cut
         assert np.array_equal(slots._array(1, spec), src), cut
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_breakdown_producer_stages_add_up_to_the_send_whatever_order_the_wake_came_in(late: bool) -> None:
+    """Each producer stage runs from the latest producer mark before it in time, so the stages partition
+    entered -> published once: also where a slow host copy woke ahead after the claim (``_copy_late``),
+    where the chain's order would have counted the claim twice."""
+    from cudalink.tools import breakdown
+
+    t = _trace
+    if late:
+        order = [t.SEND_ENTERED, t.SOURCE_READ, t.SLOT_CLAIMED, t.WAKING_AHEAD, t.AHEAD_SENT, t.COPY_QUEUED]
+    else:
+        order = [t.SEND_ENTERED, t.SOURCE_READ, t.WAKING_AHEAD, t.AHEAD_SENT, t.SLOT_CLAIMED, t.COPY_QUEUED]
+    m = {mark: 1000 * (i + 1) * (i + 2) for i, mark in enumerate([*order, t.PUBLISHED])}
+    spans = {}
+    for end, _, side in breakdown.STAGES:
+        start = breakdown.stage_start(end, m) if end in m else None
+        if side == "producer" and start is not None:
+            spans[end] = m[end] - m[start]
+    assert all(v > 0 for v in spans.values()), spans
+    assert sum(spans.values()) == m[t.PUBLISHED] - m[t.SEND_ENTERED], spans
+    if late:
+        assert breakdown.stage_start(t.WAKING_AHEAD, m) == t.SLOT_CLAIMED  # the copy's head, nothing else
+        assert breakdown.stage_start(t.COPY_QUEUED, m) == t.AHEAD_SENT  # its tail

@@ -592,6 +592,41 @@ def test_sender_serve_starts_and_stops_its_server() -> None:
     assert proc.poll() is not None  # close() stopped it
 
 
+@pytest.mark.parametrize("shape", [(16, 16, 4), (160, 160, 4)], ids=["inline", "two-messages"])
+def test_a_padded_crop_arrives_compact_and_whole(shape: tuple[int, int, int]) -> None:
+    """A link whose frames have padded rows (``strides=``) is served compact: copied behind the header for
+    a small frame, into one contiguous host copy for a large one; either way every byte is the crop's."""
+    _, w, c = shape
+    strides = (w * c + 64, c, 1)  # 64 bytes of padding after each row
+    name = unique("c")
+    port = free_port()
+    with cudalink.Sender(name, shape=shape, strides=strides, serve=f"ucx://127.0.0.1:{port}") as tx:
+
+        def feed() -> None:
+            while not tx.closed:
+                try:
+                    tx.send(pattern(shape, tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
+                except cudalink.LinkError:
+                    return
+                time.sleep(0.005)
+
+        t = threading.Thread(target=feed, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device="cpu", latest=False)
+                break
+            except cudalink.LinkTimeout:
+                assert time.monotonic() < deadline
+        with rx:
+            for _ in range(10):
+                with rx.recv(timeout=5.0) as f:
+                    assert f.strides is None or f.strides == (w * c, c, 1)
+                    check(f)
+    t.join(5)
+
+
 # -- two "hosts" ----------------------------------------------------------------------------------------------
 
 

@@ -63,6 +63,10 @@ _FROM = {
 #: the chain "previous mark" follows; the writes hang off their marks and start nothing after them,
 #: except the wake-up ahead, which the producer's own work goes on from
 _CHAIN = [_trace.SEND_ENTERED, *(m for m, _, _ in STAGES if m != _trace.WAKE_SENT)]
+#: the producer's marks: a producer stage runs from the latest of them before its end in time, whatever
+#: the chain's order (a slow host copy wakes ahead after its head, ``Sender._copy_late``: there the
+#: wake-up ahead comes after the claim, and the claim must not be counted in both stages)
+_PRODUCER = [_trace.SEND_ENTERED, *(m for m, _, side in STAGES if side == "producer" and m != _trace.WAKE_SENT)]
 #: end-to-end spans over the same marks
 TOTALS: tuple[tuple[str, str, str], ...] = (
     ("send(): entered -> published", _trace.SEND_ENTERED, _trace.PUBLISHED),
@@ -80,11 +84,10 @@ def stage_start(end: str, m: dict[str, int]) -> str | None:
         return next((c for c in fixed if c in m), None)
     if end == _trace.LEASED and _trace.WOKEN in m and _trace.PUBLISHED in m:
         return max((_trace.WOKEN, _trace.PUBLISHED), key=m.__getitem__)  # woken ahead: after the publish
-    # the latest earlier mark in time: a host copy too slow to wake ahead of wakes after its head
-    # (``Sender._copy_late``), so there the wake-up ahead comes after the claim, inside the copy
     at = m.get(end)
-    earlier = [c for c in _CHAIN[: _CHAIN.index(end)] if c in m and (at is None or m[c] <= at)]
-    return max(earlier, key=lambda c: m[c]) if earlier else None
+    pool = [c for c in _PRODUCER if c != end] if end in _PRODUCER else _CHAIN[: _CHAIN.index(end)]
+    earlier = [c for c in pool if c in m and (at is None or m[c] <= at)]
+    return max(earlier, key=lambda c: (m[c], _CHAIN.index(c))) if earlier else None
 
 
 def total_span(a: str, b: str, m: dict[str, int]) -> int | None:

@@ -126,14 +126,15 @@ class UcxSource:
             msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)
             nonce = ucx_wire.unpack_challenge(msg)
             assert self.addr.name is not None
+            gpu = self._device is not None and self._device >= 0
             hello = ucx_wire.Hello(
                 ucx_wire.proof(self.key, nonce),
                 self.latest,
-                self._device is not None and self._device >= 0,
+                gpu,
                 CREDITS,
                 self.addr.name,
                 _platform.host_id(),
-                ucx_wire.INLINE_MAX if self._device is not None and self._device < 0 else 0,
+                0 if gpu else ucx_wire.INLINE_MAX,  # pixels inline only where they land on the host
             )
             await ep.send(ucx_wire.pack_hello(hello))
             msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)

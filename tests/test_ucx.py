@@ -7,6 +7,7 @@ Each test takes fresh ports (a listener re-bound to a port just used can fail wi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import signal
@@ -744,3 +745,21 @@ def test_remote_bench_times_cudalink_and_both_bare_floors(capsys: pytest.Capture
     )
     out = capsys.readouterr().out
     assert "bare, 1 msg" in out and "bare, 2 msgs" in out and "8x8x4" in out
+
+
+def test_paired_remote_bench_runs_every_pipeline_on_one_grid(tmp_path: Path) -> None:
+    """benchmarks/remote_paired.py: this checkout and another (here the same one), and the bare floor, at once;
+    frame k of each is read against frame k of the others, so every pipeline reports the same frames."""
+    out = tmp_path / "paired.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "remote_paired.py"
+    root = str(script.parents[1])
+    cmd = [sys.executable, str(script), "--frames", "30", "--period", "0.004", "--shape", "8x8x4", "--lead", "8"]
+    done = subprocess.run([*cmd, "--other", root, "--json", str(out)], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert set(r["pipelines"]) == {"this", "other", "bare"}
+    assert 20 <= r["frames"] <= 30  # a pipeline late to connect loses its first frames, from every pipeline
+    for name, s in r["pipelines"].items():
+        assert 0 < s["p50_us"] <= s["p90_us"] <= s["p99_us"] < 1e6, name
+    assert r["ratio_p50"]["this"] == pytest.approx(r["pipelines"]["this"]["p50_us"] / r["pipelines"]["bare"]["p50_us"])
+    assert "p50 / bare" in done.stdout and "floor" in done.stdout

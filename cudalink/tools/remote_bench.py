@@ -71,6 +71,20 @@ def _pct(xs: list[float]) -> dict[str, float]:
 # -- cudalink: producer process (with serve=), consumer here ----------------------------------------------------
 
 
+def _connect(port: int, name: str, **kw: Any) -> Any:
+    """A Receiver of the producer's link on ``port`` once its server answers (it starts with the producer),
+    trying for up to 30 s."""
+    import cudalink
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, **kw)
+        except cudalink.LinkTimeout:
+            if time.monotonic() > deadline:
+                raise
+
+
 def _producer(name: str, shape: str, port: int, period: float, seconds: float, device: str = "cpu") -> None:
     import cudalink
 
@@ -97,21 +111,12 @@ def _producer(name: str, shape: str, port: int, period: float, seconds: float, d
 
 
 def cudalink_handoff(shape: tuple[int, ...], frames: int, period: float) -> dict[str, float]:
-    import cudalink
-
     port = ucx_engine.free_port()
     name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
     p = _child("producer", name, ",".join(map(str, shape)), str(port), str(period), str(frames * period + 30))
     try:
         _wait_line(p, "ready")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device="cpu", wait="block")
-                break
-            except cudalink.LinkTimeout:
-                if time.monotonic() > deadline:
-                    raise
+        rx = _connect(port, name, device="cpu", wait="block")
         lat = []
         with rx:
             for _ in range(20):  # warm-up
@@ -133,22 +138,13 @@ def cudalink_stream(
     """Frames per second and GB/s, ``latest=False``; ``device``: where both the producer's link and the
     consumer's landing buffers live ("cpu", or a GPU ordinal: GPU to GPU through UCX's CUDA transports).
     ``env``: for the producer and its server (``CUDALINK_UCX_STAGE``)."""
-    import cudalink
-
     port = ucx_engine.free_port()
     name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
     p = _child("producer", name, ",".join(map(str, shape)), str(port), "0", str(seconds + 30), device, env=env)
     where: str | int = device if device == "cpu" else int(device)
     try:
         _wait_line(p, "ready")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device=where, latest=False)
-                break
-            except cudalink.LinkTimeout:
-                if time.monotonic() > deadline:
-                    raise
+        rx = _connect(port, name, device=where, latest=False)
         with rx:
             for _ in range(5):
                 rx.recv(timeout=10).release()

@@ -782,7 +782,8 @@ class Receiver:
     ``latest=False`` returns every frame in order while the producer's slots still hold it.
     ``wait`` picks how ``recv`` waits: ``"hybrid"`` (spin ``spin_us`` then sleep in the kernel; the
     spin is skipped while recent frames came far apart, so a slow stream costs no CPU), ``"block"``
-    or ``"spin"``.
+    or ``"spin"``. A source whose frames are landed by a thread of this process (``ucx://``) is never
+    spun on, whatever the mode: a spinning caller holds the GIL that thread needs to land the frame.
 
     ``wake_ahead=True`` (default) asks a sleeping ``recv`` to be woken when the producer's ``send`` has
     claimed a slot rather than after it publishes: the OS wake-up then overlaps the producer's copy, and
@@ -830,6 +831,7 @@ class Receiver:
         self.spin_s = spin_s
         self.wake_ahead = bool(wake_ahead)
         self._att: Attachment | None = None
+        self._spins = True  # whether recv() may spin on the attachment (see _attach)
         self._last = 0
         self._dead_generation = 0
         self._sticky_wake = False
@@ -929,6 +931,9 @@ class Receiver:
             self.__dict__.pop("_try_take", None)
             self.__dict__.pop("_sleep_take", None)
         self._att = att
+        # False where our own thread lands the frames: a spin holding the GIL would starve it (on an H100,
+        # a ucx:// consumer that spun got its 64x64 frames 2-10x later (p50) than one that slept, and skipped some)
+        self._spins = bool(getattr(att, "spins", True))
         if self._sticky_wake:
             att.set_waiting(wire.WAIT_ON)
         self._last = 0
@@ -988,7 +993,10 @@ class Receiver:
         assert att is not None
         mode = self.wait_mode
         entered = time.monotonic()
-        if mode == "spin":
+        spins = self._spins  # see _attach
+        if not spins:
+            spin_until = 0.0
+        elif mode == "spin":
             spin_until = deadline
         elif mode == "hybrid" and self._wait_avg < 4 * self.spin_s:
             spin_until = entered + self.spin_s
@@ -1037,7 +1045,7 @@ class Receiver:
                 )
                 if frame is not None:
                     return self._arrived(frame, entered) if learn else frame
-                if ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
+                if ahead and spins:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
                     spin_until = max(spin_until, time.monotonic() + _AHEAD_SPIN_S)
         except ProducerGone as exc:  # a source found its producer gone mid-take (a copy from a dead one)
             if self._att is att:

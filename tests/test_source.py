@@ -160,6 +160,37 @@ def test_recv_takes_frames_through_the_source_in_every_wait_mode(wait: str) -> N
     assert att.detached and src.closed
 
 
+@pytest.mark.parametrize("wait", ["spin", "hybrid"])
+def test_a_source_landed_by_our_own_thread_is_slept_on_never_spun(wait: str) -> None:
+    """A network source's frames are landed by a thread of this process: a recv() spinning with the GIL
+    would starve it (on an H100 a spinning ucx:// consumer got its frames 2-10x later). ``spins = False``
+    makes every wait mode sleep on the fd, with no spin after the wake-up either."""
+    takes = 0
+
+    class Landed(MockAttachment):
+        spins = False
+
+        @staticmethod
+        def receive(rx: cudalink.Receiver, att: MockAttachment) -> Frame | None:
+            nonlocal takes
+            takes += 1
+            return MockAttachment.receive(rx, att)
+
+    src = MockSource()
+    att = Landed(1, True)
+    src.current = att
+    rx = cudalink.Receiver("m", source=src, wait=wait, timeout=2.0)  # type: ignore[arg-type]
+    for k in range(3):  # the first frames teach hybrid that they come within its spin
+        att.push(k, _frame(k))
+        assert rx.recv().seq == k
+    takes = 0
+    threading.Timer(0.1, att.push, (9, _frame(9))).start()
+    assert rx.recv(timeout=2.0).seq == 9
+    assert takes <= 4, f"recv() spun: {takes} takes while the frame was 100 ms away"
+    assert wire.WAIT_ON in att.waiting or wire.WAIT_AHEAD in att.waiting  # it slept on the fd
+    rx.close()
+
+
 def test_latest_counts_the_frames_it_skips() -> None:
     src = MockSource(latest=True)
     att = src.start(1)

@@ -70,6 +70,9 @@ class Attachment(Protocol):
 
     # Optional: ``reason`` (str), why the source ended where it knows more than "closed or died" (a remote
     # server's goodbye); the Receiver adds it to its ProducerGone.
+    # Optional: ``spins`` (bool, default True): False where a thread of this process lands the frames (a
+    # network source). The Receiver then sleeps on ``fileno()`` in every wait mode: a caller spinning with
+    # the GIL would starve the very thread that brings its frame.
 
     def set_waiting(self, state: int) -> None:
         """Tell the producer whether (and how early) to wake us: ``wire.WAIT_OFF``/``WAIT_ON``/``WAIT_AHEAD``."""

@@ -219,6 +219,7 @@ class UcxAttachment:
     """One connection to a server: one producer generation, ``credits`` landing buffers."""
 
     backend = "ucx"
+    spins = False  # our UCX thread lands the frames: recv() sleeps on the pipe, never spins (see Attachment)
     receive = staticmethod(_receive)
     sleep_receive = staticmethod(_sleep_receive)
 

@@ -14,6 +14,7 @@ the floor: a bare UCXX sender and receiver, the same bytes as one message, its r
 - ``bare``: the floor.
 
     python benchmarks/remote_paired.py [--frames 2000] [--shape 64x64x4] [--other /tmp/old] [--json out.json]
+    python benchmarks/remote_paired.py --wait spin   # the cudalink consumers' wait mode (default block)
     CUDALINK_UCX_PROGRESS=thread-polling python benchmarks/remote_paired.py   # UCXX's busy-polling mode
 
 ``UCX_TLS`` is left to the caller, as in ``bench --remote``.
@@ -61,7 +62,7 @@ def producer(name: str, port: int, shape: str, t0: float, off: float, period: fl
         time.sleep(2.0)
 
 
-def consumer(shape: str, t0: float, off: float, period: float, n: int) -> dict[int, float]:
+def consumer(shape: str, t0: float, off: float, period: float, n: int, wait: str = "block") -> dict[int, float]:
     """Spawn a producer of this tree and receive its ``n`` frames remotely: latency (µs) per frame number.
 
     It runs against other checkouts too (``--other``), so it uses only what every one of them has:
@@ -79,7 +80,7 @@ def consumer(shape: str, t0: float, off: float, period: float, n: int) -> dict[i
         deadline = time.monotonic() + 30
         while True:
             try:
-                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device="cpu", wait="block")
+                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device="cpu", wait=wait)
                 break
             except cudalink.LinkTimeout:
                 if time.monotonic() > deadline:
@@ -171,8 +172,11 @@ def _pct(xs: list[float]) -> dict[str, float]:
     return {f"p{q}_us": float(np.percentile(a, q)) for q in (50, 90, 99)}
 
 
-def run(frames: int, shape: str, period: float, other: str | None, lead: float = 15.0) -> dict[str, Any]:
-    """``lead``: seconds from now to the grid's first frame, for every pipeline to connect."""
+def run(
+    frames: int, shape: str, period: float, other: str | None, lead: float = 15.0, wait: str = "block"
+) -> dict[str, Any]:
+    """``lead``: seconds from now to the grid's first frame, for every pipeline to connect; ``wait``: the
+    cudalink consumers' wait mode."""
     os.environ.setdefault("CUDALINK_KEY", secrets.token_hex(32))  # this run's own key, for every child
     trees = {"this": HERE, **({"other": os.path.abspath(other)} if other else {})}
     names = [*trees, "bare"]
@@ -184,6 +188,7 @@ def run(frames: int, shape: str, period: float, other: str | None, lead: float =
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
         role = "bare" if name == "bare" else "consumer"
         args = [role, shape, repr(t0), repr(period * i / len(names)), repr(period), str(n)]
+        args += [wait] if role == "consumer" else []
         procs[name] = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), *args], cwd=tree, env=env, stdout=subprocess.PIPE, text=True
         )
@@ -201,6 +206,7 @@ def run(frames: int, shape: str, period: float, other: str | None, lead: float =
         "frames": len(keys),
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
         "progress": os.environ.get("CUDALINK_UCX_PROGRESS", "thread"),
+        "wait": wait,
         "trees": trees,
         "pipelines": {name: _pct([g[k] for k in keys]) for name, g in got.items()},
         "quarters": [],
@@ -218,7 +224,7 @@ def run(frames: int, shape: str, period: float, other: str | None, lead: float =
 def report(r: dict[str, Any]) -> None:
     print(
         f"remote handoff, paired · {r['shape']} every {r['period_s'] * 1e3:g} ms · {r['frames']} frames in every "
-        f"pipeline · UCX_TLS={r['ucx_tls']} · progress={r['progress']}"
+        f"pipeline · UCX_TLS={r['ucx_tls']} · progress={r['progress']} · wait={r.get('wait', 'block')}"
     )
     print(f"{'pipeline':<8} {'p50 µs':>8} {'p90 µs':>8} {'p99 µs':>8} {'p50 / bare':>11}")
     for name, s in r["pipelines"].items():
@@ -236,9 +242,11 @@ def main() -> None:
     a = sys.argv[2:]
     if role == "producer":
         producer(a[0], int(a[1]), a[2], float(a[3]), float(a[4]), float(a[5]), int(a[6]))
-    elif role in ("consumer", "bare"):
-        fn = consumer if role == "consumer" else bare
-        lat = fn(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]))
+    elif role == "consumer":
+        lat = consumer(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]), *a[5:6])
+        print("RESULT " + json.dumps(lat), flush=True)
+    elif role == "bare":
+        lat = bare(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]))
         print("RESULT " + json.dumps(lat), flush=True)
     elif role == "bare-sender":
         bare_sender(int(a[0]), int(a[1]), float(a[2]), float(a[3]), float(a[4]), int(a[5]))
@@ -249,9 +257,10 @@ def main() -> None:
         ap.add_argument("--period", type=float, default=0.005, help="seconds between frames (default 0.005)")
         ap.add_argument("--other", help="another cudalink checkout, run beside this one")
         ap.add_argument("--lead", type=float, default=15.0, help="seconds for the pipelines to connect (15)")
+        ap.add_argument("--wait", default="block", choices=("block", "hybrid", "spin"), help="cudalink consumers'")
         ap.add_argument("--json", help="write the report here")
         ns = ap.parse_args()
-        r = run(ns.frames, ns.shape, ns.period, ns.other, ns.lead)
+        r = run(ns.frames, ns.shape, ns.period, ns.other, ns.lead, ns.wait)
         report(r)
         if ns.json:
             with open(ns.json, "w") as f:

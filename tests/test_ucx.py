@@ -773,10 +773,11 @@ def test_paired_remote_bench_runs_every_pipeline_on_one_grid(tmp_path: Path) -> 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "remote_paired.py"
     root = str(script.parents[1])
     cmd = [sys.executable, str(script), "--frames", "30", "--period", "0.004", "--shape", "8x8x4", "--lead", "8"]
+    cmd += ["--wait", "spin"]
     done = subprocess.run([*cmd, "--other", root, "--json", str(out)], capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads(out.read_text())
-    assert set(r["pipelines"]) == {"this", "other", "bare"}
+    assert set(r["pipelines"]) == {"this", "other", "bare"} and r["wait"] == "spin"
     assert 20 <= r["frames"] <= 30  # a pipeline late to connect loses its first frames, from every pipeline
     for name, s in r["pipelines"].items():
         assert 0 < s["p50_us"] <= s["p90_us"] <= s["p99_us"] < 1e6, name

@@ -69,8 +69,11 @@ def cl_consumer(
     bases: dict[tuple[int, ...], int] | None = None,
     max_frames: int = 1 << 30,
     attached: Any = None,
+    warm: tuple[int, ...] = (4, 4, 4),
 ) -> None:
-    """Load the framework, set ``started``, attach (waiting for the segment), then verify each frame against
+    """Load the framework and compile its kernels for frames of shape ``warm`` (on a fresh machine cupy's
+    first compile of a reduction took longer than the whole stream), set ``started``, attach (waiting for
+    the segment), then verify each frame against
     the pattern of its seq (plus the base its shape names) on the GPU, holding
     each ``hold_s`` seconds before reading it; report (framework, frames, mismatches, stale frames,
     generations, stats, how it ended, error).
@@ -90,7 +93,7 @@ def cl_consumer(
             bad = torch.zeros((), dtype=torch.int64, device="cuda")
             with torch.cuda.stream(s):  # as for cupy: the first frames must not pay torch's first-use costs
                 for dt in INT_VIEW:
-                    w = pattern(1, (4, 4, 4), dt, torch)
+                    w = pattern(1, warm, dt, torch)
                     iv = getattr(torch, INT_VIEW[dt])
                     bad += (w.view(iv) != w.view(iv)).any().to(torch.int64)
                 s.synchronize()
@@ -101,14 +104,16 @@ def cl_consumer(
             bad = cp.zeros((), dtype=cp.int64)
             with s:  # compile the pattern and compare kernels of every dtype now, not on the first frames
                 for dt in INT_VIEW:
-                    w = pattern(1, (4, 4, 4), dt, cp)
+                    w = pattern(1, warm, dt, cp)
                     bad += cp.any(w.view(INT_VIEW[dt]) != w.view(INT_VIEW[dt])).astype(cp.int64)
                 s.synchronize()
         else:
             import jax
             import jax.numpy as jnp
 
-            jnp.zeros(1).block_until_ready()
+            for dt in INT_VIEW:  # XLA compiles per shape and dtype
+                w = jnp.asarray(pattern(1, warm, dt))
+                bool(jnp.array_equal(w, jnp.asarray(pattern(1, warm, dt))))
         started.set()  # frameworks loaded: the producer may start (the Receiver waits for its segment)
         with cudalink.Receiver("cuda-link:" + name, timeout=60.0, copy=copy) as rx:  # type: ignore[arg-type]
             if attached is not None:

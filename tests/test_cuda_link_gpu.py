@@ -29,7 +29,7 @@ def name() -> str:
 def _run(spawned: Spawned, name: str, framework: str, dtype: str = "uint8", **consumer: Any) -> tuple[Any, ...]:
     ctx = spawned.ctx
     q, started, go, attached = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
-    spawned(clp.cl_consumer, name, framework, q, started, attached=attached, **consumer)
+    spawned(clp.cl_consumer, name, framework, q, started, attached=attached, warm=SHAPE, **consumer)
     # 3 s of frames: a consumer's first frames pay for its framework compiling its kernels (cupy, jax)
     prod = spawned(clp.cl_producer, name, 1500, SHAPE, dtype, go, attached=attached)
     assert started.wait(180), "consumer did not start"

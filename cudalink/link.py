@@ -932,7 +932,7 @@ class Receiver:
             self.__dict__.pop("_sleep_take", None)
         self._att = att
         # False where our own thread lands the frames: a spin holding the GIL would starve it (on an H100,
-        # a ucx:// consumer that spun got its 64x64 frames 2-10x later (p50) than one that slept, and skipped some)
+        # a ucx:// consumer that spun got its 64x64 frames 2-18x later (p50) than one that slept, and skipped some)
         self._spins = bool(getattr(att, "spins", True))
         if self._sticky_wake:
             att.set_waiting(wire.WAIT_ON)

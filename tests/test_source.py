@@ -163,7 +163,7 @@ def test_recv_takes_frames_through_the_source_in_every_wait_mode(wait: str) -> N
 @pytest.mark.parametrize("wait", ["spin", "hybrid"])
 def test_a_source_landed_by_our_own_thread_is_slept_on_never_spun(wait: str) -> None:
     """A network source's frames are landed by a thread of this process: a recv() spinning with the GIL
-    would starve it (on an H100 a spinning ucx:// consumer got its frames 2-10x later). ``spins = False``
+    would starve it (on an H100 a spinning ucx:// consumer got its frames 2-18x later). ``spins = False``
     makes every wait mode sleep on the fd, with no spin after the wake-up either."""
     takes = 0
 

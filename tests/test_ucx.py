@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import cudalink
+from cudalink.tools import remote_bench
 from cudalink.transport import ucx_engine, ucx_wire
 
 from ._ucx_procs import check, pattern
@@ -588,7 +589,6 @@ def test_sender_serve_starts_and_stops_its_server() -> None:
     with cudalink.Sender(name, shape=(8, 8, 4), serve=f"ucx://127.0.0.1:{port}") as tx:
         proc = tx._remote
         assert proc is not None
-        deadline = time.monotonic() + 20
 
         def feed() -> None:
             while not tx.closed:
@@ -600,12 +600,7 @@ def test_sender_serve_starts_and_stops_its_server() -> None:
 
         t = threading.Thread(target=feed, daemon=True)
         t.start()
-        while True:
-            try:
-                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0)
-                break
-            except cudalink.LinkTimeout:
-                assert time.monotonic() < deadline
+        rx = remote_bench.connect(port, name, within=20)
         with rx, rx.recv(timeout=5.0) as f:
             check(f)
     t.join(5)
@@ -632,13 +627,7 @@ def test_a_padded_crop_arrives_compact_and_whole(shape: tuple[int, int, int]) ->
 
         t = threading.Thread(target=feed, daemon=True)
         t.start()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                rx = cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, device="cpu", latest=False)
-                break
-            except cudalink.LinkTimeout:
-                assert time.monotonic() < deadline
+        rx = remote_bench.connect(port, name, within=20, device="cpu", latest=False)
         with rx:
             for _ in range(10):
                 with rx.recv(timeout=5.0) as f:
@@ -739,14 +728,12 @@ def test_two_network_namespaces_joined_by_a_veth_pair() -> None:
 def test_remote_bench_times_cudalink_and_both_bare_floors(capsys: pytest.CaptureFixture[str]) -> None:
     """Its parts measure what they say (a latency per frame, from stamps the sender wrote), and the report
     shows the goal's floor (one message) beside the two-message one."""
-    from cudalink.tools import remote_bench as rb
-
-    c = rb.cudalink_handoff((8, 8, 4), 20, 0.002)
-    one = rb.bare_handoff(8 * 8 * 4, 20, 0.002, one=True)
-    two = rb.bare_handoff(8 * 8 * 4, 20, 0.002, one=False)
+    c = remote_bench.cudalink_handoff((8, 8, 4), 20, 0.002)
+    one = remote_bench.bare_handoff(8 * 8 * 4, 20, 0.002, one=True)
+    two = remote_bench.bare_handoff(8 * 8 * 4, 20, 0.002, one=False)
     for row in (c, one, two):
         assert row["n"] == 20 and 0 < row["p50_us"] <= row["p99_us"] < 1e6
-    rb.print_report(
+    remote_bench.print_report(
         {
             "ucx_tls": "tcp",
             "progress": "thread",

@@ -71,12 +71,12 @@ def _pct(xs: list[float]) -> dict[str, float]:
 # -- cudalink: producer process (with serve=), consumer here ----------------------------------------------------
 
 
-def _connect(port: int, name: str, **kw: Any) -> Any:
+def connect(port: int, name: str, within: float = 30.0, **kw: Any) -> Any:
     """A Receiver of the producer's link on ``port`` once its server answers (it starts with the producer),
-    trying for up to 30 s."""
+    trying for up to ``within`` seconds (then the last LinkTimeout)."""
     import cudalink
 
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + within
     while True:
         try:
             return cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", timeout=2.0, **kw)
@@ -116,7 +116,7 @@ def cudalink_handoff(shape: tuple[int, ...], frames: int, period: float) -> dict
     p = _child("producer", name, ",".join(map(str, shape)), str(port), str(period), str(frames * period + 30))
     try:
         _wait_line(p, "ready")
-        rx = _connect(port, name, device="cpu", wait="block")
+        rx = connect(port, name, device="cpu", wait="block")
         lat = []
         with rx:
             for _ in range(20):  # warm-up
@@ -144,7 +144,7 @@ def cudalink_stream(
     where: str | int = device if device == "cpu" else int(device)
     try:
         _wait_line(p, "ready")
-        rx = _connect(port, name, device=where, latest=False)
+        rx = connect(port, name, device=where, latest=False)
         with rx:
             for _ in range(5):
                 rx.recv(timeout=10).release()

@@ -11,11 +11,12 @@ the floor: a bare UCXX sender and receiver, the same bytes as one message, its r
 
 - ``this``: cudalink from this checkout;
 - ``other`` (``--other PATH``): cudalink from another checkout, for a change's A/B;
-- ``bare``: the floor.
+- ``bare``: the floor, on UCXX's core API woken by its epoll fd, as cudalink drives it;
+- ``asyncio``: the same on UCXX's asyncio API (its progress and notifier threads), read against ``bare``.
 
     python benchmarks/remote_paired.py [--frames 2000] [--shape 64x64x4] [--other /tmp/old] [--json out.json]
     python benchmarks/remote_paired.py --wait spin   # the cudalink consumers' wait mode (default block)
-    CUDALINK_UCX_PROGRESS=thread-polling python benchmarks/remote_paired.py   # UCXX's busy-polling mode
+    CUDALINK_UCX_PROGRESS=thread-polling python benchmarks/remote_paired.py   # the asyncio floor's mode
 
 ``UCX_TLS`` is left to the caller, as in ``bench --remote``.
 """
@@ -104,15 +105,11 @@ def consumer(shape: str, t0: float, off: float, period: float, n: int, wait: str
         p.wait(10)
 
 
-def bare_sender(port: int, nbytes: int, t0: float, off: float, period: float, n: int) -> None:
-    from cudalink.tools.remote_bench import HEAD_BYTES, STAMP
-    from cudalink.transport import ucx_engine
-
-    ucxx = ucx_engine.load()
+def bare_sender(port: int, nbytes: int, t0: float, off: float, period: float, n: int, api: str) -> None:
+    from cudalink.tools.remote_bench import HEAD_BYTES, STAMP, _endpoint
 
     async def main() -> None:
-        ucx_engine.init_here(ucxx)
-        ep = await ucxx.create_endpoint("127.0.0.1", port)
+        ep = await _endpoint(api, port)
         whole = bytearray(HEAD_BYTES + nbytes)
         for k in range(n):
             d = t0 + off + k * period - time.monotonic()
@@ -125,9 +122,10 @@ def bare_sender(port: int, nbytes: int, t0: float, off: float, period: float, n:
     asyncio.run(main())
 
 
-def bare(shape: str, t0: float, off: float, period: float, n: int) -> dict[int, float]:
-    """The floor: a bare UCXX receiver on cudalink's engine loop, its sender in another process."""
-    from cudalink.tools.remote_bench import HEAD_BYTES, STAMP
+def bare(shape: str, t0: float, off: float, period: float, n: int, api: str = "core") -> dict[int, float]:
+    """The floor: a bare UCXX receiver on cudalink's engine loop, its sender in another process; on UCXX's
+    core API as cudalink drives it (``core``), or on its asyncio API (``asyncio``)."""
+    from cudalink.tools.remote_bench import HEAD_BYTES, STAMP, _listener
     from cudalink.transport import ucx_engine
 
     eng = ucx_engine.engine()
@@ -149,7 +147,7 @@ def bare(shape: str, t0: float, off: float, period: float, n: int) -> dict[int, 
             await ep.send(bytearray(8))
             done.set_result(None)
 
-        listener = eng.ucxx.create_listener(handler, port=port)
+        listener = _listener(api, handler, port)
         listening.set()
         try:
             await done
@@ -158,7 +156,7 @@ def bare(shape: str, t0: float, off: float, period: float, n: int) -> dict[int, 
 
     fut = eng.submit(serve())
     listening.wait(30)
-    args = [str(port), str(nbytes), repr(t0), repr(off), repr(period), str(n)]
+    args = [str(port), str(nbytes), repr(t0), repr(off), repr(period), str(n), api]
     p = subprocess.Popen([sys.executable, __file__, "bare-sender", *args])
     try:
         fut.result(n * period + 120)
@@ -179,16 +177,16 @@ def run(
     cudalink consumers' wait mode."""
     os.environ.setdefault("CUDALINK_KEY", secrets.token_hex(32))  # this run's own key, for every child
     trees = {"this": HERE, **({"other": os.path.abspath(other)} if other else {})}
-    names = [*trees, "bare"]
+    names = [*trees, "bare", "asyncio"]
     n = frames + WARM
     t0 = time.monotonic() + lead
     procs = {}
     for i, name in enumerate(names):
         tree = trees.get(name, HERE)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
-        role = "bare" if name == "bare" else "consumer"
+        role = "consumer" if name in trees else "bare"
         args = [role, shape, repr(t0), repr(period * i / len(names)), repr(period), str(n)]
-        args += [wait] if role == "consumer" else []
+        args += [wait] if role == "consumer" else ["core" if name == "bare" else "asyncio"]
         procs[name] = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), *args], cwd=tree, env=env, stdout=subprocess.PIPE, text=True
         )
@@ -205,14 +203,14 @@ def run(
         "period_s": period,
         "frames": len(keys),
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
-        "progress": os.environ.get("CUDALINK_UCX_PROGRESS", "thread"),
+        "progress": os.environ.get("CUDALINK_UCX_PROGRESS", "thread"),  # the asyncio floor's
         "wait": wait,
         "trees": trees,
         "pipelines": {name: _pct([g[k] for k in keys]) for name, g in got.items()},
         "quarters": [],
     }
     floor = out["pipelines"]["bare"]["p50_us"]
-    out["ratio_p50"] = {name: out["pipelines"][name]["p50_us"] / floor for name in trees}
+    out["ratio_p50"] = {name: out["pipelines"][name]["p50_us"] / floor for name in [*trees, "asyncio"]}
     q = max(1, len(keys) // 4)
     for i in range(4):
         part = keys[i * q : (i + 1) * q]
@@ -229,7 +227,7 @@ def report(r: dict[str, Any]) -> None:
     print(f"{'pipeline':<8} {'p50 µs':>8} {'p90 µs':>8} {'p99 µs':>8} {'p50 / bare':>11}")
     for name, s in r["pipelines"].items():
         ratio = r["ratio_p50"].get(name)
-        cell = f"{ratio:.2f}x" if ratio is not None else "floor"
+        cell = f"{ratio:.2f}x" if name != "bare" and ratio is not None else "floor"
         print(f"{name:<8} {s['p50_us']:>8.0f} {s['p90_us']:>8.0f} {s['p99_us']:>8.0f} {cell:>11}")
     print(
         "p50 by quarter of the run: "
@@ -246,10 +244,10 @@ def main() -> None:
         lat = consumer(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]), *a[5:6])
         print("RESULT " + json.dumps(lat), flush=True)
     elif role == "bare":
-        lat = bare(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]))
+        lat = bare(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]), *a[5:6])
         print("RESULT " + json.dumps(lat), flush=True)
     elif role == "bare-sender":
-        bare_sender(int(a[0]), int(a[1]), float(a[2]), float(a[3]), float(a[4]), int(a[5]))
+        bare_sender(int(a[0]), int(a[1]), float(a[2]), float(a[3]), float(a[4]), int(a[5]), a[6])
     else:
         ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         ap.add_argument("--frames", type=int, default=2000)

@@ -348,14 +348,14 @@ class Server:
     async def run(self, ready: Any = None) -> None:
         # a server restarted after a crash takes its port back at once (else: busy for TIME_WAIT, 60 s)
         os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
-        ucxx = ucx_engine.load()
-        ucx_engine.init_here(ucxx)
+        ucx_engine.load()
+        core = ucx_engine.core_here()
         try:
-            self.rdma = ucx_engine.rdma_transports(ucxx.get_active_transports())
+            self.rdma = ucx_engine.rdma_transports(core.transports())
         except Exception:
             self.rdma = False
 
-        async def accept(ep: Any) -> None:
+        async def accept(ep: ucx_engine.Endpoint) -> None:
             c = _Consumer(self, ep)
             self.consumers.add(c)
             await c.run()
@@ -363,14 +363,14 @@ class Server:
         deadline = time.monotonic() + BUSY_RETRY_S
         while True:
             try:
-                self.listener = ucxx.create_listener(accept, port=self.port)
+                self.listener = core.listen(accept, self.port)
                 break
             except Exception as exc:  # a port a moment ago in use (TIME_WAIT after a crash): UCXXBusyError
                 if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
                     raise LinkError(f"cudalink serve: cannot listen on port {self.port}: {exc}") from exc
                 await asyncio.sleep(0.2)
         if ready is not None:
-            ready(self.listener.port)
+            ready(int(self.listener.port))
         while True:
             await asyncio.sleep(0.2)
             if self.parent and not _platform.pid_alive(self.parent):

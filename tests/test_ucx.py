@@ -290,7 +290,7 @@ async def _raw_frames(url: str, inline: int, n: int) -> list[tuple[bool, int, tu
     """Speak the protocol by hand, asking for ``inline`` pixel bytes in FRAME messages: each frame's inline
     flag, seq, shape and pixels as they came off the wire."""
     addr = ucx_wire.parse_address(url, need_name=True)
-    ep = await ucx_engine.engine().ucxx.create_endpoint(addr.host, addr.port)
+    ep = await ucx_engine.engine().core.connect(addr.host, addr.port, 5.0)
     buf = bytearray(ucx_wire.MSG_SIZE + inline)
     head = memoryview(buf)[: ucx_wire.MSG_SIZE]
     try:
@@ -511,7 +511,7 @@ async def _raw_client(url: str, send: list[bytes], proof: bool) -> str:
     """Connect as a hostile peer: answer the challenge (or not), then send ``send``; say how it ended."""
     addr = ucx_wire.parse_address(url, need_name=True)
     eng = ucx_engine.engine()
-    ep = await eng.ucxx.create_endpoint(addr.host, addr.port)
+    ep = await eng.core.connect(addr.host, addr.port, 5.0)
     buf = bytearray(ucx_wire.MSG_SIZE)
     nonce = ucx_wire.unpack_challenge(await ucx_engine.recv_msg(ep, buf, None))
     if proof:
@@ -727,11 +727,12 @@ def test_two_network_namespaces_joined_by_a_veth_pair() -> None:
 
 def test_remote_bench_times_cudalink_and_both_bare_floors(capsys: pytest.CaptureFixture[str]) -> None:
     """Its parts measure what they say (a latency per frame, from stamps the sender wrote), and the report
-    shows the goal's floor (one message) beside the two-message one."""
+    shows the goal's floor (one message, UCXX's core API) beside the two-message one and the asyncio API's."""
     c = remote_bench.cudalink_handoff((8, 8, 4), 20, 0.002)
     one = remote_bench.bare_handoff(8 * 8 * 4, 20, 0.002, one=True)
     two = remote_bench.bare_handoff(8 * 8 * 4, 20, 0.002, one=False)
-    for row in (c, one, two):
+    aio = remote_bench.bare_handoff(8 * 8 * 4, 20, 0.002, one=True, api="asyncio")
+    for row in (c, one, two, aio):
         assert row["n"] == 20 and 0 < row["p50_us"] <= row["p99_us"] < 1e6
     remote_bench.print_report(
         {
@@ -742,19 +743,21 @@ def test_remote_bench_times_cudalink_and_both_bare_floors(capsys: pytest.Capture
                     "cudalink": c,
                     "bare_ucxx": one,
                     "bare_ucxx_two": two,
+                    "bare_ucxx_asyncio": aio,
                     "ratio_p50": c["p50_us"] / one["p50_us"],
                     "ratio_p50_two": c["p50_us"] / two["p50_us"],
+                    "ratio_p50_asyncio": c["p50_us"] / aio["p50_us"],
                 }
             },
             "stream": {},
         }
     )
     out = capsys.readouterr().out
-    assert "bare, 1 msg" in out and "bare, 2 msgs" in out and "8x8x4" in out
+    assert "bare, 1 msg" in out and "bare, 2 msgs" in out and "asyncio, 1 msg" in out and "8x8x4" in out
 
 
 def test_paired_remote_bench_runs_every_pipeline_on_one_grid(tmp_path: Path) -> None:
-    """benchmarks/remote_paired.py: this checkout and another (here the same one), and the bare floor, at once;
+    """benchmarks/remote_paired.py: this checkout and another (here the same one), and both bare floors, at once;
     frame k of each is read against frame k of the others, so every pipeline reports the same frames."""
     out = tmp_path / "paired.json"
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "remote_paired.py"
@@ -764,7 +767,7 @@ def test_paired_remote_bench_runs_every_pipeline_on_one_grid(tmp_path: Path) -> 
     done = subprocess.run([*cmd, "--other", root, "--json", str(out)], capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads(out.read_text())
-    assert set(r["pipelines"]) == {"this", "other", "bare"} and r["wait"] == "spin"
+    assert set(r["pipelines"]) == {"this", "other", "bare", "asyncio"} and r["wait"] == "spin"
     assert 20 <= r["frames"] <= 30  # a pipeline late to connect loses its first frames, from every pipeline
     for name, s in r["pipelines"].items():
         assert 0 < s["p50_us"] <= s["p90_us"] <= s["p99_us"] < 1e6, name

@@ -1,14 +1,16 @@
-"""UCXX in one place: the import (with the error naming the extra), the shared key, and the one event loop
-a process runs UCX on.
+"""UCXX in one place: the import (with the error naming the extra), the shared key, and the UCX worker a
+loop progresses (:class:`Core`).
 
-UCXX's asyncio API binds its progress to the loop that called ``ucxx.init``, so a process has exactly one:
-the server's main loop, or a daemon thread's loop in a consumer (:func:`engine`), which all its remote
-Receivers share. The progress mode is chosen on purpose: ``"thread"`` with Python futures. Measured on a
-2-core VM (TCP loopback, 2026-11-25): in ``"blocking"`` mode an awaited request is polled with
-``asyncio.sleep(0)`` until it completes, and a connection always has a receive pending, so an idle
-consumer and its server each kept ~45% of a core busy (and the ready-to-run loop delayed the other
-processes: 64x64x4 handoff p99 5-12 ms); ``"thread"`` with futures sleeps while idle (0.05 s of CPU in
-4 s) and gave p50 0.7 ms / p99 1.0 ms. ``CUDALINK_UCX_PROGRESS`` picks another mode for measurements.
+cudalink drives UCXX's core API (``ucxx._lib.libucxx``) from its own asyncio loop: the worker runs in
+blocking progress mode, its epoll fd is one of the loop's readers, and the loop progresses it and completes
+the requests awaited on it. No UCXX thread: a message's arrival wakes the one thread that handles it. UCXX's
+own asyncio API (``ucxx.init``) wakes a progress thread, then a notifier thread, then the loop; measured on
+a 2-core VM (2026-11-26, ``.diag/corepair.py``, 64x64x4 every 5 ms, paired, p50): a bare send/recv of
+that API 253 µs, the same on the core API woken by its fd 96 µs. That API stays here only as a floor for
+the bench (:func:`init_asyncio`; ``CUDALINK_UCX_PROGRESS`` picks its mode).
+
+A server's loop is its main one; a consumer process runs one daemon thread's loop (:func:`engine`), which
+all its remote Receivers share.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ import asyncio
 import binascii
 import concurrent.futures
 import contextlib
+import hashlib
+import logging
 import os
+import re
 import secrets
 import socket
+import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -40,11 +46,18 @@ INSTALL_HINT = 'pip install "cudalink[ucx]" (Linux, Python 3.11+)'
 DEAD_AFTER_S = float(os.environ.get("CUDALINK_UCX_DEAD_S", "0.9"))
 PING_S = DEAD_AFTER_S / 4
 HANDSHAKE_S = 3.0
-#: UCXX's progress mode (``CUDALINK_UCX_PROGRESS`` overrides; see the module's docstring)
+#: the progress mode of UCXX's asyncio API, for the bench's floor (``CUDALINK_UCX_PROGRESS`` overrides)
 PROGRESS = "thread"
+log = logging.getLogger("cudalink.ucx")
 
 _lock = threading.Lock()
 _ucxx: ModuleType | None = None
+#: ``UCX_RNDV_THRESH`` as the user set it, before ``import ucxx`` sets its own (8192)
+_user_rndv: str | None = None
+#: messages up to this size go eagerly, in one trip (a FRAME header and its inline pixels included). UCXX
+#: sets 8192: a 64x64x4 frame then took a rendezvous, a round trip more; on a 2-core VM (2026-11-26,
+#: paired, p50) the bare core-API floor for its bytes went from 239 to 104 µs with this.
+EAGER_MAX = ucx_wire.MSG_SIZE + ucx_wire.INLINE_MAX
 
 
 def load() -> ModuleType:
@@ -52,7 +65,10 @@ def load() -> ModuleType:
     global _ucxx
     if _ucxx is not None:
         return _ucxx
+    global _user_rndv
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables this UCX build does not know
+    if "ucxx" not in sys.modules:
+        _user_rndv = os.environ.get("UCX_RNDV_THRESH")
     try:
         import ucxx
     except ImportError as exc:
@@ -72,15 +88,21 @@ def available() -> bool:
     return True
 
 
-def init_here(ucxx: ModuleType) -> None:
-    """``ucxx.init`` on the running loop (once per process)."""
+def config() -> dict[str, str]:
+    """UCX settings of cudalink's context (the user's ``UCX_RNDV_THRESH`` wins; other ``UCX_*`` apply)."""
+    return {} if _user_rndv else {"RNDV_THRESH": str(EAGER_MAX + 1)}
+
+
+def init_asyncio(ucxx: ModuleType) -> None:
+    """``ucxx.init`` on the running loop (once per process): UCXX's asyncio API, which only the bench's
+    floor uses now (cudalink itself runs :class:`Core`)."""
     mode = os.environ.get("CUDALINK_UCX_PROGRESS", PROGRESS)
     try:
         # a request awaited without a Python future is polled (``asyncio.sleep(0)`` in a loop): a pending
         # receive would keep a core busy; the thread modes complete requests through real futures
-        ucxx.init(progress_mode=mode, enable_python_future=mode.startswith("thread"))
+        ucxx.init(options=config(), progress_mode=mode, enable_python_future=mode.startswith("thread"))
     except RuntimeError:
-        pass  # already initiated in this process (the server and a relay may share one)
+        pass  # already initiated in this process
 
 
 def describe() -> dict[str, object]:
@@ -94,7 +116,7 @@ def describe() -> dict[str, object]:
         out["ucx"] = ".".join(map(str, ucxx.get_ucx_version()))
 
         async def transports() -> list[str]:
-            return sorted(ucxx.get_active_transports())
+            return sorted(core_here().transports())
 
         out["transports"] = engine().run(transports(), 10.0)
     except Exception as exc:  # a broken UCX install: say what it said
@@ -211,11 +233,250 @@ def load_key(create: bool = False) -> tuple[bytes, str | None]:
     return key, path
 
 
+# -- the worker a loop progresses -----------------------------------------------------------------------------
+
+#: how soon a loop looks again at a request that no fd event may announce: GPU memory (UCX's CUDA copies
+#: complete on the GPU, so it is polled while one is in flight), a send (a rendezvous waits on the peer),
+#: anything else (a safety net, as UCXX's own blocking mode keeps)
+POLL_GPU_S = 0.0
+POLL_SEND_S = 0.001
+POLL_IDLE_S = 1.0
+#: the peer-info message UCXX's asyncio API exchanges on a new endpoint (so either side may be UCXX's)
+_PEER_INFO = struct.Struct("QQ")
+
+
+def _hash64(*args: object) -> int:
+    """UCXX's ``hash64bits``: the checksum its peers put beside their tag."""
+    return int(hashlib.sha1(repr(args).encode()).hexdigest()[:16], 16)
+
+
+class _Pending:
+    __slots__ = ("delay", "fut", "keep", "req")
+
+    def __init__(self, req: Any, fut: asyncio.Future[None], keep: object, delay: float) -> None:
+        self.req = req
+        self.fut = fut
+        self.keep = keep  # the buffer's wrapper: alive until UCX is done with it, even if nobody awaits
+        self.delay = delay
+
+
+class Core:
+    """A UCX worker progressed by one asyncio loop, and the requests awaited on it.
+
+    The worker's epoll fd is a reader of the loop. Each time it fires, and right after each request is
+    posted, the loop progresses the worker until ``arm()`` says no event is left, then completes the
+    futures of finished requests; the loop sleeps in its own ``epoll_wait`` meanwhile. UCX's rule (progress
+    until idle, then arm, then wait) holds because every call into UCX is made on this loop's thread and
+    ends in :meth:`progress`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        from ucxx._lib import libucxx as api
+        from ucxx._lib.arr import Array
+
+        self.api = api
+        self.Array = Array
+        self.loop = loop
+        self.context = api.UCXContext(config())
+        self.worker = api.UCXWorker(self.context)
+        self.worker.init_blocking_progress_mode()
+        self.fd = int(self.worker.epoll_file_descriptor)
+        self._pending: list[_Pending] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        loop.add_reader(self.fd, self.progress)
+        self.progress()
+
+    def transports(self) -> set[str]:
+        """UCX's active transports, as ``ucxx.get_active_transports`` reads them from the context's info."""
+        info = str(self.context.info)
+        found = re.findall(r"^#.*resource.*md.*dev.*flags.*$", info, re.MULTILINE)
+        return {r.split()[-1].split("/")[0] for r in found}
+
+    def progress(self) -> None:
+        w = self.worker
+        while True:
+            w.progress()
+            if self._pending:
+                self._complete()
+            if w.arm():
+                break
+        if self._pending:
+            self._look_again()
+
+    def _complete(self) -> None:
+        left = []
+        for p in self._pending:
+            if not p.req.completed:
+                left.append(p)
+            elif not p.fut.done():  # a cancelled waiter's request still ran to its end
+                try:
+                    p.req.check_error()
+                except Exception as exc:
+                    p.fut.set_exception(exc)
+                else:
+                    p.fut.set_result(None)
+        self._pending = left
+
+    def _look_again(self) -> None:
+        when = self.loop.time() + min(p.delay for p in self._pending)
+        if self._timer is not None:
+            if self._timer.when() <= when:
+                return
+            self._timer.cancel()
+        self._timer = self.loop.call_at(when, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.progress()
+
+    async def wait(self, req: Any, keep: object, delay: float) -> None:
+        """Until ``req`` completes (raising what UCX reported); ``keep`` lives as long as the request."""
+        if req.completed:
+            req.check_error()
+            return
+        fut = self.loop.create_future()
+        self._pending.append(_Pending(req, fut, keep, delay))
+        self.progress()
+        await fut
+
+    def array(self, buf: Any) -> Any:
+        return buf if isinstance(buf, self.Array) else self.Array(buf)
+
+    async def _peer_info(self, ep: Any, listener: bool) -> tuple[int, int]:
+        """UCXX's endpoint wire-up: each side's receive tag, over UCX streams; (send tag, receive tag)."""
+        mine = _hash64("msg_tag", os.urandom(16), ep.handle)
+        out = self.Array(_PEER_INFO.pack(mine, _hash64(mine)))
+        theirs = bytearray(_PEER_INFO.size)
+        got = self.Array(theirs)
+        steps = [(ep.stream_send, out), (ep.stream_recv, got)]
+        for post, arr in steps if listener else steps[::-1]:
+            await self.wait(post(arr), arr, POLL_SEND_S)
+        tag, check = _PEER_INFO.unpack(theirs)
+        if check != _hash64(tag):
+            from ..errors import ProtocolError
+
+            raise ProtocolError("cudalink: a ucx peer's endpoint wire-up failed its checksum")
+        return tag, mine
+
+    async def connect(self, host: str, port: int, timeout: float) -> Endpoint:
+        ep = self.api.UCXEndpoint.create(self.worker, host, port, True)
+        try:
+            send_tag, recv_tag = await asyncio.wait_for(self._peer_info(ep, False), timeout)
+        except BaseException:
+            _close(ep)
+            self.progress()
+            raise
+        return Endpoint(self, ep, send_tag, recv_tag)
+
+    def listen(self, handler: Callable[[Endpoint], Coroutine[Any, Any, None]], port: int) -> Any:
+        """A UCX listener on ``port`` (every interface); each connection runs ``handler`` as a task. Keep
+        the returned listener: it stops listening when it dies."""
+        listener: Any = None
+
+        def accepted(conn_request: Any) -> None:  # called inside UCX's progress, on this loop's thread
+            ep = listener.create_endpoint_from_conn_request(conn_request, True)
+            task = self.loop.create_task(self._accepted(ep, handler))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        listener = self.api.UCXListener.create(worker=self.worker, port=port, cb_func=accepted)
+        self.progress()
+        return listener
+
+    async def _accepted(self, ep: Any, handler: Callable[[Endpoint], Coroutine[Any, Any, None]]) -> None:
+        try:
+            send_tag, recv_tag = await asyncio.wait_for(self._peer_info(ep, True), HANDSHAKE_S)
+        except Exception as exc:
+            log.info("cudalink: a ucx connection failed its wire-up (%s: %s)", type(exc).__name__, exc)
+            _close(ep)
+            self.progress()
+            return
+        try:
+            await handler(Endpoint(self, ep, send_tag, recv_tag))
+        except Exception:
+            log.warning("cudalink: a ucx connection's handler failed", exc_info=True)
+
+
+def _close(ep: Any) -> None:
+    with contextlib.suppress(Exception):
+        ep.close_blocking(period=10**10, max_attempts=1)
+    with contextlib.suppress(Exception):
+        ep.remove_close_callback()
+
+
+class Endpoint:
+    """One connection: whole messages of our peer's tag out, of ours in (UCX keeps them in order)."""
+
+    def __init__(self, core: Core, ep: Any, send_tag: int, recv_tag: int) -> None:
+        self.core = core
+        self._ep: Any = ep
+        self._send_tag = core.api.UCXXTag(send_tag)
+        self._recv_tag = core.api.UCXXTag(recv_tag)
+
+    def _live(self) -> Any:
+        if self._ep is None:
+            raise ConnectionResetError("cudalink: this ucx endpoint is closed")
+        return self._ep
+
+    async def send(self, buf: Any) -> None:
+        arr = self.core.array(buf)
+        req = self._live().tag_send(arr, self._send_tag)
+        await self.core.wait(req, arr, POLL_GPU_S if arr.cuda else POLL_SEND_S)
+
+    async def recv(self, buf: Any) -> None:
+        """One message into ``buf``. A message that arrived before the endpoint failed is still received
+        (UCX cancels receives posted on a failed endpoint; the message waits on the worker)."""
+        core = self.core
+        arr = core.array(buf)
+        delay = POLL_GPU_S if arr.cuda else POLL_IDLE_S
+        ep = self._live()
+        try:
+            ep.raise_on_error()
+        except Exception:
+            if not await self._from_worker(arr, delay):
+                raise
+            return
+        try:
+            await core.wait(ep.tag_recv(arr, self._recv_tag, core.api.UCXXTagMaskFull), arr, delay)
+        except Exception as exc:
+            if "ancel" not in type(exc).__name__ or not await self._from_worker(arr, delay):
+                raise
+
+    async def _from_worker(self, arr: Any, delay: float) -> bool:
+        w = self.core.worker
+        probe = w.tag_probe(self._recv_tag, remove=True)
+        if not probe.matched:
+            return False
+        await self.core.wait(w.tag_recv_with_handle(arr, probe), arr, delay)
+        return True
+
+    def abort(self) -> None:
+        """Close at once (the peer sees its connection reset); awaited requests on it fail."""
+        ep, self._ep = self._ep, None
+        if ep is not None:
+            _close(ep)
+            self.core.progress()
+
+
+_cores: dict[asyncio.AbstractEventLoop, Core] = {}
+
+
+def core_here() -> Core:
+    """The running loop's :class:`Core`, made on first use."""
+    loop = asyncio.get_running_loop()
+    core = _cores.get(loop)
+    if core is None:
+        core = _cores[loop] = Core(loop)
+    return core
+
+
 # -- the consumer side's loop -------------------------------------------------------------------------------
 
 
 class Engine:
     """A daemon thread running the asyncio loop UCX progresses on; coroutines are submitted to it."""
+
+    core: Core
 
     def __init__(self) -> None:
         self.ucxx = load()
@@ -229,7 +490,7 @@ class Engine:
         asyncio.set_event_loop(self.loop)
 
         async def start() -> None:
-            init_here(self.ucxx)
+            self.core = core_here()
 
         try:
             self.loop.run_until_complete(start())

@@ -117,10 +117,7 @@ class UcxSource:
         return att
 
     async def _connect(self, eng: ucx_engine.Engine, timeout: float) -> UcxAttachment:
-        ucxx = eng.ucxx
-        ep = await asyncio.wait_for(
-            ucxx.create_endpoint(self.addr.host, self.addr.port, connect_timeout=timeout), timeout + 0.5
-        )
+        ep = await asyncio.wait_for(eng.core.connect(self.addr.host, self.addr.port, timeout), timeout + 0.5)
         try:
             buf = bytearray(ucx_wire.MSG_SIZE)
             msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)

@@ -1,0 +1,226 @@
+"""``ucx_engine.Core``: UCXX's core API progressed by an asyncio loop, woken by the worker's epoll fd.
+
+Two Cores in one process (each on its own loop: the engine's daemon thread, and a loop of the test's
+own), or a Core against a peer on UCXX's asyncio API, over TCP on 127.0.0.1. Each test takes a fresh port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+pytest.importorskip("ucxx", reason='ucxx is not installed: pip install "cudalink[ucx]" (Linux, Python 3.11+)')
+
+os.environ.setdefault("UCX_TLS", "tcp")
+os.environ["UCX_WARN_UNUSED_ENV_VARS"] = "n"
+
+from cudalink.tools import remote_bench  # noqa: E402
+from cudalink.transport import ucx_engine, ucx_wire  # noqa: E402
+
+Handler = Callable[[ucx_engine.Endpoint], Awaitable[Any]]
+
+
+def _serve(handler: Handler, asyncio_api: bool = False) -> tuple[int, Any]:
+    """Listen on the engine's loop (its Core, or UCXX's asyncio API there); the handler's result comes back
+    through the returned concurrent future."""
+    eng = ucx_engine.engine()
+    port = ucx_engine.free_port()
+    listening = threading.Event()
+
+    async def main() -> Any:
+        done = asyncio.get_running_loop().create_future()
+
+        async def on_ep(ep: Any) -> None:
+            try:
+                done.set_result(await handler(ep))
+            except Exception as exc:
+                done.set_exception(exc)
+
+        listener = remote_bench._listener("asyncio" if asyncio_api else "core", on_ep, port)
+        listening.set()
+        try:
+            return await asyncio.wait_for(done, 60)
+        finally:
+            del listener
+
+    fut = eng.submit(main())
+    assert listening.wait(30)
+    return port, fut
+
+
+def _client(port: int, body: Callable[[ucx_engine.Endpoint], Awaitable[Any]]) -> Any:
+    """Connect from a Core on a loop of this thread's own, run ``body``."""
+
+    async def main() -> Any:
+        core = ucx_engine.core_here()
+        ep = await core.connect("127.0.0.1", port, 10.0)
+        try:
+            return await body(ep)
+        finally:
+            await asyncio.sleep(0.05)  # let what we sent leave before the endpoint goes
+            ep.abort()
+
+    return asyncio.run(main())
+
+
+SIZES = [1, ucx_wire.MSG_SIZE, ucx_engine.EAGER_MAX, ucx_engine.EAGER_MAX + 1, 3 << 20]
+
+
+def test_messages_of_every_protocol_arrive_whole_and_in_order() -> None:
+    """Eager sizes, the threshold on both sides, and a rendezvous one: each lands intact, in the order sent."""
+
+    async def server(ep: ucx_engine.Endpoint) -> list[bytes]:
+        got = []
+        for n in SIZES:
+            buf = bytearray(n)
+            await ep.recv(buf)
+            got.append(bytes(buf))
+        await ep.send(b"done")
+        return got
+
+    port, fut = _serve(server)
+    rng = np.random.default_rng(7)
+    sent = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in SIZES]
+
+    async def body(ep: ucx_engine.Endpoint) -> bytes:
+        await asyncio.gather(*(ep.send(m) for m in sent))  # all posted at once: UCX keeps their order
+        ack = bytearray(4)
+        await ep.recv(ack)
+        return bytes(ack)
+
+    assert _client(port, body) == b"done"
+    assert fut.result(30) == sent
+
+
+def test_a_longer_message_than_the_buffer_is_a_protocol_error() -> None:
+    async def server(ep: ucx_engine.Endpoint) -> str:
+        buf = bytearray(ucx_wire.MSG_SIZE)
+        try:
+            await ucx_engine.recv_msg(ep, buf, 10.0)
+        except Exception as exc:
+            return type(exc).__name__
+        return "received"
+
+    port, fut = _serve(server)
+    _client(port, lambda ep: ep.send(bytes(ucx_wire.MSG_SIZE + 1)))
+    assert fut.result(30) == "ProtocolError"
+
+
+def test_a_message_sent_just_before_the_peer_went_is_still_received() -> None:
+    """The peer sends and aborts at once: its message waits on our worker, and our receive posted after the
+    endpoint failed still gets it (then the next receive fails)."""
+
+    async def server(ep: ucx_engine.Endpoint) -> tuple[bytes, str]:
+        await asyncio.sleep(0.5)  # the peer is gone by now
+        buf = bytearray(5)
+        await ep.recv(buf)
+        try:
+            await asyncio.wait_for(ep.recv(bytearray(5)), 5.0)
+        except Exception as exc:
+            return bytes(buf), type(exc).__name__
+        return bytes(buf), "received a second message"
+
+    port, fut = _serve(server)
+
+    async def body(ep: ucx_engine.Endpoint) -> None:
+        await ep.send(b"hello")
+
+    _client(port, body)
+    got, second = fut.result(30)
+    assert got == b"hello"
+    assert second != "TimeoutError", "a receive on a dead endpoint waited for its timeout instead of failing"
+
+
+def test_a_receive_pending_when_the_peer_dies_fails_within_a_second() -> None:
+    """The peer process is killed (no goodbye): UCX's endpoint error fails the receive we had posted."""
+
+    async def server(ep: ucx_engine.Endpoint) -> float:
+        await ep.recv(bytearray(2))
+        try:
+            await ep.recv(bytearray(2))
+        except Exception:
+            return time.monotonic()
+        return float("nan")
+
+    port, fut = _serve(server)
+    code = (
+        "import asyncio, os, sys, time\n"
+        "from cudalink.transport import ucx_engine\n"
+        "async def main():\n"
+        f"    ep = await ucx_engine.core_here().connect('127.0.0.1', {port}, 10.0)\n"
+        "    await ep.send(b'hi')\n"
+        "    print('sent', flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().startswith("sent")
+        time.sleep(0.2)
+        killed = time.monotonic()
+        p.kill()
+        failed = fut.result(30)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert failed - killed < 1.0, f"the pending receive failed {failed - killed:.2f}s after the peer died"
+
+
+def test_a_peer_on_ucxx_asyncio_api_talks_to_a_core() -> None:
+    """The endpoint wire-up is UCXX's own, so either side may be UCXX's asyncio API (a UCXX user's code)."""
+
+    async def server(ep: Any) -> bytes:
+        buf = bytearray(6)
+        await ep.recv(buf)
+        await ep.send(bytes(buf[::-1]))
+        return bytes(buf)
+
+    port, fut = _serve(server, asyncio_api=True)
+
+    async def body(ep: ucx_engine.Endpoint) -> bytes:
+        await ep.send(b"abcdef")
+        back = bytearray(6)
+        await ep.recv(back)
+        return bytes(back)
+
+    assert _client(port, body) == b"fedcba"
+    assert fut.result(30) == b"abcdef"
+
+
+def test_an_idle_connection_sleeps() -> None:
+    """A receive posted and nothing coming: the loops sleep in epoll, no polling (a second of CPU time is
+    measured across both Cores in this process)."""
+
+    async def server(ep: ucx_engine.Endpoint) -> None:
+        await ep.recv(bytearray(1))
+
+    port, fut = _serve(server)
+
+    async def body(ep: ucx_engine.Endpoint) -> float:
+        before = time.process_time()
+        await asyncio.sleep(1.5)
+        used = time.process_time() - before
+        await ep.send(b"x")
+        return used
+
+    used = _client(port, body)
+    fut.result(30)
+    assert used < 0.1, f"{used:.3f}s of CPU in 1.5s idle"
+
+
+def test_the_eager_threshold_covers_a_header_with_inline_pixels_unless_the_user_set_one() -> None:
+    assert int(ucx_engine.config()["RNDV_THRESH"]) > ucx_wire.MSG_SIZE + ucx_wire.INLINE_MAX
+    code = "from cudalink.transport import ucx_engine as e; e.load(); print(e.config())"
+    env = {**os.environ, "UCX_RNDV_THRESH": "4096"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "{}", out.stderr[-500:]

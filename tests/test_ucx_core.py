@@ -224,3 +224,18 @@ def test_the_eager_threshold_covers_a_header_with_inline_pixels_unless_the_user_
     env = {**os.environ, "UCX_RNDV_THRESH": "4096"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "{}", out.stderr[-500:]
+
+
+def test_a_loop_that_is_dropped_takes_its_worker_with_it() -> None:
+    """Each ``asyncio.run`` that touched UCX made a Core; once its loop is gone, so is the worker (and its fds)."""
+    import gc
+    import weakref
+
+    async def make() -> weakref.ref[ucx_engine.Core]:
+        core = ucx_engine.core_here()
+        assert ucx_engine.core_here() is core  # one per loop
+        return weakref.ref(core)
+
+    refs = [asyncio.run(make()) for _ in range(3)]
+    gc.collect()
+    assert all(r() is None for r in refs), "a closed loop's UCX worker stayed alive"

@@ -458,15 +458,14 @@ class Endpoint:
             self.core.progress()
 
 
-_cores: dict[asyncio.AbstractEventLoop, Core] = {}
-
-
 def core_here() -> Core:
-    """The running loop's :class:`Core`, made on first use."""
+    """The running loop's :class:`Core`, made on first use. It hangs off the loop, so a loop that is closed
+    and dropped (each ``asyncio.run``) takes its worker with it instead of leaking one per loop."""
     loop = asyncio.get_running_loop()
-    core = _cores.get(loop)
+    core: Core | None = getattr(loop, "_cudalink_ucx_core", None)
     if core is None:
-        core = _cores[loop] = Core(loop)
+        core = Core(loop)
+        loop._cudalink_ucx_core = core  # type: ignore[attr-defined]
     return core
 
 

@@ -348,7 +348,6 @@ class Server:
     async def run(self, ready: Any = None) -> None:
         # a server restarted after a crash takes its port back at once (else: busy for TIME_WAIT, 60 s)
         os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
-        ucx_engine.load()
         core = ucx_engine.core_here()
         try:
             self.rdma = ucx_engine.rdma_transports(core.transports())

@@ -171,24 +171,18 @@ def _endpoint(api: str, port: int) -> Any:
     """A connection to the floor's receiver: on UCXX's core API as cudalink drives it (``core``), or on
     UCXX's asyncio API (``asyncio``, its progress thread: what a UCXX user writes first)."""
     if api == "asyncio":
-        ucxx = ucx_engine.load()
-        ucx_engine.init_asyncio(ucxx)
-        return ucxx.create_endpoint("127.0.0.1", port)
+        return ucx_engine.init_asyncio().create_endpoint("127.0.0.1", port)
     return ucx_engine.core_here().connect("127.0.0.1", port, 30.0)
 
 
 def _listener(api: str, handler: Any, port: int) -> Any:
     """The floor's receiving side, on the running loop (the API as in :func:`_endpoint`); keep it alive."""
     if api == "asyncio":
-        ucxx = ucx_engine.load()
-        ucx_engine.init_asyncio(ucxx)
-        return ucxx.create_listener(handler, port=port)
+        return ucx_engine.init_asyncio().create_listener(handler, port=port)
     return ucx_engine.core_here().listen(handler, port)
 
 
 def _bare_sender(port: int, nbytes: int, period: float, count: int, one: bool = False, api: str = "core") -> None:
-    ucx_engine.load()
-
     async def main() -> None:
         ep = await _endpoint(api, port)
         head = bytearray(HEAD_BYTES)

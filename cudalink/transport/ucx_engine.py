@@ -93,9 +93,10 @@ def config() -> dict[str, str]:
     return {} if _user_rndv else {"RNDV_THRESH": str(EAGER_MAX + 1)}
 
 
-def init_asyncio(ucxx: ModuleType) -> None:
-    """``ucxx.init`` on the running loop (once per process): UCXX's asyncio API, which only the bench's
-    floor uses now (cudalink itself runs :class:`Core`)."""
+def init_asyncio() -> ModuleType:
+    """``ucxx.init`` on the running loop (once per process), and the module: UCXX's asyncio API, which only
+    the bench's floor uses now (cudalink itself runs :class:`Core`)."""
+    ucxx = load()
     mode = os.environ.get("CUDALINK_UCX_PROGRESS", PROGRESS)
     try:
         # a request awaited without a Python future is polled (``asyncio.sleep(0)`` in a loop): a pending
@@ -103,6 +104,7 @@ def init_asyncio(ucxx: ModuleType) -> None:
         ucxx.init(options=config(), progress_mode=mode, enable_python_future=mode.startswith("thread"))
     except RuntimeError:
         pass  # already initiated in this process
+    return ucxx
 
 
 def describe() -> dict[str, object]:
@@ -270,6 +272,7 @@ class Core:
     ends in :meth:`progress`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        load()  # the error naming the extra, and the user's UCX_RNDV_THRESH read before ucxx sets its own
         from ucxx._lib import libucxx as api
         from ucxx._lib.arr import Array
 
@@ -363,8 +366,7 @@ class Core:
         try:
             send_tag, recv_tag = await asyncio.wait_for(self._peer_info(ep, False), timeout)
         except BaseException:
-            _close(ep)
-            self.progress()
+            self.close(ep)
             raise
         return Endpoint(self, ep, send_tag, recv_tag)
 
@@ -383,25 +385,25 @@ class Core:
         self.progress()
         return listener
 
+    def close(self, ep: Any) -> None:
+        """Close a UCX endpoint at once; requests pending on it fail (completed by the progress after)."""
+        with contextlib.suppress(Exception):
+            ep.close_blocking(period=10**10, max_attempts=1)
+        with contextlib.suppress(Exception):
+            ep.remove_close_callback()
+        self.progress()
+
     async def _accepted(self, ep: Any, handler: Callable[[Endpoint], Coroutine[Any, Any, None]]) -> None:
         try:
             send_tag, recv_tag = await asyncio.wait_for(self._peer_info(ep, True), HANDSHAKE_S)
         except Exception as exc:
             log.info("cudalink: a ucx connection failed its wire-up (%s: %s)", type(exc).__name__, exc)
-            _close(ep)
-            self.progress()
+            self.close(ep)
             return
         try:
             await handler(Endpoint(self, ep, send_tag, recv_tag))
         except Exception:
             log.warning("cudalink: a ucx connection's handler failed", exc_info=True)
-
-
-def _close(ep: Any) -> None:
-    with contextlib.suppress(Exception):
-        ep.close_blocking(period=10**10, max_attempts=1)
-    with contextlib.suppress(Exception):
-        ep.remove_close_callback()
 
 
 class Endpoint:
@@ -454,8 +456,7 @@ class Endpoint:
         """Close at once (the peer sees its connection reset); awaited requests on it fail."""
         ep, self._ep = self._ep, None
         if ep is not None:
-            _close(ep)
-            self.core.progress()
+            self.core.close(ep)
 
 
 def core_here() -> Core:
@@ -478,7 +479,7 @@ class Engine:
     core: Core
 
     def __init__(self) -> None:
-        self.ucxx = load()
+        load()  # the error naming the extra, in the caller's thread
         self.loop = asyncio.new_event_loop()
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.thread = threading.Thread(target=self._run, args=(ready,), name="cudalink-ucx", daemon=True)

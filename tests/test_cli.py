@@ -305,7 +305,7 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         assert "from_send_return" in rows[(rid, "shm")]
     # GPU rows are reported, never faked
     for key, row in rows.items():
-        if key[1] in ("torch-mp", "core-pickle") or key[0].startswith("copy_bw"):
+        if key[1] in ("torch-mp", "core-pickle") or key[0].startswith(("copy_bw", "copy_burst")):
             assert row["status"] == "skipped" and row["reason"], row
             assert row["peer"] is None
     # the CPU goal's floor is paired: timed in the polling consumer itself, on alternate frames

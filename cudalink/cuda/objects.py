@@ -38,6 +38,8 @@ class Stream(Protocol):
 
     def record(self, event: Event | None = None, options: object = None) -> Event: ...
 
+    def close(self) -> None: ...
+
 
 class Device(Protocol):
     """A cuda.core ``Device``."""

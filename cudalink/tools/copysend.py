@@ -11,10 +11,19 @@ first, so neither always starts on a GPU the other just warmed.
 The card's peak is the best of a few bare copies of 256 MiB, on the same stream, timed the same way.
 
 A third side, timed in the same rounds: the bare copy followed by a ``cuEventRecord`` of an interprocess
-event, which is all the GPU work ``send()`` queues. On an H100 (2026-11-25) the record of an IPC event
-took ~3 µs of GPU time where a plain event's took none, and the copy into a pool slot ran as fast as into
-``cuMemAlloc`` memory: the whole gap between send and the bare copy was that event (90% of the bare copy
-at 1080p float32, 97.6% at 4K; 99.9% of the copy + event).
+event on its stream, which is what ``send()`` queued until 2026-11-26. On an H100 (2026-11-25) that
+record took ~3 µs of GPU time where a plain event's took none (90% of the bare copy at 1080p float32).
+Since 2026-11-26 ``send()`` records the slot's ready event off the copy's stream while the GPU is behind
+(the previous frame's ready event has not fired: frames queue up), and on it otherwise, where the extra
+hop would only add latency (``CudaSlots._mark_ready``). One send at a time, as ``paired`` times them,
+the GPU keeps up; back to back it does not. So two more figures:
+
+- ``send_ready``: a send, then the copy's stream waits until the slot's ready event has been recorded:
+  when the frame is ready for others, one frame alone (without what a consumer's wait on an IPC event
+  costs, the same before and after);
+- ``burst_send`` / ``burst_bare``: :data:`BURST` sends (copies) queued back to back, until every ready
+  event fired: the GPU time per frame a producer queueing frames pays, where the ready event's record
+  overlaps the next copy. The copy-send goal reads this one.
 """
 
 from __future__ import annotations
@@ -162,14 +171,44 @@ def paired(
 
 
 class CopySend(TypedDict):
-    """One frame size's result (ns per sample) and the card's peak copy rate."""
+    """One frame size's result (ns per sample, or per frame for the bursts) and the card's peak copy rate."""
 
-    send: list[int]
+    send: list[int]  # GPU time send() leaves on the stream its copy ran on
     bare: list[int]
-    bare_event: list[int]  # the bare copy + a cuEventRecord of an IPC event: all the GPU work send() queues
+    bare_event: list[int]  # the bare copy + a cuEventRecord of an IPC event on its stream: send() before 2026-11-26
+    send_ready: list[int]  # send(), then that stream waits for the slot's ready event, as a consumer's would
+    burst_send: list[int]  # BURST sends queued back to back, until every ready event fired: per frame
+    burst_bare: list[int]  # BURST bare copies queued back to back: per frame
     nbytes: int
     peak_gbps: float | None  # bytes copied per second / 1e9, best of a few large bare copies
     timing: str  # "gated" (GPU time alone) or "plain" (a driver without stream memory operations)
+
+
+#: sends per burst; the link gets as many slots, so no send in a burst waits for an earlier one's slot
+BURST = 8
+
+
+def bursts(
+    sides: list[tuple[Callable[[int], object], Callable[[int], object] | None, list[int]]],
+    stream: int,
+    timer: StreamTimer,
+    n: int,
+    iters: int,
+) -> None:
+    """Each side's call made ``n`` times back to back, then its tail (if any), timed by ``timer`` on
+    ``stream``; appends the GPU time per call, ``iters`` samples after one warm round. Work a call leaves
+    off ``stream`` that overlaps the next call is counted once, as a producer queueing frames sees it,
+    which the per-call samples of :func:`paired` cannot show."""
+    for i in range(iters + 1):
+        for fn, tail, out in sides if i % 2 == 0 else sides[::-1]:
+            timer.start(stream)
+            for _ in range(n):
+                fn(stream)
+            if tail is not None:
+                tail(stream)
+            ns = timer.stop(stream)
+            if i:
+                out.append(ns // n)
 
 
 def measure(device: int, lib: str, shape: tuple[int, ...], iters: int, peak: bool = True) -> CopySend:
@@ -203,8 +242,37 @@ def measure(device: int, lib: str, shape: tuple[int, ...], iters: int, peak: boo
     timer = make_timer()
     try:
         name = f"copysend-{os.getpid()}-{time.monotonic_ns() & 0xFFFFFF:x}"
-        with Sender(name, shape=shape, dtype="float32", slots=2, device=device) as tx:
+        with Sender(name, shape=shape, dtype="float32", slots=BURST, device=device) as tx:
+            # The link's ready stream (this tool is part of the package): its records run in order, so a plain
+            # event after them fires once every ready event has. Waiting on the IPC events themselves would
+            # add what a wait on an IPC event costs (several us on an H200), which bare_event never pays.
+            ready_s = driver.stream_handle(tx._slots.ready_stream)  # type: ignore[attr-defined]
+            mark = driver.new_event()
+
+            def fired(_: int) -> None:
+                driver.record(mark, ready_s)
+                driver.wait(s, mark)
+
+            def send_ready(_: int) -> None:
+                tx.send(src, stream=stream_obj)
+                fired(s)
+
             ours, plain, evented = paired(tx, src, bare, s, stream_obj, timer, iters, extra=bare_event)
+            readied: list[int] = []
+            for i in range(iters + 3):
+                timer.start(s)
+                send_ready(s)
+                ns = timer.stop(s)
+                if i >= 3:
+                    readied.append(ns)
+            burst_send: list[int] = []
+            burst_bare: list[int] = []
+
+            def send(_: int) -> None:
+                tx.send(src, stream=stream_obj)
+
+            bursts([(send, fired, burst_send), (bare, None, burst_bare)], s, timer, BURST, max(5, iters // 4))
+            driver.destroy_event(mark)
         rate = peak_gbps(s, timer) if peak else None
     finally:
         stream_obj.sync()
@@ -214,6 +282,9 @@ def measure(device: int, lib: str, shape: tuple[int, ...], iters: int, peak: boo
         "send": ours,
         "bare": plain,
         "bare_event": evented,
+        "send_ready": readied,
+        "burst_send": burst_send,
+        "burst_bare": burst_bare,
         "nbytes": nbytes,
         "peak_gbps": rate,
         "timing": timing,

@@ -414,6 +414,18 @@ def test_a_server_that_goes_silent_is_gone_after_the_dead_time(monkeypatch: pyte
         prod.stop()
 
 
+def _hold_the_gil(seconds: float) -> None:
+    """Keep the GIL for ``seconds``, as a long C call or an import would: no other thread of ours runs."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_a_consumer_that_holds_the_gil_is_dropped_with_the_reason_and_reconnects() -> None:
     """A consumer process that keeps the GIL for 2 s (``import torch`` after connecting) sends no PING: the server
     gives its leases back within a second, says why, and the consumer's next recv() connects again."""
@@ -423,14 +435,7 @@ def test_a_consumer_that_holds_the_gil_is_dropped_with_the_reason_and_reconnects
     try:
         with cudalink.Receiver(url, timeout=10.0) as rx:
             rx.recv(timeout=5.0).release()
-            old = sys.getswitchinterval()
-            sys.setswitchinterval(30.0)  # no other thread of ours runs until this loop ends
-            try:
-                end = time.monotonic() + 2.0
-                while time.monotonic() < end:
-                    pass
-            finally:
-                sys.setswitchinterval(old)
+            _hold_the_gil(2.0)
             with pytest.raises(cudalink.ProducerGone, match="sent nothing for"):
                 while True:
                     rx.recv(timeout=5.0).release()
@@ -438,6 +443,37 @@ def test_a_consumer_that_holds_the_gil_is_dropped_with_the_reason_and_reconnects
             check(f)
             f.release()
             assert rx.stats()["reattached"] == 1
+    finally:
+        srv.stop()
+        prod.stop()
+
+
+def test_a_consumer_stalled_during_a_rendezvous_never_gets_a_frame_its_slot_no_longer_holds() -> None:
+    """Frames of 1 MiB go by rendezvous: the server's pixel send waits for the consumer's UCX worker. A
+    consumer that holds the GIL for 2 s stalls that send; the server gives the frame's lease back within a
+    second and the producer reuses the slot. When the consumer runs again it may be told why it was
+    dropped (once), then it gets frames again, and every one carries the bytes written for its seq."""
+    name = unique("r")
+    prod = producer(name, "--frames", "1000000", "--fps", "100", "--shape", "512,512,4")
+    srv, url = server(name)
+    try:
+        with cudalink.Receiver(url, timeout=10.0) as rx:
+            for _ in range(3):
+                with rx.recv(timeout=5.0) as f:
+                    check(f)
+            _hold_the_gil(2.0)
+            got = 0
+            deadline = time.monotonic() + 10.0
+            while got < 20 and time.monotonic() < deadline:
+                try:
+                    with rx.recv(timeout=5.0) as f:
+                        check(f)  # the bytes its producer wrote for its seq, or nothing at all
+                        got += 1
+                except cudalink.ProducerGone as exc:
+                    assert "sent nothing for" in str(exc) or "connection" in str(exc), exc
+            assert got == 20, f"only {got} frames after the stall"
+            assert rx.stats()["reattached"] <= 1, rx.stats()
+            assert srv.p.poll() is None  # the server serves on
     finally:
         srv.stop()
         prod.stop()

@@ -176,7 +176,7 @@ class CopySend(TypedDict):
     send: list[int]  # GPU time send() leaves on the stream its copy ran on
     bare: list[int]
     bare_event: list[int]  # the bare copy + a cuEventRecord of an IPC event on its stream: send() before 2026-11-26
-    send_ready: list[int]  # send(), then that stream waits for the slot's ready event, as a consumer's would
+    send_ready: list[int]  # send(), then that stream waits until the slot's ready event has been recorded
     burst_send: list[int]  # BURST sends queued back to back, until every ready event fired: per frame
     burst_bare: list[int]  # BURST bare copies queued back to back: per frame
     nbytes: int

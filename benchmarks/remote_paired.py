@@ -240,11 +240,9 @@ def main() -> None:
     a = sys.argv[2:]
     if role == "producer":
         producer(a[0], int(a[1]), a[2], float(a[3]), float(a[4]), float(a[5]), int(a[6]))
-    elif role == "consumer":
-        lat = consumer(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]), *a[5:6])
-        print("RESULT " + json.dumps(lat), flush=True)
-    elif role == "bare":
-        lat = bare(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]), *a[5:6])
+    elif role in ("consumer", "bare"):  # the sixth argument: a consumer's wait mode, or the floor's API
+        fn = consumer if role == "consumer" else bare
+        lat = fn(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]), *a[5:6])
         print("RESULT " + json.dumps(lat), flush=True)
     elif role == "bare-sender":
         bare_sender(int(a[0]), int(a[1]), float(a[2]), float(a[3]), float(a[4]), int(a[5]), a[6])

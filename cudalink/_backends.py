@@ -391,6 +391,7 @@ class CudaSlots:
         self._settle(slot)
         dst = self._ptrs[slot]
         if pitch == 0 and SEND_GRAPH and not self.graph_error and self._graph_copy(slot, dst, src, spec.nbytes, s):
+            self._last = slot  # its record is on ``s``: the next _mark_ready asks whether it fired
             self._sources[slot] = owner
             return
         if pitch == 0:

@@ -48,6 +48,11 @@ log = logging.getLogger("cudalink.ucx")
 MAX_GRANT = 4
 #: how long the endpoint of a consumer dropped for silence stays open, so a stalled one can read why
 SILENT_GRACE_S = 10.0
+#: how long a consumer may stay silent while a frame's send to it from the server's own memory is under way
+#: (a GPU frame's copy, or its host staging): no producer slot waits on it, and a consumer landing frames on a
+#: busy GPU may spend that long inside UCX's progress, unable to say anything (H100, 2026-11-26, GPU tests
+#: beside ``tcp,cuda_copy``: the consumer's UCX loop was held 0.3 s at a time there)
+BUSY_SILENCE_S = 5.0
 #: how long a server started on a port still held by a crashed predecessor keeps trying it
 BUSY_RETRY_S = 15.0
 
@@ -87,6 +92,7 @@ class _Consumer:
         self.gone = asyncio.Event()
         self.why = ""
         self.silent = False  # dropped for silence: maybe only stalled, so its endpoint outlives it a while
+        self.busy = False  # a send from memory of ours (no producer slot) is under way: see BUSY_SILENCE_S
         self.staged = False  # GPU frames go out as host bytes (see ucx_engine.stage_on_host)
         self.inline = 0  # host bytes up to this many go in the FRAME message itself (the client's HELLO)
         self.out = bytearray()  # that one message, made once
@@ -193,15 +199,22 @@ class _Consumer:
 
     async def _watchdog(self) -> None:
         """A consumer silent for DEAD_AFTER_S (a pulled cable: no RST ever comes) is gone."""
+        last = time.monotonic()
         while True:
             await asyncio.sleep(ucx_engine.PING_S)
-            silent = time.monotonic() - self.heard
-            if silent > ucx_engine.DEAD_AFTER_S:
+            now = time.monotonic()
+            if now - last > 2 * ucx_engine.PING_S:
+                # our own loop was held up (a long UCX or CUDA call): what the consumer sent meanwhile is
+                # not read yet, so its silence is judged from now on
+                self.heard = max(self.heard, now - ucx_engine.PING_S)
+            last = now
+            silent = now - self.heard
+            if silent > (BUSY_SILENCE_S if self.busy else ucx_engine.DEAD_AFTER_S):
                 self.why = "went silent"
                 self.silent = True
-                # heard only if it was stalled, not gone: then its next recv() says why and reconnects
+                # heard only if it was stalled, not gone: then it connects again and carries on
                 await self._bye(
-                    ucx_wire.R_CLOSING,
+                    ucx_wire.R_SILENT,
                     f"this consumer sent nothing for {silent:.1f}s (its process held the GIL, or the network "
                     "went); the server gave its frames back",
                     wait=0.05,  # a vanished one never acknowledges: its leases go back now, not later
@@ -209,6 +222,7 @@ class _Consumer:
                 return
 
     async def _serve(self) -> None:
+        self.heard = time.monotonic()  # the handshake (a local Receiver made) may have taken a while
         tasks = {
             asyncio.ensure_future(self._reader()),
             asyncio.ensure_future(self._watchdog()),
@@ -264,8 +278,12 @@ class _Consumer:
                 await self._failed(f"the server could not take a frame from {rx.name!r}", exc)
                 return
             data: Any = None
+            pending = False  # the pixels' send is under way
+            seq, nbytes = frame.seq, frame.nbytes
+            released = False
             try:
                 spec = frame.spec
+                staged = False
                 if frame.device.startswith("cuda"):
                     if spec.strides is not None:
                         raise LinkError("cudalink serve: strided GPU frames cannot be served; send contiguous ones")
@@ -274,6 +292,8 @@ class _Consumer:
 
                         self.stage = cuda_ucx.Pinned(int(frame.device.split(":")[1]), rx.capacity)
                     data = await _gpu_ready(frame, self.stage)
+                    staged = self.stage is not None
+                    self.busy = True  # from here on the bytes are ours: the server's copy, or staged
                 else:
                     data = frame.numpy()
                     if spec.strides is not None:  # a padded crop goes contiguous: behind the header, or copied once
@@ -281,25 +301,44 @@ class _Consumer:
                         if data.nbytes > self.inline:
                             data = np.ascontiguousarray(data)
                 inline = isinstance(data, np.ndarray) and data.nbytes <= self.inline
-                head = ucx_wire.pack_frame(gen, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta, inline)
-                if inline:  # one message, header and pixels: the slot goes back before the network send
-                    msg = self._one(head, data)
-                    data = None
+                head = ucx_wire.pack_frame(gen, rx.skipped, seq, frame.timestamp_ns, spec, frame.meta, inline)
+                msg = self._one(head, data) if inline else None
+                if inline or staged:
+                    # the bytes are ours now (behind the header, or in our page-locked buffer): the producer's
+                    # slot goes back before the network send. A GPU frame whose CAI was read holds its slot
+                    # as long as the object lives, so the object goes too.
+                    if inline:
+                        data = None  # a view of the slot: an export that would keep it
                     frame.release()
+                    del frame
+                    released = True
+                if msg is not None:
                     await self.ep.send(msg)
                 else:
                     # both posted at once (UCX keeps one endpoint's messages of one tag in order): the
                     # pixels need not wait for the header's completion to be reported
+                    pending = True
                     await asyncio.gather(self.ep.send(head), self.ep.send(data))
+                    pending = False
+                    if nbytes > ucx_engine.EAGER_MAX:  # a rendezvous: the consumer's worker took part
+                        self.heard = time.monotonic()
             except Exception as exc:
-                await self._failed(f"sending frame {frame.seq} failed", exc)
+                await self._failed(f"sending frame {seq} failed", exc)
                 return
             finally:
+                self.busy = False
+                if pending:
+                    # Cancelled (or failed) while UCX may still read the pixels (a rendezvous waits for the
+                    # consumer's worker): close the endpoint first, so that UCX lets go of them, then give
+                    # the memory back; the consumer sees a reset, not this frame with another's bytes.
+                    self._abort()
+                    pending = False
                 # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease
                 # outlives this frame (a cancelled send's traceback would keep them)
                 data = None
-                frame.release()
-                del frame
+                if not released:
+                    frame.release()
+                    del frame
             self.credits -= 1
             self.sent += 1
             last_sent = time.monotonic()

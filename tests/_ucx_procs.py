@@ -84,6 +84,18 @@ def consumer(args: argparse.Namespace) -> None:
     time.sleep(60)
 
 
+def hold_the_gil(seconds: float) -> None:
+    """Keep the GIL for ``seconds``, as a long C call or an import would: no other thread of ours runs."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(old)
+
+
 def gpu_consumer(args: argparse.Namespace) -> None:
     """Receive ``--frames`` frames on ``--device`` and check each through ``--lib`` (torch, cupy or numpy)."""
     import cudalink
@@ -95,7 +107,9 @@ def gpu_consumer(args: argparse.Namespace) -> None:
         importlib.import_module(args.lib)
     rx = cudalink.Receiver(args.url, timeout=20.0, latest=False, device=device)
     bad = 0
-    for _ in range(args.frames):
+    for i in range(args.frames):
+        if i == 1 and args.stall:  # keep the GIL (a long C call): the server drops us, we connect again
+            hold_the_gil(args.stall)
         with rx.recv(timeout=10.0) as f:
             seq = struct.unpack("<Q", f.meta)[0]
             want = pattern(f.shape, seq)
@@ -110,7 +124,8 @@ def gpu_consumer(args: argparse.Namespace) -> None:
             else:
                 got = f.to_numpy()
             bad += int(not np.array_equal(got, want))
-    print(f"checked {args.frames} bad {bad} device {rx.device} stats {rx.stats()}", flush=True)
+    resumes = getattr(rx._att, "resumes", 0)
+    print(f"checked {args.frames} bad {bad} device {rx.device} resumes {resumes} stats {rx.stats()}", flush=True)
     if args.until_gone:  # keep taking frames until the server vanishes, then say how it ended
         try:
             while True:
@@ -142,6 +157,7 @@ def main() -> None:
     q.add_argument("--lib", default="torch")
     q.add_argument("--frames", type=int, default=100)
     q.add_argument("--until-gone", action="store_true")
+    q.add_argument("--stall", type=float, default=0.0, help="seconds to hold the GIL after the first frame")
     args = p.parse_args()
     {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer}[args.cmd](args)
     sys.exit(0)

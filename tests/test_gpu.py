@@ -473,10 +473,15 @@ def test_copy_send_is_timed_on_its_own_stream_and_never_beats_the_bare_copy() ->
     assert got["peak_gbps"] is not None and got["peak_gbps"] > 100, got["peak_gbps"]  # GB/s of bytes copied
 
 
-def test_ready_events_leave_the_copys_stream_only_while_the_gpu_is_behind(pair: PairFactory) -> None:
+@pytest.mark.parametrize("graph_first", [False, True])
+def test_ready_events_leave_the_copys_stream_only_while_the_gpu_is_behind(
+    pair: PairFactory, monkeypatch: pytest.MonkeyPatch, graph_first: bool
+) -> None:
     """While the previous frame's ready event has not fired (frames queue up behind 100 ms of work), the
     next one is recorded on the link's ready stream (it waits for the copy there); while the GPU keeps up,
-    on the copy's own stream, with nothing put on the ready stream. Consumers get every frame whole."""
+    on the copy's own stream, with nothing put on the ready stream. Consumers get every frame whole.
+    ``graph_first``: the first frame goes as one CUDA graph (SEND_GRAPH), whose event the next send asks about."""
+    from cudalink import _backends
     from cudalink.cuda import driver
 
     torch = _torch()
@@ -497,7 +502,9 @@ def test_ready_events_leave_the_copys_stream_only_while_the_gpu_is_behind(pair: 
                 with torch.cuda.stream(s):
                     torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time before the write and the copy
                     x.fill_(k)
+                monkeypatch.setattr(_backends, "SEND_GRAPH", graph_first and k == 1.0)
                 tx.send(x, stream=s)
+                assert not tx._slots.graph_error, tx._slots.graph_error
                 queued = torch.cuda.Event()
                 queued.record(s)
                 assert not queued.query(), "s finished early: the test proves nothing"

@@ -26,7 +26,7 @@ import cudalink
 from cudalink.tools import remote_bench
 from cudalink.transport import ucx_engine, ucx_wire
 
-from ._ucx_procs import check, pattern
+from ._ucx_procs import check, hold_the_gil, pattern
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "5a" * 32
@@ -414,35 +414,29 @@ def test_a_server_that_goes_silent_is_gone_after_the_dead_time(monkeypatch: pyte
         prod.stop()
 
 
-def _hold_the_gil(seconds: float) -> None:
-    """Keep the GIL for ``seconds``, as a long C call or an import would: no other thread of ours runs."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(30.0)
-    try:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            pass
-    finally:
-        sys.setswitchinterval(old)
-
-
-def test_a_consumer_that_holds_the_gil_is_dropped_with_the_reason_and_reconnects() -> None:
-    """A consumer process that keeps the GIL for 2 s (``import torch`` after connecting) sends no PING: the server
-    gives its leases back within a second, says why, and the consumer's next recv() connects again."""
+def test_a_consumer_that_holds_the_gil_is_dropped_and_carries_on_without_an_error() -> None:
+    """A consumer process that keeps the GIL for 2 s (a framework's first CUDA call, ``import torch``) sends no
+    PING: the server gives its leases back within a second and says why; the consumer, running again, connects
+    anew and its recv() goes on (no ProducerGone: the producer never went). The frames that went by meanwhile
+    count as skipped, as for a stalled local consumer."""
     name = unique("g")
     prod = producer(name, "--frames", "1000000", "--fps", "100")
     srv, url = server(name)
     try:
         with cudalink.Receiver(url, timeout=10.0) as rx:
             rx.recv(timeout=5.0).release()
-            _hold_the_gil(2.0)
-            with pytest.raises(cudalink.ProducerGone, match="sent nothing for"):
-                while True:
-                    rx.recv(timeout=5.0).release()
-            f = rx.recv(timeout=10.0)  # connected again: the producer never went
-            check(f)
-            f.release()
-            assert rx.stats()["reattached"] == 1
+            hold_the_gil(2.0)
+            first = None
+            for _ in range(20):
+                with rx.recv(timeout=5.0) as f:
+                    check(f)
+                    first = f.seq if first is None else first
+            srv.expect("cudalink serve: a consumer went silent", 5.0)
+            srv.expect("cudalink serve: a consumer joined", 5.0)
+            stats = rx.stats()
+            assert stats["reattached"] == 0, stats
+            assert stats["skipped"] >= 50, stats  # ~200 frames went by at 100 fps; a few were queued here
+            assert rx._att is not None and rx._att.resumes == 1
     finally:
         srv.stop()
         prod.stop()
@@ -450,9 +444,9 @@ def test_a_consumer_that_holds_the_gil_is_dropped_with_the_reason_and_reconnects
 
 def test_a_consumer_stalled_during_a_rendezvous_never_gets_a_frame_its_slot_no_longer_holds() -> None:
     """Frames of 1 MiB go by rendezvous: the server's pixel send waits for the consumer's UCX worker. A
-    consumer that holds the GIL for 2 s stalls that send; the server gives the frame's lease back within a
-    second and the producer reuses the slot. When the consumer runs again it may be told why it was
-    dropped (once), then it gets frames again, and every one carries the bytes written for its seq."""
+    consumer that holds the GIL for 2 s stalls that send; the server closes that connection and gives the
+    frame's lease back within a second, and the producer reuses the slot. When the consumer runs again it
+    connects anew and gets frames again, every one with the bytes written for its seq, and no error."""
     name = unique("r")
     prod = producer(name, "--frames", "1000000", "--fps", "100", "--shape", "512,512,4")
     srv, url = server(name)
@@ -461,19 +455,38 @@ def test_a_consumer_stalled_during_a_rendezvous_never_gets_a_frame_its_slot_no_l
             for _ in range(3):
                 with rx.recv(timeout=5.0) as f:
                     check(f)
-            _hold_the_gil(2.0)
-            got = 0
-            deadline = time.monotonic() + 10.0
-            while got < 20 and time.monotonic() < deadline:
-                try:
-                    with rx.recv(timeout=5.0) as f:
-                        check(f)  # the bytes its producer wrote for its seq, or nothing at all
-                        got += 1
-                except cudalink.ProducerGone as exc:
-                    assert "sent nothing for" in str(exc) or "connection" in str(exc), exc
-            assert got == 20, f"only {got} frames after the stall"
-            assert rx.stats()["reattached"] <= 1, rx.stats()
+            hold_the_gil(2.0)
+            for _ in range(20):
+                with rx.recv(timeout=5.0) as f:
+                    check(f)  # the bytes its producer wrote for its seq, or nothing at all
+            assert rx.stats()["reattached"] == 0, rx.stats()
             assert srv.p.poll() is None  # the server serves on
+    finally:
+        srv.stop()
+        prod.stop()
+
+
+def test_a_stalled_consumer_that_holds_every_frame_connects_again_once_it_gives_one_back() -> None:
+    """Dropped for silence while it holds all its landing buffers, a consumer has no credit to grant: it
+    connects again once it releases a frame, and frames flow again."""
+    name = unique("h")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    srv, url = server(name)
+    try:
+        with cudalink.Receiver(url, timeout=10.0, latest=False) as rx:
+            held = [rx.recv(timeout=5.0) for _ in range(3)]  # every landing buffer (ucx_source.CREDITS)
+            hold_the_gil(2.0)
+            srv.expect("cudalink serve: a consumer went silent", 5.0)
+            time.sleep(0.5)
+            att = rx._att
+            assert att is not None and att.resuming and not att.free  # waits for a buffer to grant
+            for f in held:
+                check(f)
+                f.release()
+            for _ in range(10):
+                with rx.recv(timeout=5.0) as f:
+                    check(f)
+            assert att.resumes == 1 and rx.stats()["reattached"] == 0
     finally:
         srv.stop()
         prod.stop()

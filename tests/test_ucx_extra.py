@@ -51,3 +51,62 @@ def test_the_key_file_is_made_private_once_and_then_reused(
     monkeypatch.setenv("CUDALINK_KEY", "not hex")
     with pytest.raises(cudalink.LinkError, match="not hex"):
         ucx_engine.load_key()
+
+
+def test_the_servers_watchdog_forgives_its_own_stall_and_a_send_of_its_own_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server whose loop was held up has not read what the consumer sent meanwhile: that silence is not the
+    consumer's. While a frame's bytes of the server's own (a GPU copy, host staging) are on the wire it waits
+    BUSY_SILENCE_S. Past either, a silent consumer is dropped with R_SILENT, which tells it to connect again."""
+    import asyncio
+
+    from cudalink import ucx_server
+    from cudalink.transport import ucx_wire
+
+    monkeypatch.setattr(ucx_engine, "PING_S", 0.02)
+    monkeypatch.setattr(ucx_engine, "DEAD_AFTER_S", 0.1)
+    monkeypatch.setattr(ucx_server, "BUSY_SILENCE_S", 0.5)
+    sent: list[bytes] = []
+
+    class Ep:
+        async def send(self, msg: bytes) -> None:
+            sent.append(bytes(msg))
+
+        def abort(self) -> None:
+            pass
+
+    async def main() -> None:
+        c = ucx_server._Consumer(object(), Ep())  # type: ignore[arg-type]
+        c.heard = time.monotonic()
+        task = asyncio.ensure_future(c._watchdog())
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)  # our own loop held up for 3x DEAD_AFTER_S
+        await asyncio.sleep(0.05)
+        assert not task.done(), "dropped for a silence that was the server's own"
+        c.busy = True
+        await asyncio.sleep(0.25)
+        assert not task.done(), "dropped while a send of the server's own memory was under way"
+        c.busy = False
+        await asyncio.wait_for(task, 2.0)
+        assert c.silent and c.why == "went silent"
+        reason, text = ucx_wire.unpack_text(sent[-1])
+        assert reason == ucx_wire.R_SILENT and "sent nothing for" in text
+
+    asyncio.run(main())
+
+
+def test_a_consumer_dropped_again_and_again_with_no_frame_between_gives_up_and_says_why() -> None:
+    import asyncio
+
+    from cudalink.transport import ucx_source
+
+    att = object.__new__(ucx_source.UcxAttachment)
+    att.source = object()  # type: ignore[assignment]
+    att.detached = False
+    att.dead = ""
+    att.fruitless = ucx_source.MAX_FRUITLESS_RESUMES
+    att.rfd, att.wfd = os.pipe()  # what its __del__ closes
+    att.pinned = None
+    assert asyncio.run(att._resume("connection lost")) is False
+    assert "without a frame landing in between" in att.dead and att.dead.startswith("connection lost")

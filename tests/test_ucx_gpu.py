@@ -19,16 +19,24 @@ pytest.importorskip("ucxx", reason='ucxx is not installed: pip install "cudalink
 
 
 CASES = [
-    (tls, device, lib, "auto")
+    (tls, device, lib, "auto", 0.0)
     for tls in ("tcp,cuda_copy", "tcp,cuda_copy,cuda_ipc")
     for device, lib in (("0", "torch"), ("0", "cupy"), ("cpu", "numpy"))
-] + [("tcp,cuda_copy", "0", "torch", "host"), ("tcp,cuda_copy", "0", "cupy", "host")]
+] + [
+    ("tcp,cuda_copy", "0", "torch", "host", 0.0),
+    ("tcp,cuda_copy", "0", "cupy", "host", 0.0),
+    # the consumer holds the GIL 2 s after its first frame: dropped, it connects again and checks on
+    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "auto", 2.0),
+    ("tcp,cuda_copy", "0", "cupy", "host", 2.0),
+]
 
 
-@pytest.mark.parametrize(("tls", "device", "lib", "stage"), CASES)
-def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage: str) -> None:
+@pytest.mark.parametrize(("tls", "device", "lib", "stage", "stall"), CASES)
+def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage: str, stall: float) -> None:
     """``stage="host"`` makes the server stage GPU frames through host memory, as it does for a consumer on
-    another host without RDMA (``auto`` on one host sends GPU memory as is, and host bytes to a CPU consumer)."""
+    another host without RDMA (``auto`` on one host sends GPU memory as is, and host bytes to a CPU consumer).
+    ``stall``: the consumer holds the GIL that long after its first frame; the server drops it for silence
+    (its GPU frame in flight included) and it connects again to the same GPU landing buffers, with no error."""
     if lib != "numpy":
         pytest.importorskip(lib)
     pytest.importorskip("torch")  # the producer makes its frames with torch
@@ -76,6 +84,8 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage:
                 lib,
                 "--frames",
                 "60",
+                "--stall",
+                str(stall),
             ],
             **env,
         )
@@ -91,6 +101,10 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage:
         joined = [ln for ln in srv.log if "a consumer joined" in ln]
         assert joined and ("GPU frames as host bytes" in joined[-1]) == staged, joined
         assert f"device {'cpu' if device == 'cpu' else 'cuda:0'}" in line, line
+        if stall:  # (a loaded machine may drop and resume any consumer: only the stalled one must)
+            assert " resumes 0 " not in line, line
+            assert any("a consumer went silent" in ln for ln in srv.log), "".join(srv.log[-40:])
+            assert len(joined) >= 2, joined
         cons.stop()
     finally:
         srv.stop()

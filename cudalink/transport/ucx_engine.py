@@ -41,8 +41,9 @@ T = TypeVar("T")
 INSTALL_HINT = 'pip install "cudalink[ucx]" (Linux, Python 3.11+)'
 #: a peer silent this long is gone (each side sends a PING every PING_S while idle): a pulled cable sends no
 #: reset, and a consumer that vanished must give its leases back within a second. A consumer whose process
-#: holds the GIL that long (``import torch`` after connecting) sends no PING either: the server drops it with
-#: a goodbye that says so, and its next ``recv()`` reconnects.
+#: holds the GIL that long (``import torch`` after connecting) sends no PING either: the server drops it
+#: (its leases go back), and the consumer, running again, connects anew and carries on; the frames that
+#: went by count as skipped.
 DEAD_AFTER_S = float(os.environ.get("CUDALINK_UCX_DEAD_S", "0.9"))
 PING_S = DEAD_AFTER_S / 4
 HANDSHAKE_S = 3.0

@@ -26,7 +26,7 @@ import contextlib
 import os
 import select
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,12 @@ __all__ = ["UcxAttachment", "UcxSource"]
 
 #: landing buffers (and so frames in flight or queued) per Receiver
 CREDITS = 3
+#: a connection lost this soon after our loop was held up is taken for the server's drop of a consumer it
+#: stopped hearing from (it resets where a send was under way), and is connected again
+RESUME_AFTER_STALL_S = 2.0
+#: drops for silence in a row, with no frame landing in between, after which a consumer gives up (ProducerGone
+#: says why) rather than connect again and again
+MAX_FRUITLESS_RESUMES = 3
 
 
 def _pick_device(device: int | str | None) -> int:
@@ -117,6 +123,22 @@ class UcxSource:
         return att
 
     async def _connect(self, eng: ucx_engine.Engine, timeout: float) -> UcxAttachment:
+        assert self._device is not None
+        if self._device >= 0:  # a CUDA context takes a while to make: before the server starts its clock
+            from ..cuda import ucx as cuda_ucx
+
+            cuda_ucx.use_device(self._device)
+        ep, welcome, hello = await self.handshake(eng, timeout, lambda: CREDITS)
+        att = UcxAttachment(eng, ep, welcome, self._device, hello.inline, self)
+        att.start()
+        return att
+
+    async def handshake(
+        self, eng: ucx_engine.Engine, timeout: float, credits: Callable[[], int]
+    ) -> tuple[ucx_engine.Endpoint, ucx_wire.Welcome, ucx_wire.Hello]:
+        """Connect, prove the key and ask for the link, granting ``credits()`` (read as the HELLO is made):
+        at attach, and again when a server dropped a stalled consumer (:meth:`UcxAttachment._resume`).
+        Raises ``Refused`` on a REJECT."""
         ep = await asyncio.wait_for(eng.core.connect(self.addr.host, self.addr.port, timeout), timeout + 0.5)
         try:
             buf = bytearray(ucx_wire.MSG_SIZE)
@@ -128,7 +150,7 @@ class UcxSource:
                 ucx_wire.proof(self.key, nonce),
                 self.latest,
                 gpu,
-                CREDITS,
+                credits(),
                 self.addr.name,
                 _platform.host_id(),
                 0 if gpu else ucx_wire.INLINE_MAX,  # pixels inline only where they land on the host
@@ -140,10 +162,7 @@ class UcxSource:
             with contextlib.suppress(Exception):
                 ep.abort()
             raise
-        assert self._device is not None
-        att = UcxAttachment(eng, ep, welcome, self._device, hello.inline)
-        att.start()
-        return att
+        return ep, welcome, hello
 
     def close(self) -> None:
         self._closed = True
@@ -213,7 +232,10 @@ def _sleep_receive(rx: Counters, att: Any, timeout: float, waiting: int, after: 
 
 
 class UcxAttachment:
-    """One connection to a server: one producer generation, ``credits`` landing buffers."""
+    """One producer generation over the network: ``credits`` landing buffers, and the connection that fills
+    them. A server that drops this consumer for silence while it was only stalled (its process held the GIL:
+    a framework's first CUDA call, say) is reached again on a new connection (:meth:`_resume`): the frames
+    that went by meanwhile count as skipped, as they would for a stalled local consumer."""
 
     backend = "ucx"
     spins = False  # our UCX thread lands the frames: recv() sleeps on the pipe, never spins (see Attachment)
@@ -221,13 +243,21 @@ class UcxAttachment:
     sleep_receive = staticmethod(_sleep_receive)
 
     def __init__(
-        self, eng: ucx_engine.Engine, ep: Any, welcome: ucx_wire.Welcome, device: int, inline: int = 0
+        self,
+        eng: ucx_engine.Engine,
+        ep: Any,
+        welcome: ucx_wire.Welcome,
+        device: int,
+        inline: int = 0,
+        source: UcxSource | None = None,
     ) -> None:
         self.eng = eng
         self.inline = inline  # the pixel bytes a FRAME message may carry (what our HELLO asked for)
         self.ep = ep
+        self.source = source  # connects again after a drop for silence (None: never)
         self.generation = welcome.generation
         self.capacity = welcome.capacity
+        self.staged = welcome.staged
         self.floor = welcome.floor
         self.producer_backend = wire.BACKEND_NAMES[welcome.backend]
         self.device_id = device
@@ -255,6 +285,13 @@ class UcxAttachment:
         self.producer_gone = False  # the server said the producer closed or died (not just: the connection ended)
         self.heard = time.monotonic()
         self.sent = time.monotonic()
+        self.tick = time.monotonic()  # the watchdog's last turn: long ago means our loop is held up right now
+        self.stalled = -float("inf")  # when the watchdog last found our loop had been held up
+        self.resuming = False  # between a drop for silence and the new connection's WELCOME
+        self.resumes = 0
+        self.fruitless = 0  # resumes since the last frame landed
+        self.owed = 0  # buffers given back while resuming: credits to send once connected again
+        self._freed = asyncio.Event()
         self.rfd, self.wfd = os.pipe()
         os.set_blocking(self.rfd, False)
         os.set_blocking(self.wfd, False)
@@ -270,6 +307,7 @@ class UcxAttachment:
 
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._reader()), asyncio.ensure_future(self._watchdog())]
+        self._post(ucx_wire.pack_ping())  # set up (a GPU's landing pool made): the server's clock starts now
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -278,6 +316,7 @@ class UcxAttachment:
     def _end(self, why: str) -> None:
         if not self.dead:
             self.dead = why
+        self.resuming = False
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -286,6 +325,16 @@ class UcxAttachment:
         self._wake()
 
     async def _reader(self) -> None:
+        while True:
+            why, resumable = await self._land_frames()
+            if self.dead:
+                return
+            if not (resumable and await self._resume(why)):
+                self._end(why)
+                return
+
+    async def _land_frames(self) -> tuple[str, bool]:
+        """Land frames until this connection ends: why it ended, and whether to connect again."""
         buf = bytearray(ucx_wire.MSG_SIZE + self.inline)
         msg = memoryview(buf)[: ucx_wire.MSG_SIZE]
         try:
@@ -298,30 +347,95 @@ class UcxAttachment:
                 if kind == ucx_wire.BYE:
                     reason, text = ucx_wire.unpack_text(msg)
                     self.producer_gone = reason == ucx_wire.R_PRODUCER_GONE
-                    self._end(f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {text}")
-                    return
+                    return f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {text}", reason == ucx_wire.R_SILENT
                 head = ucx_wire.unpack_frame(msg, self.capacity, self.inline)
                 if head.generation != self.generation:
                     raise ProtocolError(f"cudalink: frame of generation {head.generation} on {self.generation}")
                 if not self.free:
                     raise ProtocolError("cudalink: the ucx server sent a frame beyond its credits")
-                idx = self.free.pop()
-                if head.inline:  # the pixels came in this message (only a host landing asks for that)
-                    n = head.nbytes
-                    self.buffers[idx][:n] = np.frombuffer(buf, np.uint8, n, ucx_wire.MSG_SIZE)
-                elif self.pool is not None:
-                    idx = await self._land(head.nbytes)
-                else:
-                    await self.ep.recv(self.buffers[idx][: head.nbytes])
+                idx = slot = self.free.pop()
+                try:
+                    if head.inline:  # the pixels came in this message (only a host landing asks for that)
+                        n = head.nbytes
+                        self.buffers[idx][:n] = np.frombuffer(buf, np.uint8, n, ucx_wire.MSG_SIZE)
+                    elif self.pool is not None:
+                        idx = await self._land(head.nbytes)
+                    else:
+                        await self.ep.recv(self.buffers[idx][: head.nbytes])
+                except BaseException:
+                    self.free.append(slot)  # the frame never landed: its buffer (and credit) is ours again
+                    raise
                 self.heard = time.monotonic()
+                self.fruitless = 0
                 self.ready.append((head, idx))
                 self._wake()
         except asyncio.CancelledError:
             raise
         except ProtocolError as exc:
-            self._end(f"sent a bad message ({exc})")
+            return f"sent a bad message ({exc})", False
         except Exception as exc:
-            self._end(f"connection lost ({type(exc).__name__}: {exc})")
+            # a server drops a stalled consumer with a reset where a send to it was under way
+            return f"connection lost ({type(exc).__name__}: {exc})", self._was_stalled()
+
+    def _was_stalled(self) -> bool:
+        """Our loop is held up now, or was a moment ago: a lost connection is then likely the server's drop
+        of a consumer it stopped hearing from, not the server's end."""
+        now = time.monotonic()
+        return now - self.tick > 2 * ucx_engine.PING_S or now - self.stalled < RESUME_AFTER_STALL_S
+
+    async def _resume(self, why: str) -> bool:
+        """Connect again to the same producer generation after the server dropped us (``why``), and carry on.
+
+        False where that cannot be: no server answers, or it now serves another producer generation (then
+        the Receiver's next ``recv()`` raises ProducerGone, as for any producer restart)."""
+        source = self.source
+        if source is None or self.detached:
+            return False
+        if self.fruitless >= MAX_FRUITLESS_RESUMES:
+            self.dead = (
+                f"{why}; dropped {self.fruitless + 1} times in a row without a frame landing in between (this "
+                f"process's UCX thread was held up for over {ucx_engine.DEAD_AFTER_S}s each time)"
+            )
+            return False
+        self.fruitless += 1
+        self.resuming = True
+        with contextlib.suppress(Exception):
+            self.ep.abort()
+        ucx_engine.log.warning(
+            "cudalink: %s: the connection ended (%s); connecting again (frames meanwhile are skipped)",
+            source.name,
+            why,
+        )
+
+        def grant() -> int:  # read as the HELLO is made: buffers freed after it are sent as CREDIT then
+            self.owed = 0
+            return min(len(self.free), ucx_wire.MAX_CREDITS)
+
+        try:
+            while not self.free:  # every landing buffer is held by a frame: the server may send nothing yet
+                self._freed.clear()
+                await self._freed.wait()
+            ep, welcome, _ = await source.handshake(self.eng, ucx_engine.HANDSHAKE_S, grant)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            ucx_engine.log.info("cudalink: %s: connecting again failed (%s: %s)", source.name, type(exc).__name__, exc)
+            return False
+        same = (welcome.generation, welcome.capacity, welcome.staged) == (self.generation, self.capacity, self.staged)
+        if self.dead or not same:
+            with contextlib.suppress(Exception):
+                ep.abort()
+            if not same:
+                self.producer_gone = True  # a new producer generation: the Receiver attaches to it afresh
+            return False
+        self.ep = ep
+        self.heard = self.sent = time.monotonic()
+        self.resuming = False
+        self.resumes += 1
+        if self.owed:
+            self._post(ucx_wire.pack_credit(self.owed))
+            self.owed = 0
+        return True
 
     async def _land(self, nbytes: int) -> Any:
         """Receive ``nbytes`` into a GPU landing buffer once every consumer fence on it has passed.
@@ -356,7 +470,10 @@ class UcxAttachment:
                 # our own loop was held up (the application kept the GIL): the silence was ours, not the
                 # server's; what the server sent meanwhile is still queued. Judge it from now on.
                 self.heard = max(self.heard, now - ucx_engine.PING_S)
-            last = now
+                self.stalled = now
+            last = self.tick = now
+            if self.resuming:  # the handshake has its own timeout
+                continue
             if now - self.heard > ucx_engine.DEAD_AFTER_S:
                 self._end(f"went silent for {now - self.heard:.1f}s")
                 return
@@ -364,16 +481,21 @@ class UcxAttachment:
                 self._post(ucx_wire.pack_ping())
 
     def _post(self, msg: bytes) -> None:
+        """Send a PING or CREDIT on the current connection (none while resuming: the HELLO grants)."""
+        if self.dead or self.resuming:
+            return
         self.sent = time.monotonic()
+        ep = self.ep
 
         async def send() -> None:
             try:
-                await self.ep.send(msg)
+                await ep.send(msg)
             except Exception as exc:
-                self._end(f"connection lost ({type(exc).__name__}: {exc})")
+                # the reader sees a lost connection too and decides; this only ends one it would not notice
+                if ep is self.ep and not self.resuming and not self._was_stalled():
+                    self._end(f"connection lost ({type(exc).__name__}: {exc})")
 
-        if not self.dead:
-            self._spawn(send())
+        self._spawn(send())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -382,7 +504,10 @@ class UcxAttachment:
 
     def _returned(self, idx: Any) -> None:
         self.free.append(idx if isinstance(idx, int) else -1)
-        if not self.dead and not self.detached:
+        if self.resuming:
+            self.owed += 1
+            self._freed.set()
+        elif not self.dead and not self.detached:
             self._post(ucx_wire.pack_credit(1))
 
     def _close_on_loop(self) -> None:

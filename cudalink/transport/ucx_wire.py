@@ -32,6 +32,8 @@ Kinds and bodies::
     CREDIT     client -> server  u32 frames released (each lets the server send one more)
     PING       either way        nothing: "still here" while idle (a peer silent for DEAD_AFTER_S is gone)
     BYE        either way        u16 reason, u16 text length, text: the sender closes the connection
+                                 (R_SILENT from a server: the client was dropped for silence, and a client
+                                 that was only stalled connects again: a new HELLO, the same generation)
 
 ``proof`` is HMAC-SHA256(key, b"cudalink-ucx-proof" + nonce): a client proves it holds the shared key
 before the server says anything about the link (not even whether ``name`` exists).
@@ -100,6 +102,9 @@ R_PRODUCER_GONE = 6  #: the producer of the link closed or died (retryable: a ne
 R_NAME = 7  #: the name is not a valid link name
 R_CLIENT_CLOSE = 8  #: the client left
 R_SERVER_ERROR = 9  #: the server failed to send a frame (its text says why; retryable)
+#: the server heard nothing from this consumer for DEAD_AFTER_S and gave its frames back; a consumer that
+#: was only stalled (its process held the GIL) connects again and carries on
+R_SILENT = 10
 REASON_TEXT = {
     R_KEY: "wrong key",
     R_NO_LINK: "no such link",
@@ -110,8 +115,9 @@ REASON_TEXT = {
     R_NAME: "invalid name",
     R_CLIENT_CLOSE: "client left",
     R_SERVER_ERROR: "server error",
+    R_SILENT: "dropped while silent",
 }
-RETRYABLE = frozenset({R_NO_LINK, R_PRODUCER_GONE, R_CLOSING, R_FULL, R_SERVER_ERROR})
+RETRYABLE = frozenset({R_NO_LINK, R_PRODUCER_GONE, R_CLOSING, R_FULL, R_SERVER_ERROR, R_SILENT})
 
 _PING_BYTES: bytes | None = None
 

@@ -52,7 +52,7 @@ SILENT_GRACE_S = 10.0
 #: (a GPU frame's copy, or its host staging): no producer slot waits on it, and a consumer landing frames on a
 #: busy GPU may spend that long inside UCX's progress, unable to say anything (H100, 2026-11-26, GPU tests
 #: beside ``tcp,cuda_copy``: the consumer's UCX loop was held 0.3 s at a time there)
-BUSY_SILENCE_S = 5.0
+BUSY_SILENCE_S = 3.0
 #: how long a server started on a port still held by a crashed predecessor keeps trying it
 BUSY_RETRY_S = 15.0
 

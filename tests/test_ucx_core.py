@@ -239,3 +239,19 @@ def test_a_loop_that_is_dropped_takes_its_worker_with_it() -> None:
     refs = [asyncio.run(make()) for _ in range(3)]
     gc.collect()
     assert all(r() is None for r in refs), "a closed loop's UCX worker stayed alive"
+
+
+def test_an_engine_stops_its_thread_so_nothing_progresses_ucx_at_exit() -> None:
+    """``Engine.stop`` (registered with atexit) ends the loop thread: at interpreter exit no UCX progress may
+    run into CUDA's teardown (a message landing in a GPU buffer then aborted the process)."""
+    import atexit
+
+    eng = ucx_engine.Engine()
+    try:
+        assert eng.run(asyncio.sleep(0, result=7), 5.0) == 7
+        assert eng.thread.is_alive()
+        eng.stop()
+        assert not eng.thread.is_alive()
+        eng.stop()  # twice is harmless
+    finally:
+        atexit.unregister(eng.stop)

@@ -101,6 +101,11 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage:
         joined = [ln for ln in srv.log if "a consumer joined" in ln]
         assert joined and ("GPU frames as host bytes" in joined[-1]) == staged, joined
         assert f"device {'cpu' if device == 'cpu' else 'cuda:0'}" in line, line
+        try:  # it leaves with its Receiver open, frames still landing: exit must be clean
+            rc = cons.p.wait(30)
+        except Exception:
+            rc = None
+        assert rc == 0, f"the consumer exited with {rc}:\n{''.join(cons.log[-20:])}"
         if stall:  # (a loaded machine may drop and resume any consumer: only the stalled one must)
             assert " resumes 0 " not in line, line
             assert any("a consumer went silent" in ln for ln in srv.log), "".join(srv.log[-40:])

@@ -16,6 +16,7 @@ all its remote Receivers share.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import binascii
 import concurrent.futures
 import contextlib
@@ -486,6 +487,17 @@ class Engine:
         self.thread = threading.Thread(target=self._run, args=(ready,), name="cudalink-ucx", daemon=True)
         self.thread.start()
         ready.result(30.0)
+        # registered after the CUDA packages' own handlers (a Receiver comes after them): runs before them
+        atexit.register(self.stop)
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop the loop and its thread: at interpreter exit, before CUDA is torn down. A daemon thread would
+        go on progressing UCX meanwhile, and a message landing in a GPU buffer after CUDA's teardown
+        aborted the process (UCX 1.21 "Fatal: mem type unpack failed", H200, 2026-11-26)."""
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout)
 
     def _run(self, ready: concurrent.futures.Future[None]) -> None:
         asyncio.set_event_loop(self.loop)

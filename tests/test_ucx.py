@@ -7,6 +7,7 @@ Each test takes fresh ports (a listener re-bound to a port just used can fail wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -490,6 +491,38 @@ def test_a_stalled_consumer_that_holds_every_frame_connects_again_once_it_gives_
     finally:
         srv.stop()
         prod.stop()
+
+
+def test_a_consumer_stalled_while_its_producer_restarted_hears_it_once_then_gets_the_new_one() -> None:
+    """Dropped for silence, then its producer restarts before it runs again: connecting again finds another
+    generation, so recv() raises ProducerGone once (saying so), and the next one gets the new producer's frames."""
+    name = unique("n")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    srv, url = server(name)
+    restart = (
+        "import os, signal, sys, time\n"
+        f"time.sleep(2.0); os.kill({prod.p.pid}, signal.SIGKILL); time.sleep(0.2)\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'tests._ucx_procs', 'producer', "
+        f"'{name}', '--frames', '1000000', '--fps', '100'])"
+    )
+    try:
+        with cudalink.Receiver(url, timeout=10.0) as rx:
+            rx.recv(timeout=5.0).release()
+            gen = rx.generation
+            prod2 = Proc(["-c", restart])  # kills the producer 2 s from now (the server has dropped us by then)
+            hold_the_gil(4.0)
+            with pytest.raises(cudalink.ProducerGone, match="the producer restarted meanwhile"):
+                while True:
+                    rx.recv(timeout=5.0).release()
+            f = rx.recv(timeout=10.0)
+            check(f)
+            f.release()
+            assert rx.generation != gen
+    finally:
+        srv.stop()
+        prod.kill()
+        with contextlib.suppress(NameError):
+            prod2.stop()
 
 
 def test_receiver_reconnects_when_the_server_comes_back() -> None:

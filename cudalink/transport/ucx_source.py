@@ -427,6 +427,7 @@ class UcxAttachment:
                 ep.abort()
             if not same:
                 self.producer_gone = True  # a new producer generation: the Receiver attaches to it afresh
+                self.dead = self.dead or f"{why}; the producer restarted meanwhile (generation {welcome.generation})"
             return False
         self.ep = ep
         self.heard = self.sent = time.monotonic()

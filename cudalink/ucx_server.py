@@ -203,7 +203,7 @@ class _Consumer:
         while True:
             await asyncio.sleep(ucx_engine.PING_S)
             now = time.monotonic()
-            if now - last > 2 * ucx_engine.PING_S:
+            if ucx_engine.held_up(last, now):
                 # our own loop was held up (a long UCX or CUDA call): what the consumer sent meanwhile is
                 # not read yet, so its silence is judged from now on
                 self.heard = max(self.heard, now - ucx_engine.PING_S)

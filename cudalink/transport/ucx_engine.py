@@ -62,6 +62,12 @@ _user_rndv: str | None = None
 EAGER_MAX = ucx_wire.MSG_SIZE + ucx_wire.INLINE_MAX
 
 
+def held_up(last: float, now: float) -> bool:
+    """A watchdog turn that came over two PINGs after ``last`` means its own loop was held up (the GIL, a long
+    UCX or CUDA call): what the peer sent meanwhile is not read yet, so that silence is not the peer's."""
+    return now - last > 2 * PING_S
+
+
 def load() -> ModuleType:
     """``import ucxx``, or a LinkError that names the extra to install."""
     global _ucxx

@@ -381,7 +381,7 @@ class UcxAttachment:
         """Our loop is held up now, or was a moment ago: a lost connection is then likely the server's drop
         of a consumer it stopped hearing from, not the server's end."""
         now = time.monotonic()
-        return now - self.tick > 2 * ucx_engine.PING_S or now - self.stalled < RESUME_AFTER_STALL_S
+        return ucx_engine.held_up(self.tick, now) or now - self.stalled < RESUME_AFTER_STALL_S
 
     async def _resume(self, why: str) -> bool:
         """Connect again to the same producer generation after the server dropped us (``why``), and carry on.
@@ -467,7 +467,7 @@ class UcxAttachment:
         while not self.dead:
             await asyncio.sleep(ucx_engine.PING_S)
             now = time.monotonic()
-            if now - last > 2 * ucx_engine.PING_S:
+            if ucx_engine.held_up(last, now):
                 # our own loop was held up (the application kept the GIL): the silence was ours, not the
                 # server's; what the server sent meanwhile is still queued. Judge it from now on.
                 self.heard = max(self.heard, now - ucx_engine.PING_S)

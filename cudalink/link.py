@@ -840,6 +840,7 @@ class Receiver:
         self.received = 0
         self.skipped = 0
         self.reattached = 0
+        self._reconnected = 0  # connections made again by attachments already dropped (see stats())
         self._closed = False
         if connect:
             self._attach(self.timeout)
@@ -946,8 +947,7 @@ class Receiver:
             why = f"{why} ({said})"
         if att is not None:
             self._dead_generation = att.generation
-            att.detach()
-            self._att = None
+            self._drop(att)
         return ProducerGone(f"cudalink: producer of {self.name!r} {why}; recv() again to wait for a new one")
 
     # -- receiving ------------------------------------------------------------------------------------------
@@ -1118,10 +1118,21 @@ class Receiver:
         """Counters, and ``path``: how frames reach this Receiver: ``zero-copy`` (the producer's own memory),
         ``peer`` (copied from the producer's GPU over NVLink/PCIe peer access), ``staged`` (copied by the
         driver through host memory: no peer access between the two GPUs), ``same-device`` (``copy="always"``
-        on the producer's GPU), or ``unknown`` before attaching."""
+        on the producer's GPU), or ``unknown`` before attaching.
+
+        ``reattached`` counts new producers (restarts) this Receiver went on with; ``reconnects`` counts times a
+        network source lost its connection while it was stalled and made it again to the same producer (the
+        frames that went by meanwhile are in ``skipped``); always 0 for a local link."""
         att = self._att
         path = "unknown" if att is None else att.path
-        return {"received": self.received, "skipped": self.skipped, "reattached": self.reattached, "path": path}
+        reconnects = self._reconnected + (0 if att is None else getattr(att, "resumes", 0))
+        return {
+            "received": self.received,
+            "skipped": self.skipped,
+            "reattached": self.reattached,
+            "reconnects": reconnects,
+            "path": path,
+        }
 
     # -- teardown ---------------------------------------------------------------------------------------------
 
@@ -1139,9 +1150,14 @@ class Receiver:
             return
         self._closed = True
         if self._att is not None:
-            self._att.detach()
-            self._att = None
+            self._drop(self._att)
         self._source.close()
+
+    def _drop(self, att: Attachment) -> None:
+        """Leave ``att``, keeping its count of reconnections for ``stats()``."""
+        self._reconnected += getattr(att, "resumes", 0)
+        self._att = None
+        att.detach()
 
     def __enter__(self) -> Receiver:
         return self

@@ -69,7 +69,7 @@ def test_frames_seq_timestamp_and_format(name: str, producer: FakeProducer) -> N
         producer.publish(8)
         g = rx.recv(timeout=1.0)
         assert g.seq == 2 and (g.numpy() == 8).all()
-        assert rx.stats() == {"received": 2, "skipped": 0, "reattached": 0, "path": "zero-copy"}
+        assert rx.stats() == {"received": 2, "skipped": 0, "reattached": 0, "reconnects": 0, "path": "zero-copy"}
 
 
 def test_frames_overwritten_before_we_looked_count_as_skipped(name: str, producer: FakeProducer) -> None:
@@ -81,7 +81,7 @@ def test_frames_overwritten_before_we_looked_count_as_skipped(name: str, produce
         assert rx.stats()["skipped"] == 3
         producer.publish(5)
         assert rx.recv(timeout=1.0).seq == 5
-        assert rx.stats() == {"received": 2, "skipped": 3, "reattached": 0, "path": "zero-copy"}
+        assert rx.stats() == {"received": 2, "skipped": 3, "reattached": 0, "reconnects": 0, "path": "zero-copy"}
 
 
 def test_frames_before_we_joined_are_not_skipped(name: str, producer: FakeProducer) -> None:

@@ -155,7 +155,7 @@ def test_recv_takes_frames_through_the_source_in_every_wait_mode(wait: str) -> N
     assert got == [1, 2, 3]
     threading.Timer(0.05, att.push, (4, _frame(4))).start()  # arrives while recv sleeps or spins
     assert rx.recv(timeout=2.0).seq == 4
-    assert rx.stats() == {"received": 4, "skipped": 0, "reattached": 0, "path": "zero-copy"}
+    assert rx.stats() == {"received": 4, "skipped": 0, "reattached": 0, "reconnects": 0, "path": "zero-copy"}
     rx.close()
     assert att.detached and src.closed
 
@@ -235,6 +235,29 @@ def test_shutdown_and_death_give_producer_gone_and_a_new_generation_is_attached(
     second.dead = True
     with pytest.raises(cudalink.ProducerGone):
         rx.recv(timeout=0.5)
+
+
+def test_reconnects_a_source_made_are_counted_across_its_generations() -> None:
+    """``stats()["reconnects"]`` sums the ``resumes`` of every attachment, the dropped ones included, and is 0
+    for a source that never reconnects (no ``resumes``)."""
+    src = MockSource()
+    first = src.start(1)
+    rx = cudalink.Receiver("m", source=src, wait="block", timeout=1.0)  # type: ignore[arg-type]
+    assert rx.stats()["reconnects"] == 0
+    first.resumes = 2  # type: ignore[attr-defined]
+    assert rx.stats()["reconnects"] == 2
+    first.dead = True
+    with pytest.raises(cudalink.ProducerGone):
+        rx.recv(timeout=0.5)
+    assert rx.stats()["reconnects"] == 2  # the dropped attachment's count is kept
+    second = src.start(2)
+    second.resumes = 1  # type: ignore[attr-defined]
+    second.push(1, _frame(1))
+    assert rx.recv(timeout=1.0).seq == 1
+    stats = rx.stats()
+    assert stats["reconnects"] == 3 and stats["reattached"] == 1, stats
+    rx.close()
+    assert rx.stats()["reconnects"] == 3
 
 
 def test_producer_gone_says_what_the_source_knows_of_the_end() -> None:

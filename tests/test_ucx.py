@@ -437,6 +437,7 @@ def test_a_consumer_that_holds_the_gil_is_dropped_and_carries_on_without_an_erro
             stats = rx.stats()
             assert stats["reattached"] == 0, stats
             assert stats["skipped"] >= 50, stats  # ~200 frames went by at 100 fps; a few were queued here
+            assert stats["reconnects"] == 1, stats
             assert rx._att is not None and rx._att.resumes == 1
     finally:
         srv.stop()
@@ -487,7 +488,7 @@ def test_a_stalled_consumer_that_holds_every_frame_connects_again_once_it_gives_
             for _ in range(10):
                 with rx.recv(timeout=5.0) as f:
                     check(f)
-            assert att.resumes == 1 and rx.stats()["reattached"] == 0
+            assert att.resumes == 1 and rx.stats()["reattached"] == 0 and rx.stats()["reconnects"] == 1
     finally:
         srv.stop()
         prod.stop()
@@ -518,6 +519,8 @@ def test_a_consumer_stalled_while_its_producer_restarted_hears_it_once_then_gets
             check(f)
             f.release()
             assert rx.generation != gen
+            stats = rx.stats()
+            assert stats["reattached"] == 1 and stats["reconnects"] == 0, stats  # a new producer, not a reconnect
     finally:
         srv.stop()
         prod.kill()

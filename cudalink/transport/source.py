@@ -73,6 +73,8 @@ class Attachment(Protocol):
     # Optional: ``spins`` (bool, default True): False where a thread of this process lands the frames (a
     # network source). The Receiver then sleeps on ``fileno()`` in every wait mode: a caller spinning with
     # the GIL would starve the very thread that brings its frame.
+    # Optional: ``resumes`` (int, default 0): times a network source made its connection again to the same
+    # producer (after a stall got it dropped); the Receiver's ``stats()["reconnects"]``.
 
     def set_waiting(self, state: int) -> None:
         """Tell the producer whether (and how early) to wake us: ``wire.WAIT_OFF``/``WAIT_ON``/``WAIT_AHEAD``."""

@@ -12,8 +12,9 @@ slot: the slots come from a CUDA memory pool, and UCX 1.21's ``cuda_ipc`` cannot
 H100 (2026-11-25, bare UCXX, 1080p RGBA, ``UCX_TLS=tcp,cuda_copy,cuda_ipc``) a send from pool memory fell
 back to staging at 0.25 GB/s, from ``cuMemAlloc`` memory it ran at 15 GB/s; the copy costs the GPU a few
 microseconds per frame, and a remote consumer then never holds a producer's slot during a network send.
-For a consumer on another host without RDMA, or one landing on the host, the frame is instead copied
-straight from the slot into page-locked host memory and sent as host bytes (``ucx_engine.stage_on_host``).
+For a consumer on another host without RDMA, one whose UCX (or ours) has no ``cuda_ipc``, or one landing on
+the host, the frame is instead copied straight from the slot into page-locked host memory and sent as host
+bytes (``ucx_engine.stage_on_host``).
 
 Flow control is by credits: a consumer grants as many as it has landing buffers and returns one per
 frame it has released. With no credit left the server takes nothing: the local ring moves on and
@@ -69,13 +70,6 @@ async def _gpu_ready(frame: Frame, stage: Any) -> Any:
         return await stage.to_host(ptr, frame.nbytes, cai.get("stream"))
     await cuda_ucx.drained(cai.get("stream"))
     return cuda_ucx.DeviceBytes(ptr, frame.nbytes)
-
-
-def _stage_mode() -> str:
-    mode = os.environ.get("CUDALINK_UCX_STAGE", "auto")
-    if mode not in ("auto", "host", "gpu"):
-        raise LinkError(f"cudalink serve: CUDALINK_UCX_STAGE={mode!r}; use auto, host or gpu")
-    return mode
 
 
 class _Consumer:
@@ -135,7 +129,8 @@ class _Consumer:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"this server serves {self.server.name!r}"))
             return False
         same_host = hello.host == _platform.host_id()
-        self.staged = ucx_engine.stage_on_host(hello.device, same_host, self.server.rdma, self.server.stage_mode)
+        srv = self.server
+        self.staged = ucx_engine.stage_on_host(hello.device, same_host, srv.rdma, srv.stage_mode, srv.ipc)
         # Sent as GPU memory, a frame is first copied into a buffer of ours (copy="always": see the module's
         # docstring); staged, it is copied out to host memory straight from the producer's slot
         copy: Copy = "auto" if self.staged else "always"
@@ -381,17 +376,20 @@ class Server:
         self.consumers: set[_Consumer] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.listener: Any = None
-        self.stage_mode = _stage_mode()
+        self.stage_mode = ucx_engine.stage_mode()
         self.rdma = False  # UCX found a transport that moves GPU memory across hosts itself
+        self.ipc = False  # UCX found cuda_ipc: it moves GPU memory between processes of this host itself
 
     async def run(self, ready: Any = None) -> None:
         # a server restarted after a crash takes its port back at once (else: busy for TIME_WAIT, 60 s)
         os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
         core = ucx_engine.core_here()
         try:
-            self.rdma = ucx_engine.rdma_transports(core.transports())
+            found = core.transports()
+            self.rdma = ucx_engine.rdma_transports(found)
+            self.ipc = "cuda_ipc" in found
         except Exception:
-            self.rdma = False
+            self.rdma = self.ipc = False
 
         async def accept(ep: ucx_engine.Endpoint) -> None:
             c = _Consumer(self, ep)

@@ -126,6 +126,17 @@ def gpu_consumer(args: argparse.Namespace) -> None:
             bad += int(not np.array_equal(got, want))
     resumes = getattr(rx._att, "resumes", 0)
     print(f"checked {args.frames} bad {bad} device {rx.device} resumes {resumes} stats {rx.stats()}", flush=True)
+    if args.close:  # leave: the landing memory goes back now, not when the process exits
+        att = rx._att
+        f = None  # the last frame: a frame we still hold keeps its buffer, by design
+        rx.close()
+        pool = getattr(att, "pool", None)
+        end = time.monotonic() + 5.0
+        while pool is not None and pool.stats()["buffers"] and time.monotonic() < end:
+            time.sleep(0.01)
+        left = pool.stats()["buffers"] if pool is not None else 0
+        print(f"closed landing buffers left {left} pinned {getattr(att, 'pinned', None) is not None}", flush=True)
+        return
     if args.until_gone:  # keep taking frames until the server vanishes, then say how it ended
         try:
             while True:
@@ -157,6 +168,7 @@ def main() -> None:
     q.add_argument("--lib", default="torch")
     q.add_argument("--frames", type=int, default=100)
     q.add_argument("--until-gone", action="store_true")
+    q.add_argument("--close", action="store_true", help="close the Receiver, then report its landing memory")
     q.add_argument("--stall", type=float, default=0.0, help="seconds to hold the GIL after the first frame")
     args = p.parse_args()
     {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer}[args.cmd](args)

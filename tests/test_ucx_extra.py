@@ -110,3 +110,51 @@ def test_a_consumer_dropped_again_and_again_with_no_frame_between_gives_up_and_s
     att.pinned = None
     assert asyncio.run(att._resume("connection lost")) is False
     assert "without a frame landing in between" in att.dead and att.dead.startswith("connection lost")
+
+
+def test_a_closed_remote_receiver_frees_its_landing_memory_once_its_reader_has_ended() -> None:
+    """``detach`` (the Receiver's close) frees the GPU landing pool and the page-locked buffer on the engine's
+    loop once the reader has ended, frames landed but never taken included; left to the garbage collector
+    they stayed allocated, and were freed at interpreter exit after CUDA's teardown began (SIGSEGV on an
+    H100). Fakes stand in for the GPU objects: this checks the order and the bookkeeping."""
+    import asyncio
+    import collections
+
+    from cudalink.transport import ucx_source
+
+    events: list[str] = []
+
+    class Landed:
+        def give_back(self, streams: list[int]) -> None:
+            events.append("untaken frame given back")
+
+    class Pool:
+        def close(self) -> None:
+            events.append("pool closed")
+
+    class Pinned:
+        def close(self) -> None:
+            events.append("pinned closed")
+
+    att = object.__new__(ucx_source.UcxAttachment)
+    att.rfd = att.wfd = -1
+    att.dead = "the server left"  # no BYE to send: the connection had already ended
+    att.ready = collections.deque([(None, Landed()), (None, 2)])  # a GPU buffer, then a host buffer's index
+    att.pool, att.pinned = Pool(), Pinned()
+    att._sends = set()
+
+    async def main() -> None:
+        async def reader() -> None:
+            await asyncio.sleep(0.2)  # still finishing a receive into a landing buffer
+            events.append("reader ended")
+
+        att._tasks = [asyncio.ensure_future(reader())]
+        att._close_on_loop()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if "pinned closed" in events:
+                break
+
+    asyncio.run(main())
+    assert events == ["reader ended", "untaken frame given back", "pool closed", "pinned closed"], events
+    assert not att.ready and att.pinned is None

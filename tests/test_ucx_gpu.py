@@ -1,10 +1,10 @@
 """ucx:// with GPUs (run on a GPU machine with ucxx installed: ``python -m pytest -m gpu tests/test_ucx_gpu.py -s``).
 
 A GPU producer process, ``cudalink serve`` in another, and a consumer process per case, over loopback:
-``UCX_TLS=tcp,cuda_copy`` stages through host memory as across hosts without RDMA; adding ``cuda_ipc``
-lets UCX use the same-host GPU path. Every frame is checked through torch or cupy (or, for a consumer
-without a GPU, numpy). The server runs with ``UCX_PROTO_INFO=y`` and the test prints the protocol lines
-UCX chose, so the run shows which transports carried the frames.
+``UCX_TLS=tcp,cuda_copy`` (no ``cuda_ipc``) makes cudalink stage GPU frames through host memory, as across
+hosts without RDMA; adding ``cuda_ipc`` lets UCX move the GPU memory itself. Every frame is checked through
+torch or cupy (or, for a consumer without a GPU, numpy). The server runs with ``UCX_PROTO_INFO=y`` and the
+test prints the protocol lines UCX chose, so the run shows which transports carried the frames.
 """
 
 from __future__ import annotations
@@ -19,29 +19,36 @@ pytest.importorskip("ucxx", reason='ucxx is not installed: pip install "cudalink
 
 
 CASES = [
-    (tls, device, lib, "auto", 0.0)
+    (tls, device, lib, "auto", 0.0, "0")
     for tls in ("tcp,cuda_copy", "tcp,cuda_copy,cuda_ipc")
     for device, lib in (("0", "torch"), ("0", "cupy"), ("cpu", "numpy"))
 ] + [
-    ("tcp,cuda_copy", "0", "torch", "host", 0.0),
-    ("tcp,cuda_copy", "0", "cupy", "host", 0.0),
+    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "host", 0.0, "0"),
+    ("tcp,cuda_copy,cuda_ipc", "0", "cupy", "host", 0.0, "0"),
+    # a host producer's frames land on the consumer's GPU through its page-locked buffer
+    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "auto", 0.0, "cpu"),
     # the consumer holds the GIL 2 s after its first frame: dropped, it connects again and checks on
-    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "auto", 2.0),
-    ("tcp,cuda_copy", "0", "cupy", "host", 2.0),
+    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "auto", 2.0, "0"),
+    ("tcp,cuda_copy", "0", "cupy", "auto", 2.0, "0"),
 ]
 
 
-@pytest.mark.parametrize(("tls", "device", "lib", "stage", "stall"), CASES)
-def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage: str, stall: float) -> None:
-    """``stage="host"`` makes the server stage GPU frames through host memory, as it does for a consumer on
-    another host without RDMA (``auto`` on one host sends GPU memory as is, and host bytes to a CPU consumer).
+@pytest.mark.parametrize(("tls", "device", "lib", "stage", "stall", "producer"), CASES)
+def test_gpu_producer_to_remote_consumer(
+    tls: str, device: str, lib: str, stage: str, stall: float, producer: str
+) -> None:
+    """GPU frames go as GPU memory where UCX moves it itself (``cuda_ipc`` on one host), else as host bytes
+    staged by cudalink: ``UCX_TLS=tcp,cuda_copy`` as across hosts without RDMA, a consumer landing on the
+    host, or ``stage="host"`` (``CUDALINK_UCX_STAGE``, given to server and consumer) forcing it.
+    ``producer="cpu"``: host frames, which a GPU consumer lands through its page-locked buffer.
     ``stall``: the consumer holds the GIL that long after its first frame; the server drops it for silence
     (its GPU frame in flight included) and it connects again to the same GPU landing buffers, with no error."""
     if lib != "numpy":
         pytest.importorskip(lib)
-    pytest.importorskip("torch")  # the producer makes its frames with torch
+    if producer != "cpu":
+        pytest.importorskip("torch")  # the producer makes its frames with torch
     name = unique("g")
-    env = {"UCX_TLS": tls}
+    env = {"UCX_TLS": tls, "CUDALINK_UCX_STAGE": stage}
     prod = Proc(
         [
             "-m",
@@ -53,7 +60,7 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage:
             "--fps",
             "100",
             "--device",
-            "0",
+            producer,
             "--shape",
             "1080,1920,4",
             "--slots",
@@ -67,7 +74,6 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage:
         ["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}", "-v"],
         UCX_PROTO_INFO="y",
         CUDALINK_DEBUG="1",
-        CUDALINK_UCX_STAGE=stage,
         **env,
     )
     try:
@@ -86,6 +92,7 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage:
                 "60",
                 "--stall",
                 str(stall),
+                *(["--close"] if lib == "cupy" else []),  # the others exit with their Receiver open
             ],
             **env,
         )
@@ -97,11 +104,15 @@ def test_gpu_producer_to_remote_consumer(tls: str, device: str, lib: str, stage:
         used = sorted({ln.strip() for ln in srv.log if "cuda" in ln.lower() or "tcp" in ln.lower()})
         print("UCX protocols on the server:\n  " + "\n  ".join(used[:30]))
         assert " bad 0 " in line, line
-        staged = stage == "host" or device == "cpu"
+        gpu_path = "cuda_ipc" in tls.split(",")
+        staged = producer != "cpu" and (stage == "host" or device == "cpu" or not gpu_path)
         joined = [ln for ln in srv.log if "a consumer joined" in ln]
         assert joined and ("GPU frames as host bytes" in joined[-1]) == staged, joined
         assert f"device {'cpu' if device == 'cpu' else 'cuda:0'}" in line, line
-        try:  # it leaves with its Receiver open, frames still landing: exit must be clean
+        if lib == "cupy":  # closed: every landing buffer and the page-locked one are freed at once
+            closed = cons.expect("closed landing", 30.0)
+            assert "buffers left 0 pinned False" in closed, closed
+        try:  # exit must be clean: with the Receiver closed, or open with frames still landing
             rc = cons.p.wait(30)
         except Exception:
             rc = None

@@ -15,19 +15,37 @@ from cudalink.transport import ucx_engine
 
 
 @pytest.mark.parametrize(
-    ("gpu", "same_host", "rdma", "mode", "staged"),
+    ("gpu", "same_host", "rdma", "ipc", "mode", "staged"),
     [
-        (True, True, False, "auto", False),  # one host: cuda_ipc moves GPU memory
-        (True, False, False, "auto", True),  # across hosts on TCP: UCX's own GPU staging is slow
-        (True, False, True, "auto", False),  # across hosts with RDMA: GPU memory as is (GPUDirect)
-        (False, True, False, "auto", True),  # a consumer landing on the host always gets host bytes
-        (False, False, True, "gpu", True),
-        (True, True, True, "host", True),
-        (True, False, False, "gpu", False),
+        (True, True, False, True, "auto", False),  # one host: cuda_ipc moves GPU memory
+        (True, True, False, False, "auto", True),  # one host, no cuda_ipc (UCX_TLS=tcp,cuda_copy): UCX's staging
+        (True, True, True, False, "auto", True),  # RDMA does not decide on one host: cuda_ipc does
+        (True, False, False, True, "auto", True),  # across hosts on TCP: UCX's own GPU staging is slow
+        (True, False, True, False, "auto", False),  # across hosts with RDMA: GPU memory as is (GPUDirect)
+        (False, True, False, True, "auto", True),  # a consumer landing on the host (or with no GPU path)
+        (False, False, True, True, "gpu", True),
+        (True, True, True, True, "host", True),
+        (True, False, False, False, "gpu", False),
     ],
 )
-def test_stage_on_host(gpu: bool, same_host: bool, rdma: bool, mode: str, staged: bool) -> None:
-    assert ucx_engine.stage_on_host(gpu, same_host, rdma, mode) is staged
+def test_stage_on_host(gpu: bool, same_host: bool, rdma: bool, ipc: bool, mode: str, staged: bool) -> None:
+    assert ucx_engine.stage_on_host(gpu, same_host, rdma, mode, ipc) is staged
+
+
+@pytest.mark.parametrize(
+    ("transports", "mode", "as_is"),
+    [
+        ({"tcp", "cuda_copy", "cuda_ipc", "posix"}, "auto", True),
+        ({"tcp", "cuda_copy", "posix"}, "auto", False),  # UCX_TLS=tcp,cuda_copy: ask for host bytes
+        ({"tcp", "rc_mlx5", "cuda_copy"}, "auto", True),  # GPUDirect RDMA
+        ({"tcp", "posix"}, "gpu", True),  # forced either way
+        ({"tcp", "cuda_ipc"}, "host", False),
+    ],
+)
+def test_a_gpu_consumer_asks_for_gpu_memory_only_where_its_ucx_has_a_path(
+    transports: set[str], mode: str, as_is: bool
+) -> None:
+    assert ucx_engine.gpu_as_is(transports, mode) is as_is
 
 
 def test_rdma_transports_are_the_network_ones_beyond_tcp() -> None:
@@ -58,3 +76,5 @@ def test_a_bad_stage_mode_is_refused_when_the_server_starts(monkeypatch: pytest.
     monkeypatch.setenv("CUDALINK_UCX_STAGE", "pcie")
     with pytest.raises(cudalink.LinkError, match="CUDALINK_UCX_STAGE='pcie'; use auto, host or gpu"):
         ucx_server.Server(0, os.urandom(32), "x")
+    with pytest.raises(cudalink.LinkError, match="CUDALINK_UCX_STAGE='pcie'; use auto, host or gpu"):
+        ucx_engine.stage_mode()  # what a consumer reads too

@@ -34,6 +34,7 @@ Usage::
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol, SupportsInt, cast
@@ -391,6 +392,8 @@ class Landing:
             self.ops.close()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # the process is ending: the driver frees it all, and calls into it may crash
+            return
         try:
             self.close()
         except Exception:

@@ -10,9 +10,11 @@ arrays where ``device="cpu"`` or no GPU is usable (a GPU producer can feed a CPU
 GPU buffers from ``cuda.landing`` (UCX's CUDA transports write there). The server may send only as many
 frames as it has credits; a frame released here returns its buffer and one credit.
 
-Where the server stages GPU frames through host memory (another host without RDMA: WELCOME says so), a
-GPU consumer receives each frame into one page-locked buffer and copies it into the landing buffer on
-the GPU (``cuda.ucx.Pinned``); the frame's ready event is recorded after that copy.
+Where host bytes come (GPU frames the server staged through host memory: another host without RDMA, or
+a UCX without ``cuda_ipc``, as WELCOME says; or a host producer's frames), a GPU consumer receives each
+frame into one page-locked buffer and copies it into the landing buffer on the GPU (``cuda.ucx.Pinned``);
+the frame's ready event is recorded after that copy. Its HELLO asks for GPU memory as is only where its
+own UCX has a GPU path (``ucx_engine.gpu_as_is``).
 
 ``copy``: frames always land in memory this Receiver owns, so ``"auto"`` and ``"always"`` mean the same,
 and ``"never"`` is refused (the network has no zero-copy).
@@ -25,6 +27,7 @@ import collections
 import contextlib
 import os
 import select
+import sys
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -149,7 +152,7 @@ class UcxSource:
             hello = ucx_wire.Hello(
                 ucx_wire.proof(self.key, nonce),
                 self.latest,
-                gpu,
+                gpu and ucx_engine.gpu_as_is(eng.core.transports(), ucx_engine.stage_mode()),
                 credits(),
                 self.addr.name,
                 _platform.host_id(),
@@ -272,8 +275,10 @@ class UcxAttachment:
 
             cuda_ucx.use_device(device)  # this runs on the UCX loop's thread, which touches CUDA from now on
             self.pool = landing.Landing(device, self.capacity, limit=n)
-            # frames staged through host memory by the server land here first, then on the GPU
-            self.pinned = cuda_ucx.Pinned(device, self.capacity) if welcome.staged else None
+            # host bytes (GPU frames the server staged, or a host producer's) land here first, then on the GPU
+            # on our stream: UCX receiving host bytes into GPU memory itself stages them in its progress calls
+            host_bytes = welcome.staged or welcome.backend == wire.BACKEND_HOST
+            self.pinned = cuda_ucx.Pinned(device, self.capacity) if host_bytes else None
             self.buffers = []
             self.free = [-1] * n  # credits only; the pool picks the buffer
         else:
@@ -512,15 +517,33 @@ class UcxAttachment:
             self._post(ucx_wire.pack_credit(1))
 
     def _close_on_loop(self) -> None:
-        if not self.dead:
-            msg = ucx_wire.pack_bye(ucx_wire.R_CLIENT_CLOSE, "consumer closed")
-
-            async def bye() -> None:
+        async def leave() -> None:
+            if not self.dead:
+                msg = ucx_wire.pack_bye(ucx_wire.R_CLIENT_CLOSE, "consumer closed")
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.ep.send(msg), 0.5)
                 self._end("closed")
+            # the endpoint is aborted and the reader has ended: UCX writes into none of our buffers now
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.to_thread(self._free_memory)  # it may wait on the GPU: never on the loop
 
-            self._spawn(bye())
+        self._spawn(leave())
+
+    def _free_memory(self) -> None:
+        """The landing buffers no frame holds (a held one goes when its frame does: frames landed but never
+        taken are given back here) and the page-locked one,
+        freed now: left to the garbage collector, they stayed allocated after ``close()``, and were freed at
+        interpreter exit after CUDA's teardown had begun, which crashed the process (SIGSEGV, H100,
+        2026-11-26)."""
+        while self.ready:  # landed, never taken: no frame holds these
+            _, slot = self.ready.popleft()
+            if not isinstance(slot, int):
+                slot.give_back([])
+        if self.pool is not None:
+            self.pool.close()
+        pinned, self.pinned = self.pinned, None
+        if pinned is not None:
+            pinned.close()
 
     # -- on the Receiver's thread ---------------------------------------------------------------------------
 
@@ -577,7 +600,7 @@ class UcxAttachment:
         for fd in (self.rfd, self.wfd):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self.pinned is not None:  # nothing can receive into it now: the reader task held this attachment
+        if self.pinned is not None and not sys.is_finalizing():  # nothing receives into it: the reader held us
             with contextlib.suppress(Exception):
                 self.pinned.close()
 

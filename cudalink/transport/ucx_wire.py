@@ -16,7 +16,7 @@ integers are little-endian::
 Kinds and bodies::
 
     CHALLENGE  server -> client  32s nonce                                   (sent at connect)
-    HELLO      client -> server  32s proof, u8 latest, u8 wants device, u16 credits, u16 name length,
+    HELLO      client -> server  32s proof, u8 latest, u8 GPU memory as is, u16 credits, u16 name length,
                                  16s host (the client's boot id: is it the server's host?),
                                  u32 inline (the most pixel bytes it takes inside a FRAME message; 0: none), name
     WELCOME    server -> client  u64 generation, u64 capacity, u16 credits, u8 producer backend,
@@ -186,7 +186,8 @@ def check_proof(key: bytes, nonce: bytes, answer: bytes) -> bool:
 class Hello:
     proof: bytes
     latest: bool
-    device: bool  #: the client lands frames in GPU memory (the server may then send GPU memory as is)
+    #: the client takes GPU memory as is (it lands frames on a GPU, and its UCX has a GPU path); else host bytes
+    device: bool
     credits: int
     name: str
     host: bytes = bytes(HOST_ID_SIZE)  #: the client's host (``_platform.host_id``): all zeros when unknown

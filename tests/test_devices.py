@@ -74,6 +74,7 @@ def test_info_lists_uuids_handle_kinds_and_the_peer_matrix(
         "visible_devices": "1,0",
         "shm": {"path": "/dev/shm", "total": 1 << 30, "free": 1 << 30},
         "runtime_dir": "/run",
+        "ucx": {"usable": True, "ucxx": "0.52", "ucx": "1.21.0", "transports": ["cuda_copy", "cuda_ipc", "tcp"]},
     }
     monkeypatch.setattr(info, "gather_info", lambda: fake)
     monkeypatch.setenv("COLUMNS", "400")
@@ -83,6 +84,7 @@ def test_info_lists_uuids_handle_kinds_and_the_peer_matrix(
     assert "handles: pool, legacy" in out and "1,0" in out
     assert "0→1 no · 1→0 yes" in out
     assert "device=N" in out and "stages through host memory" in out and "stats()['path']" in out
+    assert "GPU frames: on this host as GPU memory (cuda_ipc); to other hosts staged through host memory" in out
 
 
 def test_bench_multi_gpu_says_what_it_needs(capsys: pytest.CaptureFixture[str]) -> None:

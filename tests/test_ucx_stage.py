@@ -55,6 +55,15 @@ def test_rdma_transports_are_the_network_ones_beyond_tcp() -> None:
     assert ucx_engine.rdma_transports({"dc_mlx5/mlx5_0:1"})
 
 
+def test_info_says_how_gpu_frames_would_travel() -> None:
+    assert ucx_engine.gpu_paths({"tcp", "cuda_copy", "cuda_ipc"}) == (
+        "GPU frames: on this host as GPU memory (cuda_ipc); to other hosts staged through host memory (no RDMA)"
+    )
+    assert ucx_engine.gpu_paths(["tcp", "cuda_copy", "rc_mlx5"]) == (
+        "GPU frames: on this host staged through host memory (no cuda_ipc); to other hosts as GPU memory (RDMA)"
+    )
+
+
 def test_host_id_is_the_boot_id(tmp_path: Path) -> None:
     boot = uuid.uuid4()
     f = tmp_path / "boot_id"

@@ -334,7 +334,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     ucx = info.get("ucx", {})
     if ucx.get("usable"):
         tls = ", ".join(map(str, ucx.get("transports", []))) or "none found"  # type: ignore[call-overload]
-        table.add_row("across hosts (ucx://)", f"UCXX {ucx.get('ucxx')} · UCX {ucx.get('ucx')} · transports: {tls}")
+        line = f"UCXX {ucx.get('ucxx')} · UCX {ucx.get('ucx')} · transports: {tls}"
+        if info.get("gpus"):
+            from ..transport import ucx_engine
+
+            line += " · " + ucx_engine.gpu_paths(list(map(str, ucx.get("transports", []))))  # type: ignore[call-overload]
+        table.add_row("across hosts (ucx://)", line)
     else:
         table.add_row("across hosts (ucx://)", escape(f"not usable: {ucx.get('why', '?')}"))
     console.print(table)

@@ -155,6 +155,13 @@ def stage_mode() -> str:
     return mode
 
 
+def gpu_paths(transports: set[str] | list[str]) -> str:
+    """For ``cudalink info`` on a GPU machine: how GPU frames would travel with these transports."""
+    here = "as GPU memory (cuda_ipc)" if "cuda_ipc" in transports else "staged through host memory (no cuda_ipc)"
+    away = "as GPU memory (RDMA)" if rdma_transports(transports) else "staged through host memory (no RDMA)"
+    return f"GPU frames: on this host {here}; to other hosts {away}"
+
+
 def stage_on_host(consumer_gpu: bool, same_host: bool, rdma: bool, mode: str = "auto", ipc: bool = True) -> bool:
     """Whether a server sends a GPU frame as host bytes. Only where UCX moves GPU memory by itself (``cuda_ipc``
     on one host, ``ipc``; an RDMA transport across hosts, ``rdma``) does it go as is: elsewhere UCX stages it

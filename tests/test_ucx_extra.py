@@ -158,3 +158,47 @@ def test_a_closed_remote_receiver_frees_its_landing_memory_once_its_reader_has_e
     asyncio.run(main())
     assert events == ["reader ended", "untaken frame given back", "pool closed", "pinned closed"], events
     assert not att.ready and att.pinned is None
+
+
+def test_closing_gives_every_landing_buffer_back_once_no_frame_holds_it() -> None:
+    """The same with the real landing pool over fake GPU calls: a buffer landed but never taken, one a frame
+    still holds and one free. Closing frees the free and the untaken ones; the held one goes when its frame
+    does, and then the pool drops its streams."""
+    import asyncio
+    import collections
+
+    from cudalink.cuda.landing import Landing
+    from cudalink.transport import ucx_source
+
+    from .test_landing import FakeOps
+
+    ops = FakeOps()
+    pool = Landing(1, 1024, limit=3, ops=ops)
+    untaken, s = pool.take()
+    untaken.mark_ready(s)
+    held, s = pool.take()
+    held.mark_ready(s)
+    spare, _ = pool.take()
+    spare.give_back([])  # back in the pool, free
+    assert pool.stats()["buffers"] == 3 and pool.stats()["held"] == 2
+
+    att = object.__new__(ucx_source.UcxAttachment)
+    att.rfd = att.wfd = -1
+    att.dead = "the server left"
+    att.ready = collections.deque([(None, untaken)])
+    att.pool, att.pinned = pool, None
+    att._sends = set()
+    att._tasks = []
+
+    async def main() -> None:
+        att._close_on_loop()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if pool.closed and pool.stats()["buffers"] == 1:
+                break
+
+    asyncio.run(main())
+    assert pool.closed and pool.stats()["buffers"] == 1 and pool.stats()["held"] == 1
+    assert not ops.closed  # a buffer is still held: the pool keeps its streams
+    held.give_back([201])  # the frame goes, after an export to stream 201
+    assert pool.stats()["buffers"] == 0 and not ops.live and ops.closed

@@ -87,3 +87,5 @@ def test_a_bad_stage_mode_is_refused_when_the_server_starts(monkeypatch: pytest.
         ucx_server.Server(0, os.urandom(32), "x")
     with pytest.raises(cudalink.LinkError, match="CUDALINK_UCX_STAGE='pcie'; use auto, host or gpu"):
         ucx_engine.stage_mode()  # what a consumer reads too
+    with pytest.raises(cudalink.LinkError, match="CUDALINK_UCX_STAGE='pcie'; use auto, host or gpu"):
+        cudalink.Receiver("ucx://127.0.0.1:9/x", timeout=0.1)  # when it is made, before it connects

@@ -333,12 +333,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         table.add_row(cuda_link_view.PREFIX + cuda_link_view.strip_prefix(name), line)
     ucx = info.get("ucx", {})
     if ucx.get("usable"):
-        tls = ", ".join(map(str, ucx.get("transports", []))) or "none found"  # type: ignore[call-overload]
-        line = f"UCXX {ucx.get('ucxx')} · UCX {ucx.get('ucx')} · transports: {tls}"
+        names = list(map(str, ucx.get("transports", [])))  # type: ignore[call-overload]
+        line = f"UCXX {ucx.get('ucxx')} · UCX {ucx.get('ucx')} · transports: {', '.join(names) or 'none found'}"
         if info.get("gpus"):
             from ..transport import ucx_engine
 
-            line += " · " + ucx_engine.gpu_paths(list(map(str, ucx.get("transports", []))))  # type: ignore[call-overload]
+            line += " · " + ucx_engine.gpu_paths(names)
         table.add_row("across hosts (ucx://)", line)
     else:
         table.add_row("across hosts (ucx://)", escape(f"not usable: {ucx.get('why', '?')}"))

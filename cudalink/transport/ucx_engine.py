@@ -156,9 +156,12 @@ def stage_mode() -> str:
 
 
 def gpu_paths(transports: set[str] | list[str]) -> str:
-    """For ``cudalink info`` on a GPU machine: how GPU frames would travel with these transports."""
-    here = "as GPU memory (cuda_ipc)" if "cuda_ipc" in transports else "staged through host memory (no cuda_ipc)"
-    away = "as GPU memory (RDMA)" if rdma_transports(transports) else "staged through host memory (no RDMA)"
+    """For ``cudalink info`` on a GPU machine: how GPU frames would travel with these transports, by the rule
+    a server applies (:func:`stage_on_host`, for a GPU consumer that asks for GPU memory as is)."""
+    ipc, rdma = "cuda_ipc" in transports, rdma_transports(transports)
+    staged = "staged through host memory"
+    here = f"{staged} (no cuda_ipc)" if stage_on_host(True, True, rdma, "auto", ipc) else "as GPU memory (cuda_ipc)"
+    away = f"{staged} (no RDMA)" if stage_on_host(True, False, rdma, "auto", ipc) else "as GPU memory (RDMA)"
     return f"GPU frames: on this host {here}; to other hosts {away}"
 
 

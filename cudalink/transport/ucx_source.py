@@ -84,6 +84,7 @@ class UcxSource:
                 "cudalink: frames from another host always land in buffers this Receiver owns; "
                 "use copy='auto' with a ucx:// address"
             )
+        self._stage = ucx_engine.stage_mode()  # a bad CUDALINK_UCX_STAGE fails here, before any connection
         ucx_engine.load()  # the clear error naming the extra, now rather than at the first recv
         self.key, _ = ucx_engine.load_key()
         self.name = url
@@ -152,7 +153,7 @@ class UcxSource:
             hello = ucx_wire.Hello(
                 ucx_wire.proof(self.key, nonce),
                 self.latest,
-                gpu and ucx_engine.gpu_as_is(eng.core.transports(), ucx_engine.stage_mode()),
+                gpu and ucx_engine.gpu_as_is(eng.core.transports(), self._stage),
                 credits(),
                 self.addr.name,
                 _platform.host_id(),
@@ -531,10 +532,9 @@ class UcxAttachment:
 
     def _free_memory(self) -> None:
         """The landing buffers no frame holds (a held one goes when its frame does: frames landed but never
-        taken are given back here) and the page-locked one,
-        freed now: left to the garbage collector, they stayed allocated after ``close()``, and were freed at
-        interpreter exit after CUDA's teardown had begun, which crashed the process (SIGSEGV, H100,
-        2026-11-26)."""
+        taken are given back here) and the page-locked one, freed now: left to the garbage collector, they
+        stayed allocated after ``close()``, and were freed at interpreter exit after CUDA's teardown had
+        begun, which crashed the process (SIGSEGV, H100, 2026-11-26)."""
         while self.ready:  # landed, never taken: no frame holds these
             _, slot = self.ready.popleft()
             if not isinstance(slot, int):

@@ -33,7 +33,7 @@ from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import cuda_link_wire as cw
 from .transport.cuda_link_source import strip_prefix
-from .transport.shm import _open_segment, _unlink_segment
+from .transport.shm import EmptySegment, _open_segment, _unlink_segment
 
 if TYPE_CHECKING:
     from multiprocessing import shared_memory
@@ -129,6 +129,9 @@ class CudaLinkSender:
         size = cw.segment_size(self._n)
         try:
             old = _open_segment(self.name)
+        except EmptySegment:  # a producer that died before sizing it: start afresh
+            _unlink_segment(self.name)
+            old = None
         except FileNotFoundError:
             old = None
         if old is not None:

@@ -59,6 +59,8 @@ _AHEAD_CLAMP_NS = 2 * wire.AHEAD_MAX_NS  # one stalled send moves the moving ave
 #: with room, so the consumer is running, spinning, when the frame lands
 _LATE_LEAD_NS = 150_000
 _COPY_CLAMP_NS = 100_000_000
+#: the longest one sleep inside ``recv`` (it loops while time is left): every source's wait takes it
+_LONGEST_SLEEP_S = 3600.0
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
 _META_MAX = wire.META_MAX
 
@@ -112,6 +114,13 @@ def _seconds_arg(value: object, what: str, example: str, none_ok: bool = False, 
     if math.isnan(value) or value < 0:
         raise ArgumentError(f"cudalink: {what} must be >= 0 {unit}, got {value!r}; pass e.g. {example}")
     return float(value)
+
+
+def _call_timeout(timeout: object) -> float:
+    """A ``timeout=`` given to one call (``recv``, ``send``, ...): checked as the constructors check theirs."""
+    if timeout.__class__ is float and timeout >= 0.0:  # type: ignore[operator]  # NaN fails this test too
+        return timeout  # type: ignore[return-value]
+    return _seconds_arg(timeout, "timeout", "timeout=1.0")
 
 
 def _choice_arg(value: object, what: str, choices: tuple[str, ...]) -> str:
@@ -394,12 +403,14 @@ class Sender:
 
     def _claim_waiting(self, timeout: float | None) -> int | None:
         """policy='block' with every slot held: wait (bounded) for a consumer to release one."""
-        limit = self.timeout if timeout is None else timeout
+        limit = self.timeout if timeout is None else _call_timeout(timeout)
         deadline = time.monotonic() + limit
         self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, True)
         try:
             while True:
                 self._released.clear()
+                if self._closing:
+                    raise LinkClosed(f"cudalink: Sender {self.name!r} was closed while this send waited for a slot")
                 slot = self._ring.claim(self._seq + 1)
                 if slot is not None:
                     return slot
@@ -478,6 +489,8 @@ class Sender:
             # everything a send can refuse is refused here, before a slot or a seq is taken
             if self._closed or meta.__class__ is not bytes or len(meta) > _META_MAX or timestamp_ns is not None:
                 meta, timestamp_ns = self._checked(meta, timestamp_ns)
+            if timeout is not None:
+                timeout = _call_timeout(timeout)
             spec = self._spec
             checked = self._slots.source(spec, array, stream)
             slot = self._ring.claim(self._seq + 1)  # _claim(), its common case inlined
@@ -591,7 +604,7 @@ class Sender:
         ends. If the block raises, nothing is published. When consumers hold every slot it raises
         :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
         """
-        return _Reservation(self, stream, _meta_bytes(meta), timeout)
+        return _Reservation(self, stream, _meta_bytes(meta), None if timeout is None else _call_timeout(timeout))
 
     def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, int, Frame]:
         """The start of a ``reserve()`` block, under the lock the block holds: (slot, spec, timestamp, frame)."""
@@ -665,8 +678,9 @@ class Sender:
         remote = getattr(self, "_remote", None)
         if remote is not None:
             ucx_engine.stop_server(remote)
+        self._closing = True  # before the lock: a send waiting for a slot (policy="block") holds it, and ends now
+        self._released.set()
         with self._lock:
-            self._closing = True
             self._closed = True
             try:
                 self._ring.set_flag(wire.FLAG_SHUTDOWN, True)
@@ -835,6 +849,8 @@ class Receiver:
         self._last = 0
         self._dead_generation = 0
         self._sticky_wake = False
+        #: a recv()/recv_async() is under way (maybe on another thread): close() then wakes it, and it leaves
+        self._busy = False
         self._floor = 0
         self._wait_avg = 0.0  # seconds recv() waited for recent frames (moving average)
         self.received = 0
@@ -896,7 +912,10 @@ class Receiver:
         wakes only receivers blocked inside ``recv``); take frames with :meth:`poll` when it is readable.
         """
         if self._att is None:
-            raise LinkError("cudalink: not attached")
+            self._check_open()
+            raise LinkError(
+                f"cudalink: Receiver {self.name!r} is not attached yet (connect=False); call poll() or recv() first"
+            )
         self._sticky_wake = True
         self._att.set_waiting(wire.WAIT_ON)
         return self._att.fileno()
@@ -916,6 +935,8 @@ class Receiver:
                 break
             except NoProducer as exc:
                 last_error = str(exc) or "no producer"
+            if self._closed:  # close() on another thread while we wait for a producer
+                raise self._closed_meanwhile()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LinkTimeout(
@@ -940,6 +961,20 @@ class Receiver:
         self._last = 0
         self._floor = att.floor
 
+    def _join(self, limit: float) -> None:
+        """Attach within ``limit`` seconds: the first time, or to a new producer after this one's died (counted in
+        ``reattached``; none coming in time is :class:`ProducerGone`, as the stream's end, for every way in)."""
+        try:
+            self._attach(limit)
+        except LinkTimeout as exc:
+            if self._dead_generation:
+                raise ProducerGone(
+                    f"cudalink: producer of {self.name!r} is gone and no new one appeared within {limit}s"
+                ) from exc
+            raise
+        if self._dead_generation:
+            self.reattached += 1
+
     def _gone(self, why: str) -> ProducerGone:
         att = self._att
         said = getattr(att, "reason", "")  # what the source knows of the end (a server's goodbye, say)
@@ -961,7 +996,7 @@ class Receiver:
         att = self._att
         if att is None or self._closed:  # the per-frame path: one test when attached and open
             self._check_open()
-            self._attach(0.0)
+            self._join(0.0)
             att = self._att
             assert att is not None
         try:
@@ -975,82 +1010,91 @@ class Receiver:
         return frame
 
     def recv(self, timeout: float | None = None) -> Frame:
-        """The next frame (newest unseen by default). Raises LinkTimeout or ProducerGone."""
-        self._check_open()
-        limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        if self._att is None:
-            try:
-                self._attach(limit)
-            except LinkTimeout as exc:
-                if self._dead_generation:
-                    raise ProducerGone(
-                        f"cudalink: producer of {self.name!r} is gone and no new one appeared within {limit}s"
-                    ) from exc
-                raise
-            self.reattached += 1 if self._dead_generation else 0
-        att = self._att
-        assert att is not None
-        mode = self.wait_mode
-        entered = time.monotonic()
-        spins = self._spins  # see _attach
-        if not spins:
-            spin_until = 0.0
-        elif mode == "spin":
-            spin_until = deadline
-        elif mode == "hybrid" and self._wait_avg < 4 * self.spin_s:
-            spin_until = entered + self.spin_s
-        else:  # block, or hybrid while frames come far apart: a spin would only burn the core
-            spin_until = 0.0
-        take = self._try_take
-        learn = mode == "hybrid"  # only hybrid reads the average; woken, every call is microseconds
-        n = 0
+        """The next frame (newest unseen by default). Raises LinkTimeout or ProducerGone; LinkClosed where
+        :meth:`close` is called meanwhile (on another thread)."""
+        self._busy = True  # before the check: a close() on another thread sees this, or we see its _closed
         try:
-            while True:
-                frame = take(att)
-                if frame is not None:
-                    return self._arrived(frame, entered) if learn else frame
-                if att.closing():
-                    raise self._gone("closed the link")
-                now = time.monotonic()
-                if now >= deadline:
+            self._check_open()
+            limit = (
+                self.timeout
+                if timeout is None
+                else (timeout if timeout.__class__ is float and timeout >= 0.0 else _call_timeout(timeout))
+            )
+            deadline = time.monotonic() + limit
+            if self._att is None:
+                self._join(limit)
+            att = self._att
+            assert att is not None
+            mode = self.wait_mode
+            entered = time.monotonic()
+            spins = self._spins  # see _attach
+            if not spins:
+                spin_until = 0.0
+            elif mode == "spin":
+                spin_until = deadline
+            elif mode == "hybrid" and self._wait_avg < 4 * self.spin_s:
+                spin_until = entered + self.spin_s
+            else:  # block, or hybrid while frames come far apart: a spin would only burn the core
+                spin_until = 0.0
+            take = self._try_take
+            learn = mode == "hybrid"  # only hybrid reads the average; woken, every call is microseconds
+            n = 0
+            try:
+                while True:
+                    frame = take(att)
+                    if frame is not None:
+                        return self._arrived(frame, entered) if learn else frame
+                    if self._closed:
+                        raise self._closed_meanwhile()
+                    if att.closing():
+                        raise self._gone("closed the link")
+                    now = time.monotonic()
+                    if now >= deadline:
+                        if not att.alive():
+                            raise self._gone("closed or died")
+                        raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
+                    if now < spin_until:
+                        for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
+                            frame = take(att)
+                            if frame is not None:
+                                return self._arrived(frame, entered) if learn else frame
+                        # hand the GIL over now and then: a spinning thread must not starve this process's
+                        # other threads (which may be the very producer we wait for)
+                        self._publish_counts(att)
+                        _platform.yield_cpu()
+                        n += 1
+                        if n & 15 == 0 and (self._closed or not att.alive()):
+                            raise self._closed_meanwhile() if self._closed else self._gone("closed or died")
+                        continue
+                    # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
+                    # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
+                    # syscall in between. It is drained the next time this receiver is about to sleep.
                     if not att.alive():
                         raise self._gone("closed or died")
-                    raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
-                if now < spin_until:
-                    for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
-                        frame = take(att)
-                        if frame is not None:
-                            return self._arrived(frame, entered) if learn else frame
-                    # hand the GIL over now and then: a spinning thread must not starve this process's
-                    # other threads (which may be the very producer we wait for)
                     self._publish_counts(att)
-                    _platform.yield_cpu()
-                    n += 1
-                    if n & 15 == 0 and not att.alive():
-                        raise self._gone("closed or died")
-                    continue
-                # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
-                # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
-                # syscall in between. It is drained the next time this receiver is about to sleep.
-                if not att.alive():
-                    raise self._gone("closed or died")
-                self._publish_counts(att)
-                ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
-                frame = self._sleep_take(
-                    att,
-                    deadline - now,
-                    wire.WAIT_AHEAD if ahead else wire.WAIT_ON,
-                    wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF,
-                )
-                if frame is not None:
-                    return self._arrived(frame, entered) if learn else frame
-                if ahead and spins:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
-                    spin_until = max(spin_until, time.monotonic() + _AHEAD_SPIN_S)
-        except ProducerGone as exc:  # a source found its producer gone mid-take (a copy from a dead one)
-            if self._att is att:
-                raise self._gone("died") from exc
-            raise
+                    ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
+                    frame = self._sleep_take(
+                        att,
+                        min(deadline - now, _LONGEST_SLEEP_S),  # with no limit (inf) a source sleeps in bounded steps
+                        wire.WAIT_AHEAD if ahead else wire.WAIT_ON,
+                        wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF,
+                    )
+                    if frame is not None:
+                        if self._closed:  # woken by close(): a frame found meanwhile is not handed out
+                            frame.release()
+                            raise self._closed_meanwhile()
+                        return self._arrived(frame, entered) if learn else frame
+                    # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
+                    if ahead and spins:
+                        spin_until = max(spin_until, time.monotonic() + _AHEAD_SPIN_S)
+            except ProducerGone as exc:  # a source found its producer gone mid-take (a copy from a dead one)
+                if self._att is att:
+                    raise self._gone("died") from exc
+                raise
+        finally:  # inline, not a wrapper: a call level costs the per-frame path ~0.1 us
+            self._busy = False
+            if self._closed:
+                self._leave()
 
     def _arrived(self, frame: Frame, entered: float) -> Frame:
         """Learn how long frames keep us waiting: ``hybrid`` spins only while frames come within its spin.
@@ -1062,14 +1106,23 @@ class Receiver:
 
     async def recv_async(self, timeout: float | None = None) -> Frame:
         """Await the next frame: the event loop watches the source's fd, no thread and no polling."""
+        self._busy = True
+        try:
+            return await self._recv_async(timeout)
+        finally:
+            self._busy = False
+            if self._closed:
+                self._leave()
+
+    async def _recv_async(self, timeout: float | None) -> Frame:
         import asyncio
 
         self._check_open()
-        limit = self.timeout if timeout is None else timeout
+        limit = self.timeout if timeout is None else _call_timeout(timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         if self._att is None:
-            await asyncio.wait_for(asyncio.to_thread(self._attach, limit), limit + 1.0)
+            await asyncio.wait_for(asyncio.to_thread(self._join, limit), limit + 1.0)
         while True:
             frame = self.poll()
             if frame is not None:
@@ -1104,6 +1157,10 @@ class Receiver:
                 if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
                     raise
                 return
+            except LinkClosed:  # close() from elsewhere ends the stream
+                if self._closed:
+                    return
+                raise
 
     def __iter__(self) -> Iterator[Frame]:
         while not self._closed:
@@ -1113,6 +1170,10 @@ class Receiver:
                 if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
                     raise
                 return
+            except LinkClosed:  # close() on another thread ends the stream
+                if self._closed:
+                    return
+                raise
 
     def stats(self) -> dict[str, int | str]:
         """Counters, and ``path``: how frames reach this Receiver: ``zero-copy`` (the producer's own memory),
@@ -1149,9 +1210,24 @@ class Receiver:
         if self._closed:
             return
         self._closed = True
-        if self._att is not None:
-            self._drop(self._att)
+        att = self._att
+        if att is not None and self._busy:
+            # a recv() on another thread (or a recv_async() awaiting) may be reading this attachment right now:
+            # wake it instead, and it leaves the link on its way out (_leave)
+            interrupt = getattr(att, "interrupt", None)
+            if interrupt is not None:
+                interrupt()
+        else:
+            self._leave()
         self._source.close()
+
+    def _leave(self) -> None:
+        att = self._att
+        if att is not None:
+            self._drop(att)
+
+    def _closed_meanwhile(self) -> LinkClosed:
+        return LinkClosed(f"cudalink: Receiver {self.name!r} was closed while it waited for a frame")
 
     def _drop(self, att: Attachment) -> None:
         """Leave ``att``, keeping its count of reconnections for ``stats()``."""

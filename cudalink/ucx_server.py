@@ -72,6 +72,12 @@ async def _gpu_ready(frame: Frame, stage: Any) -> Any:
     return cuda_ucx.DeviceBytes(ptr, frame.nbytes)
 
 
+def _producer_gone(rx: Receiver) -> bool:
+    """The local producer closed the link or died (read without taking a frame)."""
+    att = rx._att
+    return att is not None and (att.closing() or not att.alive())
+
+
 class _Consumer:
     """One remote consumer: the handshake, then frames out and credits in until either side goes."""
 
@@ -255,6 +261,12 @@ class _Consumer:
                 try:
                     await asyncio.wait_for(self.credit.wait(), ucx_engine.PING_S)
                 except asyncio.TimeoutError:
+                    # a consumer holding every frame it may takes none: see the producer's end here, or it
+                    # would hear of it only when it gave one back
+                    if _producer_gone(rx):
+                        await self._bye(ucx_wire.R_PRODUCER_GONE, f"the producer of {rx.name!r} closed or died")
+                        self.why = "lost its producer"
+                        return
                     await self._send(ucx_wire.pack_ping())
                     last_sent = time.monotonic()
                 continue
@@ -403,7 +415,10 @@ class Server:
                 break
             except Exception as exc:  # a port a moment ago in use (TIME_WAIT after a crash): UCXXBusyError
                 if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
-                    raise LinkError(f"cudalink serve: cannot listen on port {self.port}: {exc}") from exc
+                    raise LinkError(
+                        f"cudalink: serve cannot listen on port {self.port} ({exc}): another server holds it; "
+                        "pick another port"
+                    ) from exc
                 await asyncio.sleep(0.2)
         if ready is not None:
             ready(int(self.listener.port))
@@ -431,11 +446,17 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> 
             "or set CUDALINK_KEY to its contents there.",
             flush=True,
         )
-    if addr.host not in ("127.0.0.1", "localhost", "::1"):
+    if addr.host not in ("127.0.0.1", "localhost"):
         print(f"cudalink: serving {name!r} beyond this host; frames are not encrypted (use a VPN).", flush=True)
 
     def ready(port: int) -> None:
         print(f"cudalink: serving {name!r} at ucx://{addr.host}:{port}/{name}", flush=True)
+        # UCXX's listener takes a port, no address: say so, whatever host was asked for
+        print(
+            f"cudalink: UCXX listens on port {port} of every IPv4 interface; only the key keeps others out "
+            f"(a firewall rule for the port helps)",
+            flush=True,
+        )
 
     server = Server(addr.port, key, name, parent)
     with contextlib.suppress(KeyboardInterrupt):

@@ -255,3 +255,17 @@ def gpu_read_after_kill(name: str, device: int, got: Any, go: Any, result: Any) 
             result.put((read, refused, raised))
     except Exception as exc:
         result.put((-1, -1, f"{type(exc).__name__}: {exc}"))
+
+
+def gpu_send_one_and_stay(name: str, shape: tuple[int, ...], ready: Any, left: Any) -> None:
+    """Send frame 1 once a consumer joined, then stay (sending nothing) until it has left: ``left`` is set."""
+    import torch
+
+    with cudalink.Sender(name, shape=shape, dtype="float32", slots=2, device=0) as tx:
+        ready.set()
+        wait_consumers(tx, 1)
+        tx.send(pattern(1, shape, "float32", torch))
+        end = time.monotonic() + 60.0
+        while tx.stats()["consumers"] and time.monotonic() < end:
+            time.sleep(0.01)
+        left.set()

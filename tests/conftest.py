@@ -8,6 +8,7 @@ import itertools
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -63,6 +64,30 @@ def pair(name: str) -> Iterator[PairFactory]:
     yield make
     for obj in reversed(made):
         obj.close()
+
+
+def close_while_waiting(rx: cudalink.Receiver, after: float = 0.3, join: float = 5.0) -> dict[str, Any]:
+    """Start ``rx.recv()`` on a thread, ``rx.close()`` here ``after`` seconds later: what that recv did.
+
+    Keys: ``error`` (what it raised) or ``frame``, ``took`` (seconds in recv), ``stuck`` (still in recv
+    ``join`` seconds after the close)."""
+    got: dict[str, Any] = {}
+
+    def worker() -> None:
+        t0 = time.monotonic()
+        try:
+            got["frame"] = rx.recv()
+        except cudalink.LinkError as exc:
+            got["error"] = exc
+        got["took"] = time.monotonic() - t0
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    time.sleep(after)  # asleep (or spinning) in recv by now
+    rx.close()
+    t.join(join)
+    got["stuck"] = t.is_alive()
+    return got
 
 
 def need_gpus(n: int) -> Any:

@@ -20,7 +20,7 @@ from cudalink.frames.frame import Frame
 
 from . import _content
 from . import _gpu_procs as gp
-from .conftest import DEFAULT, PairFactory, Spawned
+from .conftest import DEFAULT, PairFactory, Spawned, close_while_waiting
 
 pytestmark = pytest.mark.gpu
 
@@ -408,6 +408,30 @@ def test_close_waits_for_a_copy_queued_on_the_callers_stream(name: str) -> None:
     assert not copied.query(), "the side stream finished before close(): the test proves nothing"
     tx.close()
     assert copied.query(), "close() returned while the copy into its slot was still queued"
+
+
+def test_close_from_another_thread_wakes_a_recv_on_a_cuda_link_and_held_frames_stay_valid(
+    spawned: Spawned, name: str
+) -> None:
+    """Over real CUDA IPC: close() from another thread ends the waiting recv (LinkClosed); the frame and the
+    tensor made from it stay readable until dropped, and only then does the producer see the consumer go."""
+    torch = _torch()
+    shape = (256, 64)
+    left = spawned.ctx.Event()
+    spawned.ready(gp.gpu_send_one_and_stay, name, shape, left=left)
+    rx = cudalink.Receiver(name, timeout=30.0)
+    frame = rx.recv(timeout=30.0)
+    held = torch.from_dlpack(frame)
+    got = close_while_waiting(rx)
+    assert not got["stuck"], "recv() still waiting after close()"
+    assert isinstance(got.get("error"), cudalink.LinkClosed), got
+    assert torch.equal(held, _content.pattern(1, shape, "float32", torch))
+    assert not left.wait(0.3), "the producer saw us go while we still held a frame"
+    del held
+    frame.release()
+    del frame
+    gc.collect()
+    assert left.wait(10.0), "the producer never saw the closed Receiver go"
 
 
 def test_bench_breakdown_gpu_reports_driver_floors_and_event_stages(tmp_path: Any) -> None:

@@ -123,6 +123,19 @@ def server(name: str, port: int | None = None) -> tuple[Proc, str]:
     return p, f"ucx://127.0.0.1:{port}/{name}"
 
 
+@contextlib.contextmanager
+def served(tag: str, *producer_args: str) -> Iterator[tuple[Proc, Proc, str]]:
+    """A producer (``producer_args``) of a fresh name and its server: (producer, server, url); both stopped after."""
+    name = unique(tag)
+    prod = producer(name, *producer_args)
+    srv, url = server(name)
+    try:
+        yield prod, srv, url
+    finally:
+        srv.stop()
+        prod.stop()
+
+
 def unique(tag: str) -> str:
     return f"ucx{tag}{os.getpid()}{time.monotonic_ns() % 10**7}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 
 import pytest
 
@@ -137,11 +138,12 @@ def test_a_closed_remote_receiver_frees_its_landing_memory_once_its_reader_has_e
             events.append("pinned closed")
 
     att = object.__new__(ucx_source.UcxAttachment)
-    att.rfd = att.wfd = -1
+    rfd, wfd = att.rfd, att.wfd = os.pipe()  # the wake-up pipe: closed with the rest, not by the collector
     att.dead = "the server left"  # no BYE to send: the connection had already ended
     att.ready = collections.deque([(None, Landed()), (None, 2)])  # a GPU buffer, then a host buffer's index
     att.pool, att.pinned = Pool(), Pinned()
     att._sends = set()
+    att.eng = types.SimpleNamespace(closing=set())  # type: ignore[assignment]
 
     async def main() -> None:
         async def reader() -> None:
@@ -158,6 +160,10 @@ def test_a_closed_remote_receiver_frees_its_landing_memory_once_its_reader_has_e
     asyncio.run(main())
     assert events == ["reader ended", "untaken frame given back", "pool closed", "pinned closed"], events
     assert not att.ready and att.pinned is None
+    assert att.rfd == att.wfd == -1 and not att.eng.closing  # the closing is over, and was waitable meanwhile
+    for fd in (rfd, wfd):
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
 def test_closing_gives_every_landing_buffer_back_once_no_frame_holds_it() -> None:
@@ -189,6 +195,7 @@ def test_closing_gives_every_landing_buffer_back_once_no_frame_holds_it() -> Non
     att.pool, att.pinned = pool, None
     att._sends = set()
     att._tasks = []
+    att.eng = types.SimpleNamespace(closing=set())  # type: ignore[assignment]
 
     async def main() -> None:
         att._close_on_loop()

@@ -231,7 +231,6 @@ def test_well_framed_random_bodies_decode_within_limits_or_are_refused(kind: int
     [
         ("ucx://127.0.0.1:5000/cam0", True, uw.Address("127.0.0.1", 5000, "cam0")),
         ("ucx://host.lan/cam0", True, uw.Address("host.lan", uw.DEFAULT_PORT, "cam0")),
-        ("ucx://[::1]:7000/a", True, uw.Address("::1", 7000, "a")),
         ("ucx://0.0.0.0:9", False, uw.Address("0.0.0.0", 9, None)),
     ],
 )
@@ -246,3 +245,11 @@ def test_addresses(url: str, need_name: bool, want: uw.Address) -> None:
 def test_bad_addresses_name_the_form(url: str, need_name: bool) -> None:
     with pytest.raises(cudalink.LinkError, match="ucx://HOST:PORT"):
         uw.parse_address(url, need_name=need_name)
+
+
+@pytest.mark.parametrize("url", ["ucx://[::1]:7000/a", "ucx://[fe80::1]/a", "ucx://[::]:7000"])
+def test_ipv6_addresses_are_refused_with_the_reason(url: str) -> None:
+    """UCXX 0.52's listener binds IPv4 only: an IPv6 address would never be reached (a timeout naming UCX's
+    truncation error, once); it is refused at once instead."""
+    with pytest.raises(cudalink.LinkError, match="IPv4 only"):
+        uw.parse_address(url, need_name=not url.endswith(":7000"))

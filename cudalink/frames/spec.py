@@ -221,6 +221,11 @@ class FrameSpec:
         """Raise a :class:`FormatError` that says exactly what differs, for ``send``."""
         got = tuple(int(d) for d in shape)
         dt = np.dtype(dtype)
+        if got == self.shape and dt != self.dtype and dt.newbyteorder("=") == self.dtype:
+            raise FormatError(
+                f"cudalink: {what} is {dt.str} ({'big' if dt.byteorder == '>' else 'little'}-endian) but the link "
+                f"carries {self.dtype.str} in this machine's byte order; send x.astype(x.dtype.newbyteorder('='))"
+            )
         if got != self.shape or dt != self.dtype:
             raise FormatError(
                 f"cudalink: {what} is {got} {dt.name} but the link carries {self.shape} {self.dtype.name}; "

@@ -3,7 +3,9 @@
 Unmodified local consumers (a TouchDesigner Script TOP, say) read ``LOCAL`` as any link. Each remote frame
 is written once into a slot taken with ``Sender.reserve()``; a format change upstream reconfigures the
 local link (its slots are sized to the remote link's capacity, so every format the producer may send fits).
-A producer restart upstream keeps the local link up: consumers see a gap, not an error.
+A producer restart upstream keeps the local link up: consumers see a gap, not an error (one whose frames no
+longer fit its slots restarts the local link: consumers see a new generation, as after any restart).
+Frames keep their timestamp and meta.
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
 from ..errors import LinkTimeout, ProducerGone
+from ..frames.spec import FrameSpec
 from ..link import Receiver, Sender
 
 
@@ -32,6 +33,19 @@ def relay(
     relayed = 0
     with Receiver(url, device="cpu" if device == "cpu" else device, latest=latest, timeout=5.0) as rx:
         tx: Sender | None = None
+
+        def make(spec: FrameSpec) -> Sender:
+            return Sender(
+                local,
+                shape=spec.shape,
+                dtype=spec.dtype,
+                slots=slots,
+                device=device,
+                pixel_format=spec.pixel_format,
+                origin=spec.origin,
+                capacity=max(rx.capacity, spec.nbytes),
+            )
+
         try:
             while stop is None or time.monotonic() < stop:
                 try:
@@ -41,25 +55,21 @@ def relay(
                 with frame:
                     spec = frame.spec
                     if tx is None:
-                        tx = Sender(
-                            local,
-                            shape=spec.shape,
-                            dtype=spec.dtype,
-                            slots=slots,
-                            device=device,
-                            pixel_format=spec.pixel_format,
-                            origin=spec.origin,
-                            capacity=max(rx.capacity, spec.nbytes),
-                        )
+                        tx = make(spec)
                         if not quiet:
                             print(f"cudalink: relaying {url} as {local!r} ({spec.label})", flush=True)
                     elif tx.spec != spec:
-                        tx.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
-                    if tx.device == "cpu":
-                        with tx.reserve(meta=frame.meta) as slot:
-                            np.copyto(slot.numpy(), frame.numpy())
-                    else:  # a GPU link: send() copies from the landed frame (host or GPU) into the slot
-                        tx.send(frame.numpy() if frame.device == "cpu" else frame, meta=frame.meta)
+                        if spec.nbytes > tx.capacity:  # a restarted producer with larger frames: a new local link
+                            tx.close()
+                            tx = None
+                            tx = make(spec)
+                            if not quiet:
+                                print(f"cudalink: {url} now sends {spec.label}; {local!r} started again", flush=True)
+                        else:
+                            tx.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
+                    # send() copies once, from the landed frame (host or GPU) into the slot, with its timestamp
+                    src = frame.numpy() if frame.device == "cpu" else frame
+                    tx.send(src, timestamp_ns=frame.timestamp_ns, meta=frame.meta)
                     relayed += 1
         finally:
             if tx is not None:

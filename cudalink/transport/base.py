@@ -145,6 +145,12 @@ class Client(abc.ABC):
     def hint(self) -> None:
         """Tell a waiting producer that a lease was released."""
 
+    def interrupt(self) -> None:
+        """Wake a thread waiting on this client (the Receiver is being closed); the producer sees nothing yet:
+        the connection, and the leases of frames still held, stay until :meth:`close`. A client with nothing to
+        wake (none of ours so far) does nothing."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

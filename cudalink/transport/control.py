@@ -28,6 +28,8 @@ from .base import UNVERIFIED_UID, Client, Peer, ServerHandler
 from .wire import HELLO
 
 HANDSHAKE_TIMEOUT = 2.0
+#: a wait longer than this is a wait with no limit (``poll`` takes an int of milliseconds; ``inf`` is no int)
+_LONGEST_WAIT_S = 2e6
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # Windows has none; our sockets are non-blocking anyway
 
 
@@ -415,6 +417,8 @@ class ClientSocket:
         if self.gone:
             return
         try:
+            if timeout is not None and timeout > _LONGEST_WAIT_S:  # no limit (inf), or beyond what poll takes
+                timeout = None
             if self._poll is not None:
                 ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
                 self._poll.poll(ms)
@@ -459,6 +463,12 @@ class ClientSocket:
         with contextlib.suppress(OSError):
             self.sock.send(b"R", _DONTWAIT)
 
+    def interrupt(self) -> None:
+        """Shut our reading side: a ``poll`` on it returns (a bare close() would not wake it), and the producer
+        sees no EOF, so the leases of frames still held stay until :meth:`close`."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RD)
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -497,6 +507,10 @@ class SocketClient(Client):
 
     def hint(self) -> None:
         self._s().hint()
+
+    def interrupt(self) -> None:
+        if self._sock is not None:
+            self._sock.interrupt()
 
     def close(self) -> None:
         if self._sock is not None:

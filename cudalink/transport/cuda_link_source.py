@@ -46,7 +46,7 @@ from ..errors import FormatError, LinkError, ProtocolError
 from ..frames.frame import Frame, _Hold
 from . import cuda_link_wire as cw
 from .base import NoProducer
-from .shm import Segment, _open_segment
+from .shm import EmptySegment, Segment, _open_segment
 from .source import account, copy_mode
 
 if TYPE_CHECKING:
@@ -371,6 +371,8 @@ class CudaLinkSource:
     def attach(self, deadline: float, dead_generation: int) -> CudaLinkAttachment:
         try:
             shm = _open_segment(self.segment)
+        except EmptySegment as exc:
+            raise NoProducer(str(exc)) from exc
         except FileNotFoundError as exc:
             raise NoProducer(f"no cuda-link segment named {self.segment!r} (start the cuda-link producer)") from exc
         except OSError as exc:
@@ -480,6 +482,7 @@ class CudaLinkAttachment:
         self._period = 0.0
         self._poller: _Poller | None = None
         self._detached = False
+        self._interrupted = False
         #: cuda-link's optional doorbell (Windows): a waiting recv sleeps on it, the poll plan as its timeout
         self._bell: _platform.Doorbell | None = None
 
@@ -536,10 +539,15 @@ class CudaLinkAttachment:
 
     # -- waiting -------------------------------------------------------------------------------------------
 
+    def interrupt(self) -> None:
+        """The Receiver is being closed: its waiting recv stops sleeping (at the next step of the poll plan)."""
+        self._interrupted = True
+
     def _changed(self) -> bool:
         buf = self.buf
         return bool(
-            _U32.unpack_from(buf, cw.OFF_WRITE_IDX)[0] != self._seen
+            self._interrupted
+            or _U32.unpack_from(buf, cw.OFF_WRITE_IDX)[0] != self._seen
             or buf[self._off_shutdown]
             or struct.unpack_from("<Q", buf, cw.OFF_VERSION)[0] != self.version
         )

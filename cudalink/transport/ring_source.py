@@ -123,6 +123,9 @@ def py_sleep_receive(rx: Counters, att: RingAttachment, timeout: float, waiting:
     return cast("Frame | None", frame)
 
 
+#: the longest one attempt waits for a producer's WELCOME; the Receiver tries again until its own deadline,
+#: which may be none (``timeout=None``)
+_HANDSHAKE_S = 5.0
 #: the per-frame functions the ring uses: the compiled twins where they were built
 receive = py_receive if _native.ring is None else _native.ring.receive
 sleep_receive = py_sleep_receive if _native.ring is None else _native.ring.sleep_receive
@@ -188,6 +191,9 @@ class RingAttachment:
 
     async def wait_async(self, timeout: float | None) -> None:
         await self.client.wait_async(timeout)
+
+    def interrupt(self) -> None:
+        self.client.interrupt()
 
     def release(self, slot: int, seq: int, streams: list[int]) -> None:
         fenced = False
@@ -293,7 +299,9 @@ class RingSource:
             token = secrets.randbits(63)
             hello = wire.pack_hello(wire.Hello(fixed.generation, token, os.getpid()))
             try:
-                data, fds = client.handshake(hello, wire.WELCOME.size, max(0.05, deadline - time.monotonic()))
+                data, fds = client.handshake(
+                    hello, wire.WELCOME.size, min(max(0.05, deadline - time.monotonic()), _HANDSHAKE_S)
+                )
             except (TimeoutError, ConnectionError) as exc:
                 raise NoProducer(f"handshake failed: {exc}") from exc
             try:

@@ -31,19 +31,31 @@ __all__ = ["SharedMemoryTransport"]
 _track_lock = threading.Lock()
 
 
+class EmptySegment(FileNotFoundError):
+    """A segment of 0 bytes: its creator has not sized it yet (``shm_open`` comes before ``ftruncate``), or died
+    in between. To a reader it is not there yet; ``clean`` and a new producer remove it."""
+
+
 def _open_segment(name: str, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:
     """Open without the resource tracker: it would unlink a live producer's segment when a consumer exits."""
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name, create=create, size=size, track=False)  # type: ignore[call-arg]
-    from multiprocessing import resource_tracker
+    try:
+        if sys.version_info >= (3, 13):
+            return shared_memory.SharedMemory(name, create=create, size=size, track=False)  # type: ignore[call-arg]
+        from multiprocessing import resource_tracker
 
-    with _track_lock:
-        saved = resource_tracker.register
-        resource_tracker.register = lambda *a, **k: None  # type: ignore[assignment]
-        try:
-            return shared_memory.SharedMemory(name, create=create, size=size)
-        finally:
-            resource_tracker.register = saved  # type: ignore[assignment]
+        with _track_lock:
+            saved = resource_tracker.register
+            resource_tracker.register = lambda *a, **k: None  # type: ignore[assignment]
+            try:
+                return shared_memory.SharedMemory(name, create=create, size=size)
+            finally:
+                resource_tracker.register = saved  # type: ignore[assignment]
+    except ValueError as exc:  # "cannot mmap an empty file" (the half-made object's __del__ closes its fd)
+        if create:
+            raise
+        raise EmptySegment(
+            f"shared-memory segment {name!r} is empty: its producer is creating it (or died doing so)"
+        ) from exc
 
 
 def _create_segment(name: str, size: int, what: str) -> shared_memory.SharedMemory:
@@ -62,6 +74,9 @@ def _create_segment(name: str, size: int, what: str) -> shared_memory.SharedMemo
 def _unlink_segment(name: str) -> None:
     try:
         seg = _open_segment(name)
+    except EmptySegment:
+        _unlink_name(name)
+        return
     except (FileNotFoundError, OSError):
         return
     with contextlib.suppress(OSError):
@@ -71,12 +86,17 @@ def _unlink_segment(name: str) -> None:
 
 
 def _posix_unlink(seg: shared_memory.SharedMemory) -> None:
+    _unlink_name(seg._name)  # type: ignore[attr-defined]
+
+
+def _unlink_name(name: str) -> None:
+    """Unlink a POSIX segment by name (its mapping, if any, stays valid); Windows: it goes with its last handle."""
     try:
         import _posixshmem  # type: ignore[import-not-found]
-
-        _posixshmem.shm_unlink(seg._name)  # type: ignore[attr-defined]
-    except ImportError:  # Windows: the segment goes with its last handle
-        pass
+    except ImportError:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink(name if name.startswith("/") else "/" + name)
 
 
 class Segment:
@@ -284,6 +304,8 @@ def _generation_of(seg_name: str) -> int | None:
 def _exists(seg_name: str) -> bool:
     try:
         seg = _open_segment(seg_name)
+    except EmptySegment:
+        return True
     except (FileNotFoundError, OSError):
         return False
     with contextlib.suppress(Exception):

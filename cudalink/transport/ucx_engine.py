@@ -195,9 +195,24 @@ def check_listen(listen: str) -> None:
     """Fail in the producer, before it allocates anything, on a bad address or a missing extra."""
     import importlib.util
 
-    ucx_wire.parse_address(listen, need_name=False)
+    addr = ucx_wire.parse_address(listen, need_name=False)
     if importlib.util.find_spec("ucxx") is None:
         raise LinkError(f"cudalink: serve={listen!r} needs UCXX, which is not installed; {INSTALL_HINT}")
+    check_port(addr.port)
+
+
+def check_port(port: int) -> None:
+    """Refuse a port a live listener holds (on any address: UCXX's listener binds every interface), before
+    anything is started: the server process would only find out later, and alone. A port held by a socket
+    in TIME_WAIT passes (SO_REUSEADDR), as UCXX's listener takes it too."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as exc:
+            raise LinkError(
+                f"cudalink: port {port} is in use on this host ({exc.strerror}); pick another port for serve="
+            ) from None
 
 
 def free_port() -> int:
@@ -524,6 +539,8 @@ class Engine:
     def __init__(self) -> None:
         load()  # the error naming the extra, in the caller's thread
         self.loop = asyncio.new_event_loop()
+        #: closings under way (a Receiver's goodbye and the freeing of its memory): waited for at exit
+        self.closing: set[asyncio.Future[None]] = set()
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.thread = threading.Thread(target=self._run, args=(ready,), name="cudalink-ucx", daemon=True)
         self.thread.start()
@@ -536,6 +553,14 @@ class Engine:
         go on progressing UCX meanwhile, and a message landing in a GPU buffer after CUDA's teardown
         aborted the process (UCX 1.21 "Fatal: mem type unpack failed", H200, 2026-11-26)."""
         if self.thread.is_alive() and self.thread is not threading.current_thread():
+            # a Receiver closed just before exit is still saying goodbye and freeing its memory: let it finish
+            # (bounded), else its tasks die pending and its GPU memory outlives CUDA
+            async def closed() -> None:
+                if self.closing:
+                    await asyncio.wait(list(self.closing), timeout=timeout)
+
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(closed(), self.loop).result(timeout + 0.5)
             with contextlib.suppress(RuntimeError):  # the loop is already closed
                 self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout)
@@ -557,14 +582,41 @@ class Engine:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coro`` on the engine's loop and wait for it (never call this from the loop itself)."""
-        fut = self.submit(coro)
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float, orphan: Callable[[T], object] | None = None) -> T:
+        """Run ``coro`` on the engine's loop and wait for it (never call this from the loop itself).
+
+        Where we stop waiting (the time is up, or an exception in this thread) it is cancelled, and whatever
+        it makes all the same (it was finishing as we gave up, or did not heed the cancel) goes to ``orphan``:
+        a connection nobody will use must still be closed. A lock decides which side has it."""
+        gate = threading.Lock()
+        state = {"abandoned": False, "delivered": False}
+
+        async def guarded() -> T:
+            made = await coro
+            with gate:
+                if not state["abandoned"]:
+                    state["delivered"] = True
+                    return made
+            if orphan is not None:
+                with contextlib.suppress(Exception):
+                    orphan(made)
+            return made
+
+        fut = self.submit(guarded())
         try:
             return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"cudalink: ucx operation took over {timeout:.1f}s") from None
+        except BaseException as exc:
+            with gate:
+                state["abandoned"] = True
+                delivered = state["delivered"]
+            if not delivered:
+                fut.cancel()
+            elif orphan is not None:  # made, on its way to us: nobody takes it now
+                with contextlib.suppress(Exception):
+                    orphan(fut.result(5.0))
+            if isinstance(exc, concurrent.futures.TimeoutError):
+                raise TimeoutError(f"cudalink: ucx operation took over {timeout:.1f}s") from None
+            raise
 
     def call_soon(self, fn: Any, *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone at interpreter exit

@@ -52,6 +52,9 @@ RESUME_AFTER_STALL_S = 2.0
 #: drops for silence in a row, with no frame landing in between, after which a consumer gives up (ProducerGone
 #: says why) rather than connect again and again
 MAX_FRUITLESS_RESUMES = 3
+#: the longest one attempt to connect may take (a CUDA context, the connection, the handshake); the Receiver
+#: tries again until its own deadline, which may be none (``timeout=None``)
+_ATTEMPT_S = 30.0
 
 
 def _pick_device(device: int | str | None) -> int:
@@ -98,9 +101,9 @@ class UcxSource:
         if self._device is None:
             self._device = _pick_device(self._device_arg)
         eng = ucx_engine.engine()
-        left = max(0.2, deadline - time.monotonic())
+        left = min(max(0.2, deadline - time.monotonic()), _ATTEMPT_S)
         try:
-            att = eng.run(self._connect(eng, min(left, ucx_engine.HANDSHAKE_S)), left + 1.0)
+            att = eng.run(self._connect(eng, min(left, ucx_engine.HANDSHAKE_S)), left + 1.0, UcxAttachment.detach)
         except ucx_wire.Refused as exc:
             if exc.code == ucx_wire.R_KEY:
                 raise ProtocolError(
@@ -319,6 +322,8 @@ class UcxAttachment:
         with contextlib.suppress(OSError):
             os.write(self.wfd, b"\x01")
 
+    interrupt = _wake  # the Receiver is being closed: its waiting recv wakes, and leaves
+
     def _end(self, why: str) -> None:
         if not self.dead:
             self.dead = why
@@ -526,9 +531,27 @@ class UcxAttachment:
                 self._end("closed")
             # the endpoint is aborted and the reader has ended: UCX writes into none of our buffers now
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            await asyncio.to_thread(self._free_memory)  # it may wait on the GPU: never on the loop
+            try:
+                await asyncio.to_thread(self._free_memory)  # it may wait on the GPU: never on the loop
+            except RuntimeError:  # at interpreter exit the executor takes no more work: here, then
+                self._free_memory()
+            self._close_pipe()
 
-        self._spawn(leave())
+        task = asyncio.ensure_future(leave())
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+        closing = self.eng.closing
+        closing.add(task)
+        task.add_done_callback(closing.discard)
+
+    def _close_pipe(self) -> None:
+        """The wake-up pipe, closed with the connection (not left to the garbage collector: a cycle keeps
+        an attachment, and so its two fds, alive until a collection runs)."""
+        rfd, wfd, self.rfd, self.wfd = self.rfd, self.wfd, -1, -1
+        for fd in (rfd, wfd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def _free_memory(self) -> None:
         """The landing buffers no frame holds (a held one goes when its frame does: frames landed but never
@@ -597,9 +620,7 @@ class UcxAttachment:
         self.eng.call_soon(self._close_on_loop)
 
     def __del__(self) -> None:
-        for fd in (self.rfd, self.wfd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._close_pipe()
         if self.pinned is not None and not sys.is_finalizing():  # nothing receives into it: the reader held us
             with contextlib.suppress(Exception):
                 self.pinned.close()

@@ -388,7 +388,8 @@ class Address:
 
 
 def parse_address(url: str, *, need_name: bool) -> Address:
-    """``ucx://HOST:PORT[/NAME]`` (IPv6 hosts in brackets); a bad address names the expected form."""
+    """``ucx://HOST:PORT[/NAME]``; a bad address names the expected form (IPv6 hosts, in brackets, are
+    refused: UCXX listens on IPv4 only)."""
     form = "ucx://HOST:PORT/NAME" if need_name else "ucx://HOST:PORT"
     if not isinstance(url, str) or not url.startswith("ucx://"):
         raise ProtocolError(f"cudalink: {url!r} is not a ucx address; use {form}", ProtocolReason.REFUSED)
@@ -407,6 +408,10 @@ def parse_address(url: str, *, need_name: bool) -> Address:
         port = -1
     if not host or not 0 < port < 65536:
         raise ProtocolError(f"cudalink: bad ucx address {url!r}; use {form}", ProtocolReason.REFUSED)
+    if ":" in host:  # UCXX 0.52's listener binds IPv4 only: an IPv6 server is never reached
+        raise ProtocolError(
+            f"cudalink: {url!r}: UCXX serves IPv4 only; use an IPv4 address or a host name", ProtocolReason.REFUSED
+        )
     if need_name and not name:
         raise ProtocolError(f"cudalink: {url!r} names no link; use {form}", ProtocolReason.REFUSED)
     if not need_name and name:

@@ -1,0 +1,287 @@
+"""Edges a user hits without meaning to: no time limit, a close() from another thread, a per-call timeout
+that is not a number, a segment caught half made, a byte order the link does not carry."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cudalink
+from cudalink import _platform
+from cudalink.transport import MemoryTransport, SharedMemoryTransport
+from cudalink.transport.base import Transport
+from cudalink.transport.shm import EmptySegment, _exists, _open_segment, _unlink_segment
+
+from .conftest import DEFAULT, PairFactory, close_while_waiting
+
+
+@pytest.fixture(params=["memory", "shm"])
+def transport(request: pytest.FixtureRequest) -> Transport:
+    return MemoryTransport() if request.param == "memory" else SharedMemoryTransport()
+
+
+def _later(delay: float, fn: Any, *args: Any) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(delay), fn(*args)), daemon=True)
+    t.start()
+    return t
+
+
+# -- no time limit -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["timeout=None", "recv(timeout=inf)"])
+def test_no_time_limit_attaches_and_waits_for_the_frame(name: str, how: str) -> None:
+    """``timeout=None`` is "no limit": it attaches, and a recv waits for a frame sent later (it once failed
+    with OverflowError at attach, where the handshake's socket timeout became infinite)."""
+    with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx:
+        if how == "timeout=None":
+            rx = cudalink.Receiver(name, timeout=None)
+            call = rx.recv
+        else:
+            rx = cudalink.Receiver(name, connect=False)
+            call = functools.partial(rx.recv, timeout=math.inf)
+        with rx:
+            _later(0.3, tx.send, np.full(4, 7, np.uint8))
+            frame = call()
+            assert frame.numpy().tolist() == [7, 7, 7, 7]
+            frame.release()
+
+
+def test_no_time_limit_async(name: str) -> None:
+    async def main() -> list[int]:
+        with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx:
+            rx = cudalink.Receiver(name, timeout=None, connect=False)
+            _later(0.3, tx.send, np.full(4, 3, np.uint8))
+            async for frame in rx:
+                got = frame.numpy().tolist()
+                frame.release()
+                rx.close()
+                return list(got)
+        return []
+
+    assert asyncio.run(main()) == [3, 3, 3, 3]
+
+
+# -- close() from another thread -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wait", ["block", "hybrid", "spin"])
+def test_close_from_another_thread_wakes_a_waiting_recv(pair: PairFactory, transport: Transport, wait: str) -> None:
+    tx, rx = pair(transport, rx={"wait": wait, "timeout": 30.0})
+    got = close_while_waiting(rx)
+    assert not got["stuck"], "recv() still waiting after close()"
+    assert isinstance(got.get("error"), cudalink.LinkClosed), got
+    assert "closed" in str(got["error"])
+    assert got["took"] < 3.0
+    deadline = time.monotonic() + 3.0  # it left the link: the producer sees it go
+    while tx.stats()["consumers"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tx.stats()["consumers"] == 0
+    with pytest.raises(cudalink.LinkClosed):
+        rx.recv(timeout=0.1)
+    tx.send(np.ones((4, 4), np.uint16))  # the producer goes on
+
+
+def test_close_from_another_thread_ends_a_for_loop_and_keeps_held_frames(name: str) -> None:
+    """A frame held when close() ends the loop stays valid (its slot is not reused under it) until released."""
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", slots=2) as tx:
+        rx = cudalink.Receiver(name, timeout=30.0)
+        tx.send(np.full(4, 5, np.uint8))
+        held: list[cudalink.Frame] = []
+
+        def worker() -> None:
+            for frame in rx:
+                held.append(frame)
+
+        t = threading.Thread(target=worker, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 5
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # asleep again, waiting for the second frame
+        rx.close()
+        t.join(5.0)
+        assert not t.is_alive(), "the for loop did not end with close()"
+        assert len(held) == 1
+        for i in range(4):  # the producer goes on; two slots, one held: the held one is never written
+            tx.send(np.full(4, 10 + i, np.uint8))
+        assert held[0].numpy().tolist() == [5, 5, 5, 5]
+        held[0].release()
+
+
+def test_close_from_another_task_ends_an_async_for(name: str) -> None:
+    async def main() -> str:
+        with cudalink.Sender(name, shape=(4,), dtype="uint8"):
+            rx = cudalink.Receiver(name, timeout=30.0)
+
+            async def consume() -> str:
+                async for frame in rx:
+                    frame.release()
+                return "ended"
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.3)
+            rx.close()
+            return await asyncio.wait_for(task, 5.0)
+
+    assert asyncio.run(main()) == "ended"
+
+
+def test_closing_a_sender_ends_a_send_waiting_for_a_slot(name: str) -> None:
+    """policy='block', no time limit, every slot held: close() from another thread ends the waiting send with
+    LinkClosed (it held the lock close() needs, and close() hung)."""
+    tx = cudalink.Sender(name, shape=(4,), dtype="uint8", slots=1, policy="block", timeout=None)
+    rx = cudalink.Receiver(name, timeout=2.0)
+    tx.send(np.zeros(4, np.uint8))
+    held = rx.recv()
+    got: dict[str, object] = {}
+
+    def sender() -> None:
+        try:
+            got["seq"] = tx.send(np.ones(4, np.uint8))
+        except cudalink.LinkError as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=sender, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()  # waiting for the slot, as asked
+    closer = threading.Thread(target=tx.close, kwargs={"timeout": 0.5}, daemon=True)
+    closer.start()
+    closer.join(5.0)
+    t.join(5.0)
+    assert not closer.is_alive(), "close() hung behind the waiting send"
+    assert isinstance(got.get("error"), cudalink.LinkClosed), got
+    held.release()
+    rx.close()
+
+
+# -- per-call timeouts -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bad", "kind"),
+    [("0.1", cudalink.ArgumentTypeError), (math.nan, cudalink.ArgumentError), (-1, cudalink.ArgumentError)],
+)
+def test_per_call_timeouts_are_checked(pair: PairFactory, bad: object, kind: type[Exception]) -> None:
+    tx, rx = pair(slots=1, policy="block", rx={"timeout": 1.0})
+    calls = {
+        "recv": lambda: rx.recv(timeout=bad),
+        "recv_async": lambda: asyncio.run(rx.recv_async(timeout=bad)),
+        "send": lambda: tx.send(np.zeros((4, 4), np.uint16), timeout=bad),
+        "reserve": lambda: tx.reserve(timeout=bad),
+    }
+    for what, call in calls.items():
+        t0 = time.monotonic()
+        with pytest.raises(kind, match=r"^cudalink: timeout must be") as info:
+            call()
+        assert time.monotonic() - t0 < 1.0, what  # refused at once, not after waiting
+        assert "timeout=1.0" in str(info.value), what
+    assert tx.seq == 0  # nothing was sent
+
+
+def test_good_per_call_timeouts_still_work(pair: PairFactory) -> None:
+    tx, rx = pair(rx={"timeout": 1.0})
+    for t in (0, 0.05, 1, np.float32(0.05)):
+        with pytest.raises(cudalink.LinkTimeout):
+            rx.recv(timeout=t)  # type: ignore[arg-type]
+    tx.send(np.zeros((4, 4), np.uint16), timeout=1)
+    rx.recv(timeout=1).release()
+
+
+# -- the end of a stream, by every way in -------------------------------------------------------------------------
+
+
+def _gone_receiver(name: str) -> cudalink.Receiver:
+    tx = cudalink.Sender(name, shape=(4,), dtype="uint8")
+    rx = cudalink.Receiver(name, timeout=1.0)
+    tx.close()
+    with pytest.raises(cudalink.ProducerGone):
+        rx.recv(timeout=1.0)
+    return rx
+
+
+def test_after_producer_gone_recv_async_agrees_with_recv(name: str) -> None:
+    rx = _gone_receiver(name)
+    with pytest.raises(cudalink.ProducerGone):
+        rx.recv(timeout=0.2)
+    with pytest.raises(cudalink.ProducerGone):
+        asyncio.run(rx.recv_async(timeout=0.2))
+    rx.close()
+
+
+@pytest.mark.parametrize("how", ["recv", "recv_async", "poll"])
+def test_a_restart_is_counted_however_it_is_picked_up(name: str, how: str) -> None:
+    rx = _gone_receiver(name)
+    with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx:
+        tx.send(np.ones(4, np.uint8))
+        if how == "recv":
+            frame = rx.recv(timeout=1.0)
+        elif how == "recv_async":
+            frame = asyncio.run(rx.recv_async(timeout=1.0))
+        else:
+            frame = rx.poll()
+        assert frame is not None and frame.seq == 1
+        assert rx.stats()["reattached"] == 1
+        frame.release()
+        rx.close()
+
+
+# -- a segment caught half made ------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
+def test_an_empty_segment_is_not_there_yet(name: str) -> None:
+    """A 0-byte segment (``shm_open`` done, ``ftruncate`` not yet, or its maker died between): a Receiver
+    waits for it as for a missing one, and says so when its time is up; ``clean`` removes it."""
+    seg = _platform.segment_name(name)
+    path = f"/dev/shm/{seg}"
+    open(path, "wb").close()
+    try:
+        with pytest.raises(EmptySegment):
+            _open_segment(seg)
+        assert _exists(seg)
+        with pytest.raises(cudalink.LinkError, match="is empty"):
+            cudalink.Receiver(f"cuda-link:{seg}", timeout=0.3)
+        _unlink_segment(seg)
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+# -- messages that name the fix -------------------------------------------------------------------------------------
+
+
+def test_a_byte_order_mismatch_says_so(pair: PairFactory) -> None:
+    tx, _rx = pair(transport=DEFAULT, shape=(2, 3), dtype="uint16")
+    other = "<u2" if sys.byteorder == "big" else ">u2"
+    with pytest.raises(cudalink.FormatError, match=r"endian.*newbyteorder") as info:
+        tx.send(np.zeros((2, 3), other))
+    assert "reconfigure" not in str(info.value)
+    assert tx.seq == 0
+
+
+def test_fileno_before_attaching_names_the_fix(name: str) -> None:
+    rx = cudalink.Receiver(name, connect=False)
+    with pytest.raises(cudalink.LinkError, match=r"poll\(\) or recv\(\) first"):
+        rx.fileno()
+    rx.close()
+    with pytest.raises(cudalink.LinkClosed):
+        rx.fileno()
+
+
+def test_close_from_another_thread_ends_a_recv_waiting_for_a_producer(name: str) -> None:
+    rx = cudalink.Receiver(name, timeout=30.0, connect=False)
+    got = close_while_waiting(rx, join=3.0)  # no producer: it waits for one
+    assert not got["stuck"], "recv() still waiting for a producer after close()"
+    assert isinstance(got.get("error"), cudalink.LinkClosed), got

@@ -1,0 +1,215 @@
+"""ucx:// edges between real processes over TCP on 127.0.0.1: no time limit, a consumer that holds every frame
+when its producer dies, a port already taken, a close right before exit, and a relay whose upstream restarts
+with larger frames."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import socket
+import struct
+import time
+
+import pytest
+
+import cudalink
+from cudalink.transport import ucx_engine, ucx_source
+
+from ._ucx_procs import check, pattern
+from .test_ucx import Proc, free_port, producer, served, server, unique
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _joined(srv: Proc) -> int:
+    return sum("a consumer joined" in ln for ln in srv.log)
+
+
+def test_no_time_limit_attaches_once_and_waits() -> None:
+    """``timeout=None`` is no limit: it once raised OverflowError inside each connect attempt, which was
+    retried for ever while every abandoned attempt kept a consumer place of the producer's link."""
+    with served("n", "--frames", "1000000", "--fps", "50") as (_, srv, url):
+        with cudalink.Receiver(url, timeout=None) as rx:
+            with rx.recv() as f:
+                check(f)
+            with rx.recv(timeout=math.inf) as f:
+                check(f)
+        time.sleep(0.3)
+        assert _joined(srv) == 1, "".join(srv.log)
+
+
+def test_a_consumer_holding_every_frame_hears_its_producer_die_within_a_second() -> None:
+    """With every landing buffer held, the server sends it nothing: it must still say when the producer goes
+    (it once did only when a frame was given back: the consumer saw LinkTimeout, not ProducerGone)."""
+    with (
+        served("h", "--frames", "1000000", "--fps", "100") as (prod, _, url),
+        cudalink.Receiver(url, latest=False, timeout=10.0) as rx,
+    ):
+        held = [rx.recv(timeout=5.0) for _ in range(ucx_source.CREDITS)]
+        for f in held:
+            check(f)
+        time.sleep(0.3)  # the server has nothing it may send
+        killed = time.monotonic()
+        prod.kill()
+        with pytest.raises(cudalink.ProducerGone, match="closed or died"):
+            while True:
+                rx.recv(timeout=5.0).release()
+        assert time.monotonic() - killed <= 1.0
+        for f in held:  # still whole: their memory is ours
+            check(f)
+            f.release()
+
+
+def test_serving_on_a_port_in_use_is_refused_at_once(name: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.LinkError, match=rf"^cudalink: port {port} is in use.*pick another port"):
+            cudalink.Sender(name, shape=(4,), dtype="uint8", serve=f"ucx://127.0.0.1:{port}")
+        assert time.monotonic() - t0 < 2.0
+    with cudalink.Sender(name, shape=(4,), dtype="uint8"):  # nothing was left behind under the name
+        pass
+
+
+def test_a_receiver_closed_right_before_exit_says_goodbye_and_leaves_nothing_pending() -> None:
+    with served("x", "--frames", "1000000", "--fps", "100") as (_, srv, url):
+        script = (
+            "import cudalink\n"
+            f"with cudalink.Receiver({url!r}, timeout=10.0) as rx:\n"
+            "    rx.recv().release()\n"
+            "print('closed', flush=True)\n"
+        )
+        child = Proc(["-c", script])
+        child.expect("closed", 30.0)
+        assert child.p.wait(20) == 0, "".join(child.log)
+        out = "".join(child.log)
+        assert "Task was destroyed" not in out and "Traceback" not in out and "RuntimeError" not in out, out
+        srv.expect("cudalink serve: a consumer said goodbye", 10.0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's fds in /proc")
+def test_closing_gives_the_file_descriptors_back_without_the_garbage_collector() -> None:
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with served("f", "--frames", "1000000", "--fps", "200") as (_, _, url):
+        gc.collect()
+        gc.disable()
+        try:
+            with cudalink.Receiver(url, timeout=10.0) as rx:  # the engine and its first connection
+                rx.recv().release()
+            time.sleep(0.5)
+            before = fds()
+            for _ in range(6):
+                rx = cudalink.Receiver(url, timeout=10.0)
+                rx.recv().release()
+                rx.close()
+            deadline = time.monotonic() + 5.0
+            while fds() > before + 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert fds() <= before + 2, (before, fds())
+        finally:
+            gc.enable()
+
+
+def test_relay_follows_an_upstream_restart_with_larger_frames() -> None:
+    name = unique("r")
+    local = unique("rl")
+    prod = producer(name, "--frames", "1000000", "--fps", "100", "--shape", "8,8,4")
+    srv, url = server(name)
+    relay = Proc(["-m", "cudalink", "relay", url, "--as", local])
+    try:
+        relay.expect("cudalink: relaying", 20.0)
+        with cudalink.Receiver(local, timeout=10.0) as rx:
+            with rx.recv(timeout=5.0) as f:
+                assert f.shape == (8, 8, 4)
+                check(f, relayed=True)
+            prod.kill()
+            prod = producer(name, "--frames", "1000000", "--fps", "100", "--shape", "64,64,4")
+            deadline = time.monotonic() + 20.0
+            while True:
+                assert time.monotonic() < deadline, "".join(relay.log)
+                try:
+                    f = rx.recv(timeout=1.0)
+                except (cudalink.ProducerGone, cudalink.LinkTimeout):
+                    continue
+                with f:
+                    if f.shape == (64, 64, 4):
+                        check(f, relayed=True)
+                        assert f.timestamp_ns > 0
+                        break
+        assert relay.p.poll() is None, "".join(relay.log)
+    finally:
+        relay.stop()
+        srv.stop()
+        prod.stop()
+
+
+def test_the_relay_keeps_each_frames_timestamp_and_meta() -> None:
+    name = unique("t")
+    local = unique("tl")
+    port = free_port()
+    with cudalink.Sender(name, shape=(4, 4, 4), serve=f"ucx://127.0.0.1:{port}") as tx:
+        relay = Proc(["-m", "cudalink", "relay", f"ucx://127.0.0.1:{port}/{name}", "--as", local, "--in-order"])
+        try:
+            stamps: dict[int, int] = {}
+            deadline = time.monotonic() + 30.0
+            with cudalink.Receiver(local, latest=False, timeout=0.2, connect=False) as rx:
+                while time.monotonic() < deadline:
+                    seq = tx.seq + 1
+                    stamps[seq] = 1_000_000_000 * seq + 7
+                    tx.send(pattern((4, 4, 4), seq), meta=struct.pack("<Q", seq), timestamp_ns=stamps[seq])
+                    try:
+                        f = rx.recv(timeout=0.05)
+                    except (cudalink.LinkTimeout, cudalink.ProducerGone):
+                        continue
+                    with f:
+                        check(f, relayed=True)
+                        sent = struct.unpack("<Q", f.meta)[0]
+                        assert f.timestamp_ns == stamps[sent]
+                        break
+                else:
+                    raise AssertionError("no relayed frame within 30 s:\n" + "".join(relay.log))
+        finally:
+            relay.stop()
+
+
+def test_the_serve_command_says_it_listens_on_every_interface() -> None:
+    with served("i", "--frames", "1000000", "--fps", "10") as (_, srv, _):
+        line = srv.expect("cudalink: UCXX listens on port", 10.0)
+        assert "every IPv4 interface" in line and "key" in line
+
+
+def test_an_engine_wait_that_gives_up_hands_what_is_made_anyway_to_orphan() -> None:
+    """``Engine.run`` cancels what it stops waiting for; a result made all the same (a connection finished as
+    the caller gave up) goes to ``orphan``, so it is closed rather than leaked."""
+    import asyncio
+
+    eng = ucx_engine.engine()
+    got: list[object] = []
+
+    async def heeds() -> str:
+        await asyncio.sleep(0.3)
+        return "made"
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.sleep(0.3)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)
+        return "made anyway"
+
+    with pytest.raises(TimeoutError):
+        eng.run(heeds(), 0.05, got.append)
+    with pytest.raises(TimeoutError):
+        eng.run(stubborn(), 0.05, got.append)
+    deadline = time.monotonic() + 3.0
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.4)
+    assert got == ["made anyway"]
+    assert eng.run(heeds(), 5.0, got.append) == "made"  # a wait that ends in time hands it to the caller
+    assert got == ["made anyway"]

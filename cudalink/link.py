@@ -288,6 +288,8 @@ class Sender:
         self._closed = False
         self._lock = threading.RLock()
         self._released = threading.Event()
+        #: send_async()'s cancel flags, by the thread that runs each send: a cancelled one stops waiting for a slot
+        self._abandons: dict[int, threading.Event] = {}
         #: per (consumer index, slot): that consumer's imported release event, with the token of the consumer
         #: it came from. Items are replaced whole (atomic under the GIL), so the control thread's leave never
         #: races a send iterating a dict.
@@ -411,6 +413,11 @@ class Sender:
                 self._released.clear()
                 if self._closing:
                     raise LinkClosed(f"cudalink: Sender {self.name!r} was closed while this send waited for a slot")
+                abandon = self._abandons.get(threading.get_ident()) if self._abandons else None
+                if abandon is not None and abandon.is_set():
+                    raise LinkTimeout(
+                        "cudalink: send_async() was cancelled while it waited for a slot; nothing was sent"
+                    )
                 slot = self._ring.claim(self._seq + 1)
                 if slot is not None:
                     return slot
@@ -661,12 +668,28 @@ class Sender:
         meta: Meta = b"",
         timeout: float | None = None,
     ) -> int | None:
-        """``send`` that waits for a free slot (policy ``"block"``) in a thread, not on the event loop."""
+        """``send`` that waits for a free slot (policy ``"block"``) in a thread, not on the event loop.
+
+        Cancelled while it waits for a slot, it sends nothing and lets the Sender go at once (its thread would
+        otherwise wait on, holding the Sender's lock); cancelled once the copy has begun, the frame is sent."""
         import asyncio
 
-        return await asyncio.to_thread(
-            self.send, array, stream=stream, timestamp_ns=timestamp_ns, meta=meta, timeout=timeout
-        )
+        abandon = threading.Event()
+
+        def send() -> int | None:
+            me = threading.get_ident()
+            self._abandons[me] = abandon
+            try:
+                return self.send(array, stream=stream, timestamp_ns=timestamp_ns, meta=meta, timeout=timeout)
+            finally:
+                self._abandons.pop(me, None)
+
+        try:
+            return await asyncio.to_thread(send)
+        except asyncio.CancelledError:
+            abandon.set()
+            self._released.set()  # wake its wait now
+            raise
 
     # -- teardown ------------------------------------------------------------------------------------------
 
@@ -932,6 +955,9 @@ class Receiver:
         while True:
             try:
                 att = self._source.attach(deadline, self._dead_generation)
+                if self._closed:  # closed meanwhile (a cancelled recv_async's attach runs on in its thread)
+                    att.detach()
+                    raise self._closed_meanwhile()
                 break
             except NoProducer as exc:
                 last_error = str(exc) or "no producer"
@@ -1012,6 +1038,8 @@ class Receiver:
     def recv(self, timeout: float | None = None) -> Frame:
         """The next frame (newest unseen by default). Raises LinkTimeout or ProducerGone; LinkClosed where
         :meth:`close` is called meanwhile (on another thread)."""
+        if self._busy:
+            raise self._second_waiter()
         self._busy = True  # before the check: a close() on another thread sees this, or we see its _closed
         try:
             self._check_open()
@@ -1106,6 +1134,8 @@ class Receiver:
 
     async def recv_async(self, timeout: float | None = None) -> Frame:
         """Await the next frame: the event loop watches the source's fd, no thread and no polling."""
+        if self._busy:
+            raise self._second_waiter()
         self._busy = True
         try:
             return await self._recv_async(timeout)
@@ -1225,6 +1255,12 @@ class Receiver:
         att = self._att
         if att is not None:
             self._drop(att)
+
+    def _second_waiter(self) -> LinkError:
+        return LinkError(
+            f"cudalink: a recv()/recv_async() is already waiting on Receiver {self.name!r}; one waiter at a time "
+            "(make one Receiver per task or thread: each gets every frame)"
+        )
 
     def _closed_meanwhile(self) -> LinkClosed:
         return LinkClosed(f"cudalink: Receiver {self.name!r} was closed while it waited for a frame")

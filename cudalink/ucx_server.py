@@ -437,6 +437,7 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> 
     )
     name = _platform.check_name(name)
     addr = ucx_wire.parse_address(listen, need_name=False)
+    ucx_engine.check_port(addr.port)  # at once, not after UCX's 15 s of retries
     ucx_engine.load()
     key, created = ucx_engine.load_key(create=True)
     if created:

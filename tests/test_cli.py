@@ -380,6 +380,38 @@ def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(proc)
 
 
+def test_bench_json_that_is_a_directory_is_refused_before_the_run(tmp_path: Path) -> None:
+    """It was found only after the whole run, whose report was then lost."""
+    proc = run_cli("bench", "--quick", "--json", str(tmp_path), timeout=30)
+    assert_one_line_error(proc)
+    assert "is a directory" in proc.stderr and "bench.json" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--interval", "0"], "--interval"),
+        (["--interval", "nan"], "--interval"),
+        (["--seconds", "-1"], "--seconds"),
+        (["--seconds", "inf"], "--seconds"),
+    ],
+)
+def test_monitor_bad_durations_are_one_line(args: list[str], needle: str) -> None:
+    proc = run_cli("monitor", "some-link", *args, timeout=30)
+    assert_one_line_error(proc)
+    assert needle in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"), [(["--as", "bad/name"], "invalid link name"), (["--as", "ok", "--slots", "0"], "--slots")]
+)
+def test_relay_checks_its_arguments_before_waiting_for_a_frame(args: list[str], needle: str) -> None:
+    """They were checked only when the first frame came: against an idle upstream, relay ran on silently."""
+    proc = run_cli("relay", "no-such-upstream", *args, "--seconds", "20", timeout=30)
+    assert_one_line_error(proc)
+    assert needle in proc.stderr
+
+
 def _stub_bench(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], json_arg: str | None
 ) -> tuple[int, str, str]:

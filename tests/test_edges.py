@@ -4,6 +4,7 @@ that is not a number, a segment caught half made, a byte order the link does not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import os
@@ -285,3 +286,161 @@ def test_close_from_another_thread_ends_a_recv_waiting_for_a_producer(name: str)
     got = close_while_waiting(rx, join=3.0)  # no producer: it waits for one
     assert not got["stuck"], "recv() still waiting for a producer after close()"
     assert isinstance(got.get("error"), cudalink.LinkClosed), got
+
+
+def test_a_shutdown_byte_instead_of_a_welcome_means_the_producer_is_going(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer closing while we join wakes every connection, ours too: its shutdown byte arrives where the
+    WELCOME would. That is a producer going (wait for the next), not a ProtocolError."""
+    from cudalink.transport import memory
+
+    tr = MemoryTransport()
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", transport=tr):
+        real = memory._MemoryClient.handshake
+        calls = []
+
+        def closing(self: Any, hello: bytes, size: int, timeout: float) -> tuple[bytes, list[int]]:
+            calls.append(1)
+            if len(calls) == 1:
+                return b"\x00", []
+            return real(self, hello, size, timeout)
+
+        monkeypatch.setattr(memory._MemoryClient, "handshake", closing)
+        with cudalink.Receiver(name, transport=tr, timeout=2.0) as rx:  # the next attempt attaches
+            assert rx.generation
+        assert len(calls) == 2
+
+
+# -- asyncio: one waiter, cancellation -------------------------------------------------------------------------------
+
+
+def test_a_second_waiter_on_one_receiver_is_refused(pair: PairFactory) -> None:
+    """Two tasks awaiting one Receiver each replaced the other's reader on the loop: one got nothing."""
+    tx, rx = pair(rx={"timeout": 5.0})
+
+    async def main() -> tuple[object, object]:
+        first = asyncio.ensure_future(rx.recv_async(timeout=2.0))
+        await asyncio.sleep(0.1)
+        try:
+            await rx.recv_async(timeout=0.1)
+            second: object = None
+        except cudalink.LinkError as exc:
+            second = exc
+        tx.send(np.ones((4, 4), np.uint16))
+        got = await first
+        return second, got
+
+    second, got = asyncio.run(main())
+    assert isinstance(second, cudalink.LinkError) and "one waiter at a time" in str(second)
+    assert isinstance(got, cudalink.Frame)
+    got.release()
+    # the first waiter's end freed the place: a next call works
+    tx.send(np.ones((4, 4), np.uint16))
+    rx.recv(timeout=1.0).release()
+
+
+def test_a_cancelled_first_recv_async_never_joins_a_closed_receiver(name: str) -> None:
+    with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx:
+
+        async def main() -> None:
+            rx = cudalink.Receiver(name, timeout=5.0, connect=False)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(rx.recv_async(), 0.0001)  # cancelled while its attach runs in a thread
+            rx.close()
+
+        asyncio.run(main())
+        deadline = time.monotonic() + 3.0
+        while tx.stats()["consumers"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tx.stats()["consumers"] == 0
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 1.0  # close() had no consumer to wait out
+
+
+def test_a_cancelled_send_async_sends_nothing_and_lets_the_sender_go(name: str) -> None:
+    """It went on waiting in its thread, holding the Sender's lock, and sent the frame later."""
+    tx = cudalink.Sender(name, shape=(4,), dtype="uint8", slots=1, policy="block", timeout=None)
+    rx = cudalink.Receiver(name, timeout=2.0, latest=False)
+    tx.send(np.zeros(4, np.uint8))
+    held = rx.recv()
+
+    async def main() -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(tx.send_async(np.full(4, 7, np.uint8)), 0.2)
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.LinkTimeout):
+            tx.send(np.full(4, 8, np.uint8), timeout=0)  # the lock is free: refused at once, not after seconds
+        assert time.monotonic() - t0 < 0.5
+
+    asyncio.run(main())
+    held.release()
+    time.sleep(0.2)
+    assert tx.seq == 1  # the cancelled frame was never sent
+    with pytest.raises(cudalink.LinkTimeout):
+        rx.recv(timeout=0.2)
+    rx.close()
+    tx.close()
+
+
+# -- frames: what the spec and the exports promise -------------------------------------------------------------------
+
+
+def test_strides_count_toward_the_frame_limit() -> None:
+    """Only the elements were counted: a stride of 2**70 passed, to fail later in struct.pack or ftruncate."""
+    from cudalink.frames.spec import FrameSpec
+
+    for strides in [(2**70,), (2**41,)]:
+        with pytest.raises(cudalink.FormatError, match="frame limit"):
+            FrameSpec((2,), "uint8", strides)
+    with pytest.raises(cudalink.FormatError, match="frame limit"):
+        cudalink.Sender("edge-huge-stride", shape=(2, 2), dtype="uint8", strides=(2**62, 1))
+    assert FrameSpec((2,), "uint8", (2**20,)).nbytes == 2**20 + 1  # a large but possible pitch still passes
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dtype", "ok"),
+    [
+        ("RGBA8", "uint8", True),
+        ("RGBA32F", "float32", True),
+        ("RGBA", "float32", True),
+        ("rgba16f", "float16", True),
+        ("RGBA32F", "uint8", False),
+        ("BGRA8", "float32", False),
+        ("RGBA16", "float16", False),
+    ],
+)
+def test_a_pixel_formats_depth_must_match_the_dtype(fmt: str, dtype: str, ok: bool) -> None:
+    """The suffix was dropped: RGBA32F on uint8 frames reached consumers as RGBA8."""
+    from cudalink.frames.spec import FrameSpec
+
+    if ok:
+        assert FrameSpec((2, 2, 4), dtype, pixel_format=fmt).pixel_format is not None
+    else:
+        with pytest.raises(cudalink.FormatError, match=r"channels but the frames are .*; use '"):
+            FrameSpec((2, 2, 4), dtype, pixel_format=fmt)
+
+
+def test_a_dlpack_0x_consumer_gets_a_legacy_capsule_from_every_cpu_frame(pair: PairFactory) -> None:
+    """max_version=(0, x) is a consumer that knows no versioned capsule: the pure-Python path handed read-only
+    frames to numpy, which refused them, where the compiled one gave a legacy capsule."""
+    tx, rx = pair(shape=(2, 3), dtype="float32")
+    tx.send(np.ones((2, 3), np.float32))
+    ro = np.ones((2, 3), np.float32)
+    ro.flags.writeable = False
+    with rx.recv(timeout=1.0) as received:
+        for frame in (received, cudalink.Frame.from_array(ro)):
+            capsule = frame.__dlpack__(max_version=(0, 8))
+            assert 'dltensor"' in repr(capsule) and "versioned" not in repr(capsule), repr(capsule)
+            versioned = frame.__dlpack__(max_version=(1, 0))
+            assert "dltensor_versioned" in repr(versioned)
+
+
+def test_asarray_without_a_copy_cannot_change_the_dtype(pair: PairFactory) -> None:
+    tx, rx = pair(shape=(2, 3), dtype="float32")
+    tx.send(np.ones((2, 3), np.float32))
+    with rx.recv(timeout=1.0) as frame:
+        with pytest.raises(ValueError, match="without a copy"):
+            np.asarray(frame, dtype=np.float64, copy=False)
+        assert np.shares_memory(np.asarray(frame, copy=False), frame.numpy())
+        assert np.asarray(frame, dtype=np.float64).dtype == np.float64

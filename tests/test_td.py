@@ -232,13 +232,18 @@ def test_tdsender_cpu_publishes_td_layout_and_follows_format_changes(live_mem: A
         np.testing.assert_array_equal(frame.numpy(), small)
         frame.release()
         first = tx.sender
-        # larger than the slots: a new link that the receiver re-attaches to
+        # larger than the slots: a new link that the receiver re-attaches to. The old link closes on a thread of
+        # its own: the receiver (here on TD's thread, as a Script TOP's is) lets go only once TD runs again, so
+        # a close on TD's thread waited out its 2 s. Meanwhile frames are dropped, and counted.
         big = texture(32, 32, 4, np.uint16, seed=3)
         top.texture = big
-        tx.send_top(top)
-        assert tx.sender is not first
+        t0 = time.monotonic()
+        assert tx.send_top(top) is None
+        assert time.monotonic() - t0 < 0.5, "growing the TOP froze TD's thread"
+        assert tx.sender is not first and tx.dropped == 1
         frame = None
-        for _ in range(200):
+        for _ in range(200):  # TD's frames go on: each one sends
+            tx.send_top(top)
             try:
                 frame = rx.recv(timeout=0.05)
                 if frame.shape == big.shape:
@@ -247,10 +252,26 @@ def test_tdsender_cpu_publishes_td_layout_and_follows_format_changes(live_mem: A
                 pass
         assert frame is not None and frame.shape == big.shape
         np.testing.assert_array_equal(frame.numpy(), big)
-        assert tx.sent == 3
+        assert tx.sender is not None and tx.sender is not first
         frame.release()
     with pytest.raises(LinkError, match="closed"):
         tx.send_top(top)
+
+
+def test_tdsender_names_what_is_not_a_top() -> None:
+    class Chop:
+        path = "/project1/noise1"
+
+    class Empty(FakeTOP):
+        def cudaMemory(self, stream: int | None = None) -> Any:
+            return None
+
+    with ctd.TDSender(link_name(), device="cpu") as tx:
+        with pytest.raises(FormatError, match=r"'/project1/noise1' is not a TOP.*point the sender at a TOP"):
+            tx.send_top(Chop())  # type: ignore[arg-type]
+        with pytest.raises(FormatError, match="has no image yet"):
+            tx.send_top(Empty(texture(2, 2, 4, np.uint8)))
+        assert tx.sent == 0
 
 
 def test_tdsender_refuses_float16_tops_via_td() -> None:

@@ -234,6 +234,40 @@ def test_frame_keeps_td_device_memory_alive_and_the_fake_frees_for_real(torch: A
     assert not fakes.device_allocated(ptr)  # control: nothing holds it, and the fake really freed it
 
 
+def test_a_growing_top_never_blocks_tds_thread_on_a_gpu_link(torch: Any) -> None:
+    """A TOP that grows past the link's slots: the old CUDA link closes on a thread of its own while a receiver
+    on TD's thread (as a Script TOP's is) still holds it; TD's send returns at once, and the next ones deliver."""
+    import time
+
+    name = link_name()
+    small = pattern(torch, (8, 8, 4), "uint8", 1)
+    big = pattern(torch, (64, 64, 4), "uint8", 2)
+    torch.cuda.synchronize()
+    top = fakes.FakeTOP(small, device=0)
+    with ctd.TDSender(name, device=0, slots=2) as tx, cudalink.Receiver(name, timeout=5.0, connect=False) as rx:
+        assert tx.send_top(top) == 1
+        held = rx.recv(timeout=5.0)  # the Script TOP's frame: kept until TD runs again
+        assert same(torch, torch.from_dlpack(held), small)
+        top.texture = big
+        t0 = time.monotonic()
+        assert tx.send_top(top) is None
+        assert time.monotonic() - t0 < 0.5, "growing the TOP froze TD's thread"
+        held.release()
+        del held
+        frame = None
+        for _ in range(400):
+            tx.send_top(top)
+            try:
+                frame = rx.recv(timeout=0.05)
+            except (cudalink.ProducerGone, cudalink.LinkTimeout):
+                continue
+            if frame.shape == (64, 64, 4):
+                break
+        assert frame is not None and frame.shape == (64, 64, 4)
+        assert same(torch, torch.from_dlpack(frame), big)
+        frame.release()
+
+
 @pytest.mark.parametrize(("dtype", "comps"), [("uint8", 4), ("uint16", 1), ("float32", 2), ("float32", 4)])
 def test_td_memory_back_into_a_script_top_by_pointer(torch: Any, dtype: str, comps: int) -> None:
     tex = pattern(torch, (24, 40, comps), dtype, 3)

@@ -213,3 +213,41 @@ def test_an_engine_wait_that_gives_up_hands_what_is_made_anyway_to_orphan() -> N
     assert got == ["made anyway"]
     assert eng.run(heeds(), 5.0, got.append) == "made"  # a wait that ends in time hands it to the caller
     assert got == ["made anyway"]
+
+
+def test_waiting_for_a_server_that_is_down_is_quiet_and_says_what_to_check() -> None:
+    """UCXX logged an ERROR line for every failed attempt (about 20 a second), and the reason given was UCX's
+    "length mismatch"; cudalink now says what to check, and UCXX's lines are off unless asked for."""
+    port = free_port()
+    script = (
+        "import cudalink\n"
+        "try:\n"
+        f"    cudalink.Receiver('ucx://127.0.0.1:{port}/x', timeout=1.5)\n"
+        "except cudalink.LinkTimeout as exc:\n"
+        "    print('timeout:', exc, flush=True)\n"
+    )
+    child = Proc(["-c", script])
+    line = child.expect("timeout:", 30.0)
+    assert child.p.wait(20) == 0
+    assert f"nothing answered at 127.0.0.1:{port}" in line and "cudalink serve" in line, line
+    noise = [ln for ln in child.log if "UCXX ERROR" in ln]
+    assert not noise, "".join(child.log)
+    loud = Proc(["-c", script], UCXX_LOG_LEVEL="ERROR")  # the user's setting wins
+    loud.expect("timeout:", 30.0)
+    assert loud.p.wait(20) == 0
+    assert any("UCXX ERROR" in ln for ln in loud.log), "".join(loud.log)
+
+
+def test_the_serve_command_on_a_port_in_use_is_refused_at_once() -> None:
+    """It retried inside UCX for 15 s, printing UCX's bind errors, before it said so."""
+    name = unique("b")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        srv = Proc(["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}"])
+        assert srv.p.wait(10) == 1, "".join(srv.log)
+        assert time.monotonic() - t0 < 8.0
+        out = "".join(srv.log)
+        assert f"port {port} is in use" in out and "UCX ERROR" not in out, out

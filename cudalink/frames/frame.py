@@ -376,11 +376,11 @@ class Frame:
             host = self._host
             if host is not None and not copy:
                 # a legacy capsule cannot say read-only: exported writable, as below
-                legacy = max_version is None
+                legacy = max_version is None or max_version[0] < 1
                 held = host[0 if legacy or self._writable else 1].view(_HeldArray)
                 held._cudalink_hold = hold
                 return held.__dlpack__() if legacy else held.__dlpack__(max_version=max_version, copy=False)
-            if max_version is None:
+            if max_version is None or max_version[0] < 1:
                 # Legacy capsules cannot say "read-only" (numpy refuses to export such arrays); like torch,
                 # we export anyway: writing through it is the consumer's bug, as with any DLPack 0.x tensor.
                 arr = np.asarray(_HostArrayRef(hold, self._spec, readonly=False))
@@ -451,6 +451,11 @@ class Frame:
             raise TypeError("cudalink: a CUDA frame is not host memory; use frame.to_numpy() or a GPU framework")
         arr = self.numpy()
         if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:  # numpy's own rule for np.asarray(x, dtype=..., copy=False)
+                raise ValueError(
+                    f"cudalink: a {arr.dtype} frame cannot be read as {np.dtype(dtype)} without a copy; "
+                    "pass copy=None (or True)"
+                )
             return arr.astype(dtype)
         return arr.copy() if copy else arr
 

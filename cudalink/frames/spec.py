@@ -136,7 +136,7 @@ class FrameSpec:
                 st = None
             else:
                 _check_no_overlap(dims, st, dt.itemsize)
-        pf = _pixel_format(pixel_format)
+        pf = _pixel_format(pixel_format, dt)
         if pf is not None:
             channels = dims[-1] if len(dims) >= 3 else 1
             if channels != pf.channels:
@@ -155,8 +155,14 @@ class FrameSpec:
         object.__setattr__(self, "origin", org)
         # derived once: these sit on every send/recv path
         bst = st if st is not None else _c_strides(dims, dt.itemsize)
+        nbytes = sum((d - 1) * s for d, s in zip(dims, bst, strict=True)) + dt.itemsize
+        if nbytes > MAX_NBYTES:  # the span the strides reach, not only the elements: what a slot must hold
+            raise FormatError(
+                f"cudalink: strides {st} of shape {dims} span {nbytes} bytes, over the {MAX_NBYTES >> 30} GiB frame "
+                "limit; send a compact array (np.ascontiguousarray / .contiguous())"
+            )
         object.__setattr__(self, "_byte_strides", bst)
-        object.__setattr__(self, "_nbytes", sum((d - 1) * s for d, s in zip(dims, bst, strict=True)) + dt.itemsize)
+        object.__setattr__(self, "_nbytes", nbytes)
 
     @property
     def ndim(self) -> int:
@@ -251,13 +257,22 @@ def _check_no_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize
         span = max(span, s * d) if d > 1 else span
 
 
-def _pixel_format(value: PixelFormat | str | None) -> PixelFormat | None:
+def _pixel_format(value: PixelFormat | str | None, dtype: np.dtype[np.generic] | None = None) -> PixelFormat | None:
+    """A pixel format by name; a bit-depth suffix (``RGBA8``, ``RGBA32F``) must name ``dtype``'s depth, else the
+    name would say one thing and the frames another."""
     if value is None or isinstance(value, PixelFormat):
         return value
     text = str(value).upper()
     for suffix in ("32F", "16F", "64F", "8", "16", "32"):
         if text.endswith(suffix) and text[: -len(suffix)] in PixelFormat.__members__:
             text = text[: -len(suffix)]
+            want = _DEPTH_SUFFIX.get(dtype.name) if dtype is not None else suffix
+            if want != suffix:
+                fix = f"'{text}{want}'" if want else f"'{text}' (no depth suffix)"
+                raise FormatError(
+                    f"cudalink: pixel format {value!r} names {suffix} channels but the frames are {dtype}; "
+                    f"use {fix}, or another dtype"
+                )
             break
     try:
         return PixelFormat[text]

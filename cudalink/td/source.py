@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -66,6 +67,10 @@ def frame_from_cuda_memory(
     return Frame(spec, int(ptr), mem, device=ordinal, seq=seq, timestamp_ns=ts, sync=ready)
 
 
+#: how long a send waits, on TD's thread, for a link too small for the TOP to close before it drops the frame
+_RETIRE_WAIT_S = 0.005
+
+
 class TDSender:
     """Exports a TOP each frame through a :class:`~cudalink.Sender`, never blocking TD's CPU.
 
@@ -102,6 +107,9 @@ class TDSender:
         self._stream: Stream | None = None
         self._stream_int: int | None = None
         self._closed = False
+        #: a link too small for the TOP, closing on a thread of its own: a consumer in this very process (a
+        #: Script TOP) lets its frame go only once TD's thread runs again, so a close here would freeze TD
+        self._retiring: threading.Thread | None = None
 
     @property
     def stream(self) -> int | None:
@@ -122,7 +130,18 @@ class TDSender:
     def send_top(self, top: TOPLike, *, meta: bytes = b"") -> int | None:
         """``top.cudaMemory()`` on our stream, then :meth:`send`; returns the seq, or None if dropped."""
         stream = self.stream
-        mem = top.cudaMemory() if stream is None else top.cudaMemory(stream=stream)
+        read = getattr(top, "cudaMemory", None)
+        if read is None:
+            raise FormatError(
+                f"cudalink: {getattr(top, 'path', type(top).__name__)!r} is not a TOP (it has no cudaMemory()); "
+                "point the sender at a TOP"
+            )
+        mem = read() if stream is None else read(stream=stream)
+        if mem is None:
+            raise FormatError(
+                f"cudalink: {getattr(top, 'path', type(top).__name__)!r}.cudaMemory() gave nothing: the TOP has no "
+                "image yet; give it an input (or send from the next frame on)"
+            )
         return self.send(mem, meta=meta)
 
     def send(self, mem: CUDAMemoryLike, *, meta: bytes = b"") -> int | None:
@@ -132,6 +151,9 @@ class TDSender:
         stream = self.stream
         frame = frame_from_cuda_memory(mem, stream=stream, device=self.device)
         sender = self._sender_for(frame.spec)
+        if sender is None:  # the old link is still closing: this frame is dropped, TD goes on
+            self.dropped += 1
+            return None
         seq = sender.send(frame, stream=stream, meta=meta)
         if seq is None:
             self.dropped += 1
@@ -139,7 +161,9 @@ class TDSender:
             self.sent += 1
         return seq
 
-    def _sender_for(self, spec: FrameSpec) -> Sender:
+    def _sender_for(self, spec: FrameSpec) -> Sender | None:
+        """The link for ``spec``: the current one (reconfigured if need be), or a new one once a link too small
+        for it has closed; None while that close is under way (it never blocks TD's thread)."""
         current = self._sender
         if current is not None:
             if current.spec == spec:
@@ -149,7 +173,14 @@ class TDSender:
                 return current
             except FormatError:  # larger than the slots: a new link, which consumers re-attach to
                 self._sender = None
-                current.close()
+                self._retiring = threading.Thread(target=current.close, name="cudalink-td-retire", daemon=True)
+                self._retiring.start()
+        retiring = self._retiring
+        if retiring is not None:
+            retiring.join(_RETIRE_WAIT_S)  # consumers in other processes usually let go at once
+            if retiring.is_alive():
+                return None
+            self._retiring = None
         self._sender = Sender(
             self.name,
             shape=spec.shape,
@@ -172,6 +203,9 @@ class TDSender:
         sender, self._sender = self._sender, None
         if sender is not None:
             sender.close()
+        retiring, self._retiring = self._retiring, None
+        if retiring is not None:
+            retiring.join()
 
     def __enter__(self) -> TDSender:
         return self

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from .. import _platform
 from .._ring import read_record
-from ..errors import LinkError
+from ..errors import ArgumentError, LinkError
 from ..transport import wire
 from . import cuda_link_view
 from .ui import _ago, _console, _us
@@ -253,6 +253,12 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def cmd_monitor(args: argparse.Namespace) -> int:
     console = _console()
+    if not 0 < args.interval < 3600:  # NaN fails this too
+        raise ArgumentError(f"cudalink: --interval must be between 0 and 3600 seconds, got {args.interval}")
+    if args.seconds is not None and not 0 <= args.seconds < math.inf:
+        raise ArgumentError(
+            f"cudalink: --seconds must be a number >= 0, got {args.seconds}; omit it to run until Ctrl-C"
+        )
     interval = max(0.05, float(args.interval))
     read: Callable[[str], Any] = read_snapshot
     render: Callable[[Any, Any], Group] = render_snapshot
@@ -268,7 +274,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             second = None  # the producer went away between the two looks: show what we saw
         console.print(render(second or first, first if second is not None else None))
         return 0
-    deadline = time.monotonic() + args.seconds if args.seconds else math.inf
+    deadline = math.inf if args.seconds is None else time.monotonic() + args.seconds
     # the command's own process: a handler here takes nothing from an application (the library installs none)
     main = threading.current_thread() is threading.main_thread()  # signal handlers live on the main thread
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None

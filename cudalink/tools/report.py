@@ -263,8 +263,11 @@ def write_json(report: BenchReport, path: str | None, console: Console) -> None:
     if path == "-":
         sys.stdout.write(text)
         return
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise LinkError(f"cudalink: cannot write --json {path}: {exc.strerror}; name another file") from exc
     console.print(f"JSON written to {path}")
 
 
@@ -296,10 +299,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     backend = resolve_backend(device)
     if backend.note:
         err.print(Text(backend.note, style="yellow"))
-    if args.json and not to_stdout:
+    if args.json and not to_stdout:  # before a run of minutes, not after it
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             raise LinkError(f"cudalink: cannot write --json {args.json}: no directory {parent}")
+        if os.path.isdir(args.json):
+            raise LinkError(
+                f"cudalink: --json {args.json} is a directory; name a file in it, e.g. {args.json}/bench.json"
+            )
+        if not os.access(parent, os.W_OK) or (os.path.exists(args.json) and not os.access(args.json, os.W_OK)):
+            raise LinkError(f"cudalink: cannot write --json {args.json} (no permission); name a file you may write")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task("bench", total=None)

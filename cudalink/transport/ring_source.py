@@ -309,7 +309,9 @@ class RingSource:
             except ProtocolError as exc:
                 for fd in fds:
                     os.close(fd)
-                if exc.reason.retryable or not data:
+                # nothing, or the shutdown byte (a closing producer wakes every connection, ours among them
+                # while it was still joining): that producer is going, not lying
+                if exc.reason.retryable or not data or data[:1] == b"\x00":
                     raise NoProducer(str(exc)) from exc
                 raise
             if fixed.backend == wire.BACKEND_HOST:

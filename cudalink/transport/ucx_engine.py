@@ -75,6 +75,10 @@ def load() -> ModuleType:
         return _ucxx
     global _user_rndv
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables this UCX build does not know
+    if not os.environ.get("CUDALINK_DEBUG"):
+        # UCXX logs every failed endpoint as an ERROR line (about 20 a second while a Receiver waits for a server
+        # that is down); cudalink reports each connection's end itself. UCXX_LOG_LEVEL set by the user wins.
+        os.environ.setdefault("UCXX_LOG_LEVEL", "FATAL")
     if "ucxx" not in sys.modules:
         _user_rndv = os.environ.get("UCX_RNDV_THRESH")
     try:

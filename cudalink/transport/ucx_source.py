@@ -119,7 +119,10 @@ class UcxSource:
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise NoProducer(f"no answer from {self.addr.host}:{self.addr.port}") from exc
         except Exception as exc:  # UCX's connection errors (refused, reset, unreachable)
-            raise NoProducer(f"cannot reach {self.addr.host}:{self.addr.port} ({type(exc).__name__}: {exc})") from exc
+            raise NoProducer(
+                f"nothing answered at {self.addr.host}:{self.addr.port}: is `python -m cudalink serve` (or a Sender "
+                f"with serve=) running there, and the port reachable? (UCX: {type(exc).__name__}: {exc})"
+            ) from exc
         # ``dead_generation`` is the producer this Receiver saw die; a lost connection (the server died or
         # the network went) says nothing about the producer, which may still be the same one
         last = self._last

@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -413,11 +413,8 @@ class Sender:
                 self._released.clear()
                 if self._closing:
                     raise LinkClosed(f"cudalink: Sender {self.name!r} was closed while this send waited for a slot")
-                abandon = self._abandons.get(threading.get_ident()) if self._abandons else None
-                if abandon is not None and abandon.is_set():
-                    raise LinkTimeout(
-                        "cudalink: send_async() was cancelled while it waited for a slot; nothing was sent"
-                    )
+                if self._abandons:
+                    self._check_abandoned()
                 slot = self._ring.claim(self._seq + 1)
                 if slot is not None:
                     return slot
@@ -430,6 +427,11 @@ class Sender:
                 self._released.wait(min(left, 0.01))
         finally:
             self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, False)
+
+    def _check_abandoned(self) -> None:
+        abandon = self._abandons.get(threading.get_ident())
+        if abandon is not None and abandon.is_set():
+            raise LinkTimeout("cudalink: send_async() was cancelled before its frame was sent; nothing was sent")
 
     def _fences(self, slot: int, consumers: list[int]) -> list[RawEvent]:
         """Raw handles of the release events ``consumers`` (``take_fences(slot)``) left on ``slot`` that the
@@ -498,6 +500,8 @@ class Sender:
                 meta, timestamp_ns = self._checked(meta, timestamp_ns)
             if timeout is not None:
                 timeout = _call_timeout(timeout)
+            if self._abandons:  # a send_async() cancelled while it waited for this lock sends nothing
+                self._check_abandoned()
             spec = self._spec
             checked = self._slots.source(spec, array, stream)
             slot = self._ring.claim(self._seq + 1)  # _claim(), its common case inlined
@@ -874,6 +878,7 @@ class Receiver:
         self._sticky_wake = False
         #: a recv()/recv_async() is under way (maybe on another thread): close() then wakes it, and it leaves
         self._busy = False
+        self._busy_loop: Any = None  # the loop of a recv_async() under way (None: a recv() on a thread)
         self._floor = 0
         self._wait_avg = 0.0  # seconds recv() waited for recent frames (moving average)
         self.received = 0
@@ -955,9 +960,6 @@ class Receiver:
         while True:
             try:
                 att = self._source.attach(deadline, self._dead_generation)
-                if self._closed:  # closed meanwhile (a cancelled recv_async's attach runs on in its thread)
-                    att.detach()
-                    raise self._closed_meanwhile()
                 break
             except NoProducer as exc:
                 last_error = str(exc) or "no producer"
@@ -986,14 +988,18 @@ class Receiver:
             att.set_waiting(wire.WAIT_ON)
         self._last = 0
         self._floor = att.floor
+        if self._closed:  # closed meanwhile (a cancelled recv_async's attach runs on in its thread): leave
+            self._leave()
+            raise self._closed_meanwhile()
 
-    def _join(self, limit: float) -> None:
+    def _join(self, limit: float, end_is_timeout: bool = False) -> None:
         """Attach within ``limit`` seconds: the first time, or to a new producer after this one's died (counted in
-        ``reattached``; none coming in time is :class:`ProducerGone`, as the stream's end, for every way in)."""
+        ``reattached``). None coming in time after a death is :class:`ProducerGone` (the stream's end), or with
+        ``end_is_timeout`` (``poll``: "nothing now") :class:`LinkTimeout`, as always."""
         try:
             self._attach(limit)
         except LinkTimeout as exc:
-            if self._dead_generation:
+            if self._dead_generation and not end_is_timeout:
                 raise ProducerGone(
                     f"cudalink: producer of {self.name!r} is gone and no new one appeared within {limit}s"
                 ) from exc
@@ -1022,7 +1028,7 @@ class Receiver:
         att = self._att
         if att is None or self._closed:  # the per-frame path: one test when attached and open
             self._check_open()
-            self._join(0.0)
+            self._join(0.0, end_is_timeout=True)
             att = self._att
             assert att is not None
         try:
@@ -1136,11 +1142,15 @@ class Receiver:
         """Await the next frame: the event loop watches the source's fd, no thread and no polling."""
         if self._busy:
             raise self._second_waiter()
+        import asyncio
+
         self._busy = True
+        self._busy_loop = asyncio.get_running_loop()
         try:
             return await self._recv_async(timeout)
         finally:
             self._busy = False
+            self._busy_loop = None
             if self._closed:
                 self._leave()
 
@@ -1241,13 +1251,14 @@ class Receiver:
             return
         self._closed = True
         att = self._att
-        if att is not None and self._busy:
-            # a recv() on another thread (or a recv_async() awaiting) may be reading this attachment right now:
-            # wake it instead, and it leaves the link on its way out (_leave)
+        loop = self._busy_loop
+        if att is not None and self._busy and (loop is None or (loop.is_running() and not loop.is_closed())):
+            # a recv() on another thread (or a recv_async() awaiting on a running loop) may be reading this
+            # attachment right now: wake it instead, and it leaves the link on its way out (_leave)
             interrupt = getattr(att, "interrupt", None)
-            if interrupt is not None:
-                interrupt()
-        else:
+            if interrupt is None or interrupt() is False:  # it cannot be woken: leave now, as before
+                self._leave()
+        else:  # nobody waits (or only a task on a loop that no longer runs: it reads nothing meanwhile)
             self._leave()
         self._source.close()
 

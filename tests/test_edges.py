@@ -444,3 +444,108 @@ def test_asarray_without_a_copy_cannot_change_the_dtype(pair: PairFactory) -> No
             np.asarray(frame, dtype=np.float64, copy=False)
         assert np.shares_memory(np.asarray(frame, copy=False), frame.numpy())
         assert np.asarray(frame, dtype=np.float64).dtype == np.float64
+
+
+# -- close() and the ways a waiter can be parked ------------------------------------------------------------------
+
+
+def test_close_wakes_a_recv_async_on_a_landing_attachment(name: str) -> None:
+    """A Receiver that copies each frame into memory of its own (another GPU, copy="always") waits through a
+    wrapping attachment: close() must reach the attachment inside it (the GPU is faked: FakeOps)."""
+    from cudalink.cuda.landing import Landing
+    from cudalink.transport import ring_source
+    from cudalink.transport.landed import LandedAttachment
+
+    from .test_landing import FakeOps
+
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8") as tx:
+
+        class Src:
+            def __init__(self) -> None:
+                self.inner = ring_source.RingSource(name, SharedMemoryTransport())
+                self.name = name
+
+            def attach(self, deadline: float, gen: int) -> LandedAttachment:
+                pool = Landing(1, 1024, limit=3, ops=FakeOps())
+                return LandedAttachment(self.inner.attach(deadline, gen), 0, 1, buffers=3, pool=pool)
+
+            def close(self) -> None:
+                self.inner.close()
+
+        async def main() -> object:
+            rx = cudalink.Receiver(name, source=Src(), timeout=1000.0)  # type: ignore[arg-type]
+            rx.poll()
+            task = asyncio.ensure_future(rx.recv_async())
+            await asyncio.sleep(0.3)
+            rx.close()
+            done, _ = await asyncio.wait([task], timeout=3.0)
+            assert done, "recv_async still waiting 3 s after close()"
+            return task.exception()
+
+        assert isinstance(asyncio.run(main()), cudalink.LinkClosed)
+        deadline = time.monotonic() + 3.0
+        while tx.stats()["consumers"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tx.stats()["consumers"] == 0
+
+
+def test_close_leaves_at_once_when_the_waiting_task_s_loop_has_stopped(name: str) -> None:
+    """A recv_async() task left pending on a loop that no longer runs reads nothing: close() leaves now (it
+    waited for that task, and the producer's close then waited out its 2 s for this consumer)."""
+    with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx:
+        rx = cudalink.Receiver(name, timeout=30.0)
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(rx.recv_async())
+        loop.run_until_complete(asyncio.sleep(0.1))  # the loop stops; the task stays pending
+        rx.close()
+        deadline = time.monotonic() + 3.0
+        while tx.stats()["consumers"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tx.stats()["consumers"] == 0
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(task)
+        loop.close()
+
+
+def test_poll_after_the_producer_went_still_says_nothing_now(name: str) -> None:
+    """poll() is "a frame now, or nothing": after a death with no new producer it raises LinkTimeout, as it
+    always did (a Script TOP's retry backoff keys on it), while recv() ends the stream with ProducerGone."""
+    rx = _gone_receiver(name)
+    for _ in range(3):
+        with pytest.raises(cudalink.LinkTimeout):
+            rx.poll()
+    with pytest.raises(cudalink.ProducerGone):
+        rx.recv(timeout=0.1)
+    rx.close()
+
+
+def test_a_send_async_cancelled_while_it_waits_for_the_lock_sends_nothing(name: str) -> None:
+    tx = cudalink.Sender(name, shape=(4,), dtype="uint8", slots=2, policy="block", timeout=5.0)
+    rx = cudalink.Receiver(name, latest=False, timeout=2.0)
+    held = []
+    for v in range(2):
+        tx.send(np.full(4, v, np.uint8))
+        held.append(rx.recv())
+
+    async def main() -> list[int]:
+        a = asyncio.ensure_future(tx.send_async(np.full(4, 10, np.uint8)))  # waits for a slot
+        await asyncio.sleep(0.2)
+        b = asyncio.ensure_future(tx.send_async(np.full(4, 20, np.uint8)))  # waits for the Sender's lock
+        await asyncio.sleep(0.2)
+        b.cancel()
+        a.cancel()
+        await asyncio.gather(a, b, return_exceptions=True)
+        for f in held:
+            f.release()
+        await asyncio.sleep(0.5)
+        got = []
+        while (f := rx.poll()) is not None:
+            got.append(int(f.numpy()[0]))
+            f.release()
+        return got
+
+    assert asyncio.run(main()) == []
+    assert tx.seq == 2
+    rx.close()
+    tx.close()

@@ -145,6 +145,14 @@ class LandedAttachment:
     async def wait_async(self, timeout: float | None) -> None:
         await self.inner.wait_async(timeout)
 
+    def interrupt(self) -> bool:
+        """Wake a waiter on the wrapped attachment; False where it has no way to (see ``Receiver.close``)."""
+        wake = getattr(self.inner, "interrupt", None)
+        if wake is None:
+            return False
+        wake()
+        return True
+
     def detach(self) -> None:
         """Leave the producer now (no slot is held past its copy) and free the landing buffers no frame
         holds; each one still held is freed when its frame and exports are gone."""

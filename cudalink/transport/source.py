@@ -75,6 +75,9 @@ class Attachment(Protocol):
     # the GIL would starve the very thread that brings its frame.
     # Optional: ``resumes`` (int, default 0): times a network source made its connection again to the same
     # producer (after a stall got it dropped); the Receiver's ``stats()["reconnects"]``.
+    # Optional: ``interrupt()``: wake a recv waiting on this attachment (on another thread, or a task) without
+    # leaving yet; ``Receiver.close()`` then lets that waiter leave. Returning False (or lacking it) says it
+    # cannot: close() then leaves at once, as before.
 
     def set_waiting(self, state: int) -> None:
         """Tell the producer whether (and how early) to wake us: ``wire.WAIT_OFF``/``WAIT_ON``/``WAIT_AHEAD``."""

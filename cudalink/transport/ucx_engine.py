@@ -30,6 +30,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any, TypeVar
@@ -195,6 +196,10 @@ def gpu_as_is(transports: set[str], mode: str) -> bool:
 # -- Sender(serve=...) -----------------------------------------------------------------------------------------
 
 
+#: how long a serve waits for its port to be let go of before it says the port is in use
+PORT_WAIT_S = 2.0
+
+
 def check_listen(listen: str) -> None:
     """Fail in the producer, before it allocates anything, on a bad address or a missing extra."""
     import importlib.util
@@ -205,18 +210,24 @@ def check_listen(listen: str) -> None:
     check_port(addr.port)
 
 
-def check_port(port: int) -> None:
+def check_port(port: int, wait: float | None = None) -> None:
     """Refuse a port a live listener holds (on any address: UCXX's listener binds every interface), before
     anything is started: the server process would only find out later, and alone. A port held by a socket
-    in TIME_WAIT passes (SO_REUSEADDR), as UCXX's listener takes it too."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError as exc:
-            raise LinkError(
-                f"cudalink: port {port} is in use on this host ({exc.strerror}); pick another port for serve="
-            ) from None
+    in TIME_WAIT passes (SO_REUSEADDR), as UCXX's listener takes it too; one held for up to ``wait`` seconds
+    more (the server of a producer that just crashed, which sees its parent gone within 0.2 s) is waited for."""
+    deadline = time.monotonic() + (PORT_WAIT_S if wait is None else wait)
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+                return
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise LinkError(
+                        f"cudalink: port {port} is in use on this host ({exc.strerror}); pick another port for serve="
+                    ) from None
+        time.sleep(0.1)
 
 
 def free_port() -> int:

@@ -404,8 +404,9 @@ class Sender:
         return self._claim_waiting(timeout)
 
     def _claim_waiting(self, timeout: float | None) -> int | None:
-        """policy='block' with every slot held: wait (bounded) for a consumer to release one."""
-        limit = self.timeout if timeout is None else _call_timeout(timeout)
+        """policy='block' with every slot held: wait (bounded) for a consumer to release one (``timeout`` was
+        checked by the call that took it: ``send`` or ``reserve``)."""
+        limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         self._ring.set_flag(wire.FLAG_PRODUCER_WAITING, True)
         try:

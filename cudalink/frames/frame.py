@@ -369,18 +369,17 @@ class Frame:
             hold = self._hold
             if hold is None:
                 raise BufferError("cudalink: this frame was released; cannot export it")
+            legacy = max_version is None or max_version[0] < 1  # a DLPack 0.x consumer: no versioned capsule
             export = self._export
             if export is not None and not copy:  # one C call; only a versioned capsule can say read-only
-                versioned = max_version is not None and max_version[0] >= 1
-                return export.capsule(hold, versioned and not self._writable, versioned)
+                return export.capsule(hold, not legacy and not self._writable, not legacy)
             host = self._host
             if host is not None and not copy:
                 # a legacy capsule cannot say read-only: exported writable, as below
-                legacy = max_version is None or max_version[0] < 1
                 held = host[0 if legacy or self._writable else 1].view(_HeldArray)
                 held._cudalink_hold = hold
                 return held.__dlpack__() if legacy else held.__dlpack__(max_version=max_version, copy=False)
-            if max_version is None or max_version[0] < 1:
+            if legacy:
                 # Legacy capsules cannot say "read-only" (numpy refuses to export such arrays); like torch,
                 # we export anyway: writing through it is the consumer's bug, as with any DLPack 0.x tensor.
                 arr = np.asarray(_HostArrayRef(hold, self._spec, readonly=False))

@@ -67,6 +67,11 @@ def frame_from_cuda_memory(
     return Frame(spec, int(ptr), mem, device=ordinal, seq=seq, timestamp_ns=ts, sync=ready)
 
 
+def _op_name(op: object) -> str:
+    """What TD calls an operator in its messages: its path, else its type."""
+    return str(getattr(op, "path", type(op).__name__))
+
+
 #: how long a send waits, on TD's thread, for a link too small for the TOP to close before it drops the frame
 _RETIRE_WAIT_S = 0.005
 
@@ -133,14 +138,13 @@ class TDSender:
         read = getattr(top, "cudaMemory", None)
         if read is None:
             raise FormatError(
-                f"cudalink: {getattr(top, 'path', type(top).__name__)!r} is not a TOP (it has no cudaMemory()); "
-                "point the sender at a TOP"
+                f"cudalink: {_op_name(top)!r} is not a TOP (it has no cudaMemory()); point the sender at a TOP"
             )
         mem = read() if stream is None else read(stream=stream)
         if mem is None:
             raise FormatError(
-                f"cudalink: {getattr(top, 'path', type(top).__name__)!r}.cudaMemory() gave nothing: the TOP has no "
-                "image yet; give it an input (or send from the next frame on)"
+                f"cudalink: {_op_name(top)!r}.cudaMemory() gave nothing: the TOP has no image yet; give it an "
+                "input (or send from the next frame on)"
             )
         return self.send(mem, meta=meta)
 

@@ -14,9 +14,9 @@ import argparse
 import time
 
 from .. import _platform
-from ..errors import ArgumentError, LinkTimeout, ProducerGone
+from ..errors import LinkTimeout, ProducerGone
 from ..frames.spec import FrameSpec
-from ..link import Receiver, Sender
+from ..link import Receiver, Sender, _int_arg
 from ..transport import wire
 
 
@@ -32,10 +32,7 @@ def relay(
 ) -> int:
     """Republish ``url`` as ``local`` until ``seconds`` pass (None: forever); returns the frames relayed."""
     _platform.check_name(local)  # before waiting for a first frame: a bad --as or --slots fails now
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= wire.MAX_SLOTS:
-        raise ArgumentError(
-            f"cudalink: relay --slots must be 1 to {wire.MAX_SLOTS}, got {slots!r}; pass e.g. --slots 4"
-        )
+    _int_arg(slots, "relay --slots", 1, wire.MAX_SLOTS, "--slots 4")
     stop = None if seconds is None else time.monotonic() + seconds
     relayed = 0
     with Receiver(url, device="cpu" if device == "cpu" else device, latest=latest, timeout=5.0) as rx:

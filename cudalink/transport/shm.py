@@ -80,13 +80,9 @@ def _unlink_segment(name: str) -> None:
     except (FileNotFoundError, OSError):
         return
     with contextlib.suppress(OSError):
-        seg.unlink() if sys.version_info >= (3, 13) else _posix_unlink(seg)
+        seg.unlink() if sys.version_info >= (3, 13) else _unlink_name(seg._name)  # type: ignore[attr-defined]
     with contextlib.suppress(Exception):
         seg.close()
-
-
-def _posix_unlink(seg: shared_memory.SharedMemory) -> None:
-    _unlink_name(seg._name)  # type: ignore[attr-defined]
 
 
 def _unlink_name(name: str) -> None:

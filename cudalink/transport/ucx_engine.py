@@ -210,12 +210,12 @@ def check_listen(listen: str) -> None:
     check_port(addr.port)
 
 
-def check_port(port: int, wait: float | None = None) -> None:
+def check_port(port: int) -> None:
     """Refuse a port a live listener holds (on any address: UCXX's listener binds every interface), before
     anything is started: the server process would only find out later, and alone. A port held by a socket
-    in TIME_WAIT passes (SO_REUSEADDR), as UCXX's listener takes it too; one held for up to ``wait`` seconds
+    in TIME_WAIT passes (SO_REUSEADDR), as UCXX's listener takes it too; one held for up to ``PORT_WAIT_S``
     more (the server of a producer that just crashed, which sees its parent gone within 0.2 s) is waited for."""
-    deadline = time.monotonic() + (PORT_WAIT_S if wait is None else wait)
+    deadline = time.monotonic() + PORT_WAIT_S
     while True:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

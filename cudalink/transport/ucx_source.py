@@ -512,10 +512,11 @@ class UcxAttachment:
 
         self._spawn(send())
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
+        return task
 
     def _returned(self, idx: Any) -> None:
         self.free.append(idx if isinstance(idx, int) else -1)
@@ -540,9 +541,7 @@ class UcxAttachment:
                 self._free_memory()
             self._close_pipe()
 
-        task = asyncio.ensure_future(leave())
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        task = self._spawn(leave())
         closing = self.eng.closing
         closing.add(task)
         task.add_done_callback(closing.discard)

@@ -9,10 +9,12 @@ the CPU never waits for the GPU (on Windows it then rings cuda-link's doorbell e
 ``write_idx mod N``, whoever still reads it: cuda-link's readers copy or finish a frame within ``N`` frames
 (cudalink's own ``Receiver("cuda-link:...")`` copies by default).
 
-Initialisation writes everything else first and the version (old + 1) last, as cuda-link's C++ writer does; a
+Initialisation writes everything else first and the version (old + 1) last, as cuda-link's C++ TOP does (its
+Python writers bump the version first; cudalink's reader guards against that, see ``cuda_link_source``); a
 segment that already exists under the name (a previous producer's) is taken over, so readers see a version
-change and re-import. ``reconfigure`` re-initialises the same way (cuda-link's metadata describes every slot at
-once, so a format change is a restart for its readers). ``close``: shutdown = 1, handles zeroed, ~100 ms of
+change and re-import; one of another slot count is closed for its readers (shutdown = 1) and replaced.
+``reconfigure`` re-initialises the same way (cuda-link's metadata describes every slot at once, so a format
+change is a restart for its readers). ``close``: shutdown = 1, handles zeroed, ~100 ms of
 grace for readers to let go, then the slots are freed and the segment unlinked.
 """
 
@@ -52,7 +54,7 @@ class CudaLinkSender:
 
     ``slots`` is cuda-link's N (1..10). There is no ``policy="block"`` (cuda-link readers take no leases) and no
     ``meta`` (the layout has no room for it); frames are (height, width, channels) images of uint8, uint16,
-    float16 or float32 (what its TD components read; int8/16/32 and uint32 are written too).
+    float16 or float32, the types cuda-link's own exporter writes (its readers turn the rest into other types).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class CudaLinkSender:
         protocol: str = "cuda-link",
         magic: int = cw.MAGIC,
     ) -> None:
+        self._closed = True  # until the segment is ours: a refused Sender never unlinks the name (a live one)
         self.name = strip_prefix(name)
         if device == "cpu":
             raise LinkError(
@@ -93,7 +96,7 @@ class CudaLinkSender:
         if magic not in cw.MAGICS:
             raise LinkError(f"cudalink: magic must be cuda-link's 0x{cw.MAGIC:08X} (or v0.9's 0x{cw.MAGIC_V09:08X})")
         spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
-        meta = cw.meta_from_spec(spec)
+        meta = _written_meta(spec)
         if magic == cw.MAGIC_V09:
             cw.write_metadata(bytearray(cw.segment_size(1)), 1, meta, magic)  # refuses what v0.9 cannot name
         self.timeout = timeout
@@ -106,7 +109,6 @@ class CudaLinkSender:
         self._seq = 0
         self._idx = 0  # write_idx as published
         self._dropped = 0
-        self._closed = False
         self._lock = threading.RLock()
         self._wall = time.time_ns() - time.perf_counter_ns()
         self._bell: _platform.Doorbell | None = None
@@ -119,8 +121,17 @@ class CudaLinkSender:
             self._initialise()
             self._bell = _platform.Doorbell.create(self.name)  # Windows only: cuda-link's optional doorbell
         except BaseException:
+            shm = getattr(self, "_shm", None)
+            if shm is not None:  # the segment was ours already: say so to readers and take it away
+                with contextlib.suppress(Exception):
+                    cw.write_shutdown(shm.buf, self._n, True)
+                with contextlib.suppress(Exception):
+                    _unlink_segment(self.name)
+                with contextlib.suppress(Exception):
+                    shm.close()
             self._slots.close(0)
             raise
+        self._closed = False
 
     # -- the segment -------------------------------------------------------------------------------------------
 
@@ -142,6 +153,7 @@ class CudaLinkSender:
                 if header.num_slots == self._n and len(buf) >= size:
                     self._version = header.version
                     return old
+                _say_shutdown(buf, header.num_slots)  # another slot count: its readers must let go, then find ours
             except LinkError:
                 pass
             old.close()
@@ -270,7 +282,7 @@ class CudaLinkSender:
         with self._lock:
             self._check_open()
             spec = self._spec.reconfigured(shape, dtype, pixel_format, origin, self.capacity)
-            meta = cw.meta_from_spec(spec)
+            meta = _written_meta(spec)
             self._spec, self._meta = spec, meta
             self._initialise()
             return spec
@@ -298,9 +310,7 @@ class CudaLinkSender:
             self._closed = True
             try:
                 buf, n = self._buf, self._n
-                cw.write_shutdown(buf, n, True)
-                for i in range(n):
-                    cw.write_handles(buf, i, bytes(cw.HANDLE_SIZE), bytes(cw.HANDLE_SIZE))
+                _say_shutdown(buf, n)
                 time.sleep(max(0.0, min(timeout, 5.0)))
             finally:
                 self._buf = memoryview(b"")
@@ -323,6 +333,27 @@ class CudaLinkSender:
         with contextlib.suppress(Exception):
             if not self._closed:
                 self.close()
+
+
+#: what cuda-link's exporter writes; its readers decode int16 as uint16 and int32/uint32 as float32
+WRITTEN_DTYPES = ("uint8", "uint16", "float16", "float32")
+
+
+def _written_meta(spec: FrameSpec) -> cw.Metadata:
+    """The metadata for frames of ``spec``, refusing dtypes cuda-link's readers would silently misread."""
+    if spec.dtype.name not in WRITTEN_DTYPES:
+        raise FormatError(
+            f"cudalink: cuda-link readers (TD's CUDA IPC component, its importer) read {spec.dtype.name} frames as "
+            f"another type; send {', '.join(WRITTEN_DTYPES)} (convert first), or use protocol='cudalink'"
+        )
+    return cw.meta_from_spec(spec)
+
+
+def _say_shutdown(buf: memoryview, n: int) -> None:
+    """Shutdown = 1 and every handle zeroed: how cuda-link tells its readers to let go and look again."""
+    cw.write_shutdown(buf, n, True)
+    for i in range(n):
+        cw.write_handles(buf, i, bytes(cw.HANDLE_SIZE), bytes(cw.HANDLE_SIZE))
 
 
 class _Reservation:

@@ -106,7 +106,10 @@ def test_argument_errors_name_the_fix() -> None:
         cudalink.Sender("x", shape=(4, 4, 4), protocol="cuda-link", handles="pool")
     with pytest.raises(cudalink.FormatError, match="float64"):
         cudalink.Sender("x", shape=(4, 4, 4), dtype="float64", protocol="cuda-link")
-    with pytest.raises(cudalink.FormatError, match=r"v0\.9 carries only"):
+    for dtype in ("int8", "int16", "int32", "uint32"):  # cuda-link's readers would take them for other types
+        with pytest.raises(cudalink.FormatError, match=f"read {dtype} frames as another type"):
+            cudalink.Sender("x", shape=(4, 4, 4), dtype=dtype, protocol="cuda-link")
+    with pytest.raises(cudalink.FormatError, match="another type"):
         cudalink.Sender("x", shape=(4, 4, 4), dtype="int8", protocol="cuda-link", magic=cw.MAGIC_V09)
     with pytest.raises(cudalink.LinkError, match="protocol must be"):
         cudalink.Sender("x", shape=(4, 4, 4), protocol="ndi")
@@ -217,3 +220,62 @@ def test_reconfigure_beyond_the_slots_is_refused(name: str, fake_slots: type[Fak
         with pytest.raises(cudalink.FormatError, match="capacity="):
             tx.reconfigure(shape=(2048, 2048, 4))
         assert tx.version == 1
+
+
+def test_a_sender_refused_at_construction_leaves_the_names_live_segment_alone(name: str) -> None:
+    """A typo'd device (or no CUDA, or no memory) must not unlink the segment a live producer has under the
+    name, when the half-made Sender is collected."""
+    import gc
+
+    from ._cuda_link_fake import FakeProducer
+
+    live = FakeProducer(name)
+    try:
+        live.publish(1)
+        with pytest.raises(cudalink.ArgumentError, match="cuda:N"):
+            cudalink.Sender(name, shape=(4, 6, 4), device="cuda1", protocol="cuda-link")
+        gc.collect()
+        seg = _segment(name)  # still there
+        assert seg.buf is not None and cw.read_write_idx(seg.buf) == 1
+        seg.close()
+    finally:
+        live.close()
+
+
+def test_a_sender_that_fails_after_taking_the_segment_gives_it_up(
+    name: str, fake_slots: type[FakeCudaSlots], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cudalink.cuda_link as mod
+
+    def no_bell(name: str) -> None:
+        raise OSError("no doorbell today")
+
+    monkeypatch.setattr(mod._platform.Doorbell, "create", no_bell)
+    with pytest.raises(OSError, match="no doorbell"):
+        cudalink.Sender(name, shape=(4, 6, 4), protocol="cuda-link")
+    assert fake_slots.instances[0].closed
+    with pytest.raises(FileNotFoundError):
+        _segment(name)
+
+
+def test_a_segment_of_another_slot_count_is_shut_down_for_its_readers_before_it_is_replaced(
+    name: str, fake_slots: type[FakeCudaSlots]
+) -> None:
+    """cuda-link's readers (TD's component, its importer) watch the shutdown flag and the version only: the old
+    segment they hold must say shutdown, or they stay on it for good."""
+    from ._cuda_link_fake import FakeProducer
+
+    old = FakeProducer(name, slots=2)
+    held = old.shm.buf  # what a reader attached to the old segment keeps mapped
+    assert held is not None
+    old.publish(1)
+    with cudalink.Sender(name, shape=(4, 6, 4), slots=3, protocol="cuda-link") as tx:
+        assert cw.read_shutdown(held, 2)
+        assert all(cw.read_handles(held, 2, i) == (bytes(64), bytes(64)) for i in range(2))
+        seg = _segment(name)
+        assert seg.buf is not None and cw.read_header(seg.buf).num_slots == 3 and tx.version == 1
+        seg.close()
+    old.shm.close()
+    for d in old.data:
+        _unlink_segment(d.name.lstrip("/"))
+        d.close()

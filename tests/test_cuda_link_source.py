@@ -25,7 +25,7 @@ from cudalink.transport import cuda_link_wire as cw
 from cudalink.transport.cuda_link_source import CudaLinkAttachment, CudaLinkSource, strip_prefix
 from cudalink.transport.sources import open_source
 
-from ._cuda_link_fake import FakeProducer, HostSlotMemory, run_producer
+from ._cuda_link_fake import FakeProducer, HostSlotMemory, _handle, run_producer
 
 
 @pytest.fixture
@@ -189,6 +189,93 @@ def test_a_segment_not_initialised_yet_is_waited_for(name: str, producer: FakePr
     struct.pack_into("<Q", producer.buf, cw.OFF_VERSION, 0)
     with pytest.raises(cudalink.LinkTimeout, match="initialising"):
         _rx(name, timeout=0.2)
+    # cuda-link's Python writers put magic and version 1 before N: no slots yet is "initialising" too
+    struct.pack_into("<QI", producer.buf, cw.OFF_VERSION, 1, 0)
+    with pytest.raises(cudalink.LinkTimeout, match="initialising"):
+        _rx(name, timeout=0.2)
+
+
+def _python_writer_reinit(producer: FakeProducer, new_slots: list[object], shape: tuple[int, int, int]) -> object:
+    """cuda-link's Python writers (its exporter, its TD extension) re-initialise in this order: magic,
+    version + 1, N, write_idx = 0, *then* the handles, shutdown and metadata; the TD extension keeps its own
+    write_idx count. Returns the second half, to run later."""
+    buf, n = producer.buf, producer.n
+    producer.version += 1
+    struct.pack_into("<IQII", buf, 0, cw.MAGIC, producer.version, n, 0)
+
+    def finish() -> None:
+        for i, d in enumerate(new_slots):
+            cw.write_handles(buf, i, _handle(d.name.lstrip("/")), bytes(64))  # type: ignore[attr-defined]
+        cw.write_shutdown(buf, n, False)
+        producer.data = new_slots  # type: ignore[assignment]
+        producer.set_format(shape, "uint8")
+
+    return finish
+
+
+def test_an_attach_between_the_version_and_the_new_handles_never_reads_the_old_slots(
+    name: str, producer: FakeProducer
+) -> None:
+    """The old slots are still allocated (TD frees them 30 frames later): a reader that imported them under the
+    new version would take frames from buffers nobody writes. Its first frame sees the handles moved: a restart."""
+    from cudalink.transport.shm import _open_segment, _unlink_segment
+
+    new = [_open_segment(f"{name}_n{i}".replace(">", "_"), create=True, size=1 << 16) for i in range(producer.n)]
+    old = producer.data
+    try:
+        producer.publish(11)
+        with _rx(name, timeout=1.0) as rx:
+            assert (rx.recv(timeout=1.0).numpy() == 11).all()
+            finish = _python_writer_reinit(producer, new, (8, 8, 4))
+            with pytest.raises(cudalink.ProducerGone):
+                rx.recv(timeout=0.5)
+            assert rx.poll() is None  # attaches now, with the old handles under the new version
+            finish()
+            got = []
+            for v in (42, 43, 44):
+                producer.publish(v)
+                try:
+                    f = rx.recv(timeout=1.0)
+                except cudalink.ProducerGone:  # the first frame showed the handles had moved
+                    continue
+                assert f.shape == (8, 8, 4)
+                got.append(int(f.numpy().flat[0]))
+            assert got and all(g == v for g, v in zip(got, (43, 44)[-len(got) :], strict=True)), got
+    finally:
+        for seg in (*old, *new):
+            _unlink_segment(seg.name.lstrip("/"))
+            seg.close()
+        producer.data = []
+
+
+def test_a_writer_that_keeps_counting_across_a_reinit_skips_nothing(name: str, producer: FakeProducer) -> None:
+    with _rx(name, timeout=1.0) as rx:
+        for v in range(50):
+            producer.publish(v)
+            rx.recv(timeout=1.0)
+        kept = producer.idx
+        producer.init((4, 6, 4), "uint8")  # write_idx 0 in the segment, version + 1 ...
+        producer.idx = kept  # ... and the TD extension's own count carries on
+        with pytest.raises(cudalink.ProducerGone):
+            rx.recv(timeout=0.5)
+        with pytest.raises(cudalink.LinkTimeout):
+            rx.recv(timeout=0.05)  # attached at write_idx 0, nothing yet
+        producer.publish(7)
+        f = rx.recv(timeout=1.0)
+        assert f.seq == 51 and (f.numpy() == 7).all()
+        assert rx.stats()["skipped"] == 0
+        producer.publish(8)
+        producer.publish(9)
+        assert rx.recv(timeout=1.0).seq == 53 and rx.stats()["skipped"] == 1
+
+
+@pytest.mark.parametrize("ts", [float("inf"), float("-inf"), float("nan"), 1e300, 1e12])
+def test_a_timestamp_that_is_not_one_gets_the_arrival_time(name: str, producer: FakeProducer, ts: float) -> None:
+    producer.publish(1)
+    struct.pack_into("<d", producer.buf, cw.off_timestamp(producer.n), ts)
+    with _rx(name, timeout=1.0) as rx:
+        f = rx.recv(timeout=1.0)
+        assert abs(f.timestamp_ns - time.time_ns()) < 5e9
 
 
 @pytest.mark.parametrize(
@@ -196,7 +283,6 @@ def test_a_segment_not_initialised_yet_is_waited_for(name: str, producer: FakePr
     [
         (0, "<I", 0x12345678, cudalink.ProtocolError, "magic 0x12345678"),
         (12, "<I", 11, cudalink.ProtocolError, "11 slots"),
-        (12, "<I", 0, cudalink.ProtocolError, "0 slots"),
         (cw.off_metadata(3) + 16, "<I", 5, cudalink.FormatError, "data_size 5"),
     ],
 )

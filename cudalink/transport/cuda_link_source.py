@@ -63,6 +63,8 @@ PREFIX = "cuda-link:"
 _U32 = struct.Struct("<I")
 _F64 = struct.Struct("<d")
 _WRAP = 1 << 32
+#: a timestamp past this (seconds on the writer's perf_counter) is not one: the frame gets its arrival time
+_TS_MAX_S = 1e9
 
 #: the poll plan (seconds): see the module docstring
 FINE_STEP = 1e-4
@@ -358,6 +360,9 @@ class CudaLinkSource:
         self._device = device
         #: builds the slot memory of each attachment (tests pass a host stand-in)
         self._memory = memory
+        #: the write_idx of the last frame our previous attachment took: where a writer that keeps counting
+        #: across an in-place re-init (cuda-link's TD extension) carries on from
+        self._prior = 0
 
     def _make_memory(self) -> SlotMemory:
         if self._memory is not None:
@@ -382,6 +387,8 @@ class CudaLinkSource:
         try:
             if len(buf) >= cw.HEADER_SIZE and _U32.unpack_from(buf, cw.OFF_MAGIC)[0] == 0:
                 raise NoProducer("the segment exists but its producer has not initialised it yet")
+            if len(buf) >= cw.HEADER_SIZE and _U32.unpack_from(buf, cw.OFF_NUM_SLOTS)[0] == 0:
+                raise NoProducer("the producer is initialising the segment (no slots yet)")
             header = cw.read_header(buf, self.segment)
             if header.version == 0:
                 raise NoProducer("the producer is initialising the segment (version 0)")
@@ -411,8 +418,10 @@ class CudaLinkSource:
             del buf
             seg = None  # type: ignore[assignment]
             raise
-        att = CudaLinkAttachment(self.segment, seg, header, meta, spec, mem, generation, min(sizes))
+        handles = bytes(buf[cw.off_memory(0) : cw.off_memory(n)])
+        att = CudaLinkAttachment(self.segment, seg, header, meta, spec, mem, generation, min(sizes), handles)
         att._bell = _platform.Doorbell.open(self.segment)  # Windows, where the producer rings one; else None
+        att._source, att._prior = self, self._prior
         return att
 
     def close(self) -> None:
@@ -451,6 +460,7 @@ class CudaLinkAttachment:
         mem: SlotMemory,
         generation: int,
         capacity: int,
+        handles: bytes = b"",
     ) -> None:
         self.name = name
         self.seg = seg
@@ -464,8 +474,15 @@ class CudaLinkAttachment:
         #: how frames reach the Receiver (``stats()["path"]``): copied into its own buffers, or the slot itself
         self.path = "copy" if getattr(mem, "copy", False) else "zero-copy"
         self.capacity = capacity
+        #: the handle bytes imported: cuda-link's Python writers bump the version *before* writing new handles,
+        #: so an attach in between imports the old ones; the first frame (published after its writer's init)
+        #: checks them (a mismatch is a restart)
+        self._handles = handles
         #: frames published before we joined: the newest of them is still delivered, none counts as skipped
         self.floor = max(0, header.write_idx - 1)
+        self._fresh = header.write_idx == 0  # joined a segment just (re)initialised
+        self._source: CudaLinkSource | None = None
+        self._prior = 0
         self._ino = _ino(getattr(seg._shm, "_fd", -1))
         self._off_meta = cw.off_metadata(self.n)
         self._off_ts = cw.off_timestamp(self.n)
@@ -511,6 +528,8 @@ class CudaLinkAttachment:
             w = w2
         else:
             return None  # the producer outran eight reads: take it next time
+        if not self._taken and not self._first(rx, w):
+            return None
         if raw != self._meta_raw:
             meta = cw.read_metadata(bytes(self._off_meta) + raw, self.n, self.magic)  # the bytes read with w
             self._spec = cw.spec_from_meta(meta)
@@ -533,9 +552,21 @@ class CudaLinkAttachment:
                 self._period = dt if not self._period else self._period + (dt - self._period) / 8
         self._last_arrival = now
         account(rx, seq)  # type: ignore[arg-type]
-        ts_ns = int(ts * 1e9) + self._wall if ts > 0 else time.time_ns()
+        ts_ns = int(ts * 1e9) + self._wall if 0 < ts < _TS_MAX_S else time.time_ns()
         # the slot from the unwrapped count: past 2**32 a writer keeps counting slots (N need not divide 2**32)
         return self.mem.frame((seq - 1) % self.n, spec, seq, ts_ns, self.generation)
+
+    def _first(self, rx: object, w: int) -> bool:
+        """The attachment's first frame: are the handles we imported still the segment's? Else the producer
+        re-initialised while we attached (a restart, seen as one). Also where its count starts: a writer that
+        kept counting across an in-place re-init (cuda-link's TD extension) skipped only what it published
+        since the last frame we took, not its whole count."""
+        if self._handles and bytes(self.buf[cw.off_memory(0) : cw.off_memory(self.n)]) != self._handles:
+            self._restarted = True
+            return False
+        if self._fresh and 0 < self._prior < w and getattr(rx, "_floor", None) == 0:
+            rx._floor = self._prior  # type: ignore[attr-defined]
+        return True
 
     # -- waiting -------------------------------------------------------------------------------------------
 
@@ -628,6 +659,8 @@ class CudaLinkAttachment:
         if self._detached:
             return
         self._detached = True
+        if self._source is not None and self._taken:
+            self._source._prior = self._taken
         if self._poller is not None:
             self._poller.stop()
             self._poller = None

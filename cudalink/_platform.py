@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 IS_LINUX = sys.platform.startswith("linux")
 IS_WINDOWS = sys.platform == "win32"
+IS_MACOS = sys.platform == "darwin"
+#: macOS: POSIX shm names hold 31 characters (PSHMNAMLEN, the leading '/' included), Unix socket paths 104
+_MACOS_SHM_NAME_MAX = 31
 #: fds can cross the control channel (SCM_RIGHTS): needed for cuda.core IPC pools
 HAS_FD_PASSING = hasattr(socket, "AF_UNIX") and hasattr(socket, "send_fds")
 
@@ -96,7 +99,11 @@ def user_tag(user: str | None = None) -> str:
 
 
 def segment_name(name: str, suffix: str = "") -> str:
-    """Per-user shared-memory name, so two users' ``cam0`` never meet."""
+    """Per-user shared-memory name, so two users' ``cam0`` never meet. On macOS, whose shm names hold 31
+    characters, the user and link name go as a digest (``cl`` + 10 hex, before the longest suffix's 18)."""
+    if IS_MACOS:
+        digest = hashlib.blake2b(f"{user_tag()}/{name}".encode(), digest_size=5).hexdigest()
+        return f"cl{digest}{suffix}"
     return f"cudalink-{user_tag()}-{name}{suffix}"
 
 
@@ -106,7 +113,12 @@ def segment_name(name: str, suffix: str = "") -> str:
 def runtime_dir() -> str:
     """A private directory for control sockets, locks and keys: 0700 and ours on POSIX (next to /dev/shm
     where it exists); on Windows the per-user temp directory, which the profile's ACL keeps private."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        base = "/dev/shm"
+    elif IS_MACOS and os.access("/tmp", os.W_OK):
+        base = "/tmp"  # $TMPDIR (/var/folders/...) would push a 48-character name's socket past 104 bytes
+    else:
+        base = tempfile.gettempdir()
     path = os.path.join(base, f"cudalink-{user_tag()}")
     try:
         os.mkdir(path, 0o700)
@@ -114,6 +126,11 @@ def runtime_dir() -> str:
         pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != uid()):
+        if hasattr(os, "getuid") and st.st_uid != uid():
+            raise LinkError(
+                f"cudalink: {path}, where your links keep their sockets and locks, belongs to uid {st.st_uid}, not "
+                f"you: another user made it; an administrator must remove it (sudo rm -r {path})"
+            )
         raise LinkError(f"cudalink: {path} is not a directory owned by you; remove it and retry")
     if hasattr(os, "getuid") and st.st_mode & 0o077:
         os.chmod(path, 0o700)
@@ -209,6 +226,13 @@ class ProcessLock:
                 msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
         os.close(fd)  # POSIX: closing drops the flock
 
+    def forget(self) -> None:
+        """A forked child's copy: close it without unlocking (an unlock on any copy drops the parent's lock)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def remove_and_release(self) -> None:
         """Release and leave no file behind, without ever removing a lock another process holds."""
         if self._fd < 0:
@@ -285,6 +309,14 @@ def reserve_shm(fd: int, size: int, what: str, free: Callable[[], int | None] | 
 def lock_path(name: str) -> str:
     """The file a link's producer holds locked for its whole life."""
     return os.path.join(runtime_dir(), f"{name}.lock")
+
+
+def shm_owner(name: str) -> int | None:
+    """The uid owning POSIX segment ``name`` (None where it cannot be told)."""
+    try:
+        return os.stat(f"/dev/shm/{name.lstrip('/')}").st_uid
+    except OSError:
+        return None
 
 
 def shm_segments(prefix: str) -> list[str]:

@@ -252,12 +252,25 @@ class PyConsumerRing:
                 except BaseException:
                     _put64(buf, off, 0)
                     raise
-                if rec.seq == seq:
+                if rec.seq != seq:
+                    _put64(buf, off, 0)
+                    raise ProtocolError(wire.stamp_lie(slot, seq, rec.seq))
+                if newest or not self._older(buf, lo, best):
                     return slot, rec
-                _put64(buf, off, 0)
-                raise ProtocolError(wire.stamp_lie(slot, seq, rec.seq))
-            _put64(buf, off, 0)  # the producer reclaimed it between our read and our lease: look again
+            _put64(buf, off, 0)  # the producer reclaimed it, or published older ones we missed: look again
         return None
+
+    def _older(self, buf: wire.Buf, lo: int, best: int) -> bool:
+        """Oldest first: does a frame older than ``best`` hold a slot after all? The scan is not one atomic read:
+        a producer publishing while it ran can show us a later slot's new frame after we passed an earlier
+        slot just before its (older) frame landed. Those were published before ``best``, so after our fence
+        a second scan sees them."""
+        return any(lo < st < best and not st & 1 for st in self._stamps(buf, self._stamps_off))
+
+    def forget(self) -> None:
+        """A forked child's copy: from now on it reads and writes a private blank header, never the shared one
+        whose leases and counts are the parent's (a frame the child drops must not end the parent's lease)."""
+        self.buf = bytearray(len(self.buf))
 
     def release(self, slot: int, seq: int, fenced: bool) -> int:
         """Clear our lease of ``slot`` if it still holds ``seq``; returns the header flags, read after it."""
@@ -331,6 +344,7 @@ class ConsumerRing(Protocol):
 
     def take(self, after: int, newest: bool) -> tuple[int, wire.SlotRecord] | None: ...
     def release(self, slot: int, seq: int, fenced: bool) -> int: ...
+    def forget(self) -> None: ...
     def flags(self) -> int: ...
     def set_waiting(self, state: int) -> None: ...
     def count(self, received: int, skipped: int) -> None: ...

@@ -80,6 +80,25 @@ def _close_at_exit() -> None:
             tx.close()
 
 
+#: Receivers not closed, for the fork hook below (weak, as the Senders')
+_open_receivers: weakref.WeakSet[Receiver] = weakref.WeakSet()
+
+
+def _forget_in_forked_child() -> None:
+    """A forked child (``multiprocessing``'s fork, a DataLoader worker) inherits copies of every link's lock
+    and sockets: while it lives, a killed parent would look alive to its peers (the lock held, no EOF). The
+    child closes its copies, never unlocking or shutting down what the parent still uses, and its copies of
+    the links are closed here: they belong to the parent."""
+    links: list[Sender | Receiver] = [*_open_senders, *_open_receivers]
+    for link in links:
+        with contextlib.suppress(Exception):
+            link._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
 def _register_open(tx: Sender) -> None:
     global _atexit_registered
     if not _atexit_registered:
@@ -116,11 +135,24 @@ def _seconds_arg(value: object, what: str, example: str, none_ok: bool = False, 
     return float(value)
 
 
+class _Default:
+    """``timeout=`` not given to ``recv``/``recv_async``: the Receiver's own (``None`` given: no limit, as the
+    README and Python's own blocking calls have it)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<the Receiver's timeout>"
+
+
+_RECEIVER_TIMEOUT: Any = _Default()
+
+
 def _call_timeout(timeout: object) -> float:
     """A ``timeout=`` given to one call (``recv``, ``send``, ...): checked as the constructors check theirs."""
     if timeout.__class__ is float and timeout >= 0.0:  # type: ignore[operator]  # NaN fails this test too
         return timeout  # type: ignore[return-value]
-    return _seconds_arg(timeout, "timeout", "timeout=1.0")
+    return _seconds_arg(timeout, "timeout", "timeout=1.0", none_ok=True)
 
 
 def _choice_arg(value: object, what: str, choices: tuple[str, ...]) -> str:
@@ -638,8 +670,9 @@ class Sender:
             raise
         return slot, spec, ts, frame
 
-    def _commit(self, slot: int, spec: FrameSpec, ts: int, frame: Frame, stream: object, meta: bytes) -> None:
-        """The clean end of a ``reserve()`` block: the ready event after the writer's streams, then the publish."""
+    def _commit(self, slot: int, spec: FrameSpec, frame: Frame, stream: object, meta: bytes) -> None:
+        """The clean end of a ``reserve()`` block: the ready event after the writer's streams, then the publish,
+        stamped now, as ``send()``'s frames are (not when the block began: its rendering is not handoff)."""
         streams = frame._export_streams()
         frame.release()
         try:
@@ -647,7 +680,7 @@ class Sender:
         except BaseException:
             self._ring.abort(slot)
             raise
-        self._publish(slot, spec, ts, meta)
+        self._publish(slot, spec, None, meta)
 
     def reconfigure(
         self,
@@ -724,6 +757,14 @@ class Sender:
                     self._server.close()
                     self._fence_events = [None] * len(self._fence_events)
                     self._slots.close(timeout)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: closed here without a word to anyone (see ``_forget_in_forked_child``)."""
+        self._closed = True
+        _open_senders.discard(self)
+        forget = getattr(self._server, "forget_after_fork", None)
+        if forget is not None:
+            forget()
 
     def __enter__(self) -> Sender:
         return self
@@ -803,10 +844,10 @@ class _Reservation:
         if taken is None:
             return
         tx = self._tx
-        slot, spec, ts, frame = taken
+        slot, spec, _ts, frame = taken
         try:
             if exc_type is None:
-                tx._commit(slot, spec, ts, frame, self._stream, self._meta)
+                tx._commit(slot, spec, frame, self._stream, self._meta)
             else:  # nothing is published: the slot goes back as it was
                 frame.release()
                 tx._ring.abort(slot)
@@ -887,6 +928,7 @@ class Receiver:
         self.reattached = 0
         self._reconnected = 0  # connections made again by attachments already dropped (see stats())
         self._closed = False
+        _open_receivers.add(self)
         if connect:
             self._attach(self.timeout)
 
@@ -1039,12 +1081,13 @@ class Receiver:
         if frame is None:
             self._publish_counts(att)
             if not att.alive():
-                raise self._gone("closed or died")
+                return self._final(att, "closed or died")
         return frame
 
-    def recv(self, timeout: float | None = None) -> Frame:
-        """The next frame (newest unseen by default). Raises LinkTimeout or ProducerGone; LinkClosed where
-        :meth:`close` is called meanwhile (on another thread)."""
+    def recv(self, timeout: float | None = _RECEIVER_TIMEOUT) -> Frame:
+        """The next frame (newest unseen by default), within ``timeout`` seconds (default: the Receiver's;
+        ``None``: no limit). Raises LinkTimeout or ProducerGone; LinkClosed where :meth:`close` is called
+        meanwhile (on another thread)."""
         if self._busy:
             raise self._second_waiter()
         self._busy = True  # before the check: a close() on another thread sees this, or we see its _closed
@@ -1052,7 +1095,7 @@ class Receiver:
             self._check_open()
             limit = (
                 self.timeout
-                if timeout is None
+                if timeout is _RECEIVER_TIMEOUT
                 else (timeout if timeout.__class__ is float and timeout >= 0.0 else _call_timeout(timeout))
             )
             deadline = time.monotonic() + limit
@@ -1082,11 +1125,11 @@ class Receiver:
                     if self._closed:
                         raise self._closed_meanwhile()
                     if att.closing():
-                        raise self._gone("closed the link")
+                        return self._final(att, "closed the link")
                     now = time.monotonic()
                     if now >= deadline:
                         if not att.alive():
-                            raise self._gone("closed or died")
+                            return self._final(att, "closed or died")
                         raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
                     if now < spin_until:
                         for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
@@ -1099,13 +1142,15 @@ class Receiver:
                         _platform.yield_cpu()
                         n += 1
                         if n & 15 == 0 and (self._closed or not att.alive()):
-                            raise self._closed_meanwhile() if self._closed else self._gone("closed or died")
+                            if self._closed:
+                                raise self._closed_meanwhile()
+                            return self._final(att, "closed or died")
                         continue
                     # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
                     # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
                     # syscall in between. It is drained the next time this receiver is about to sleep.
                     if not att.alive():
-                        raise self._gone("closed or died")
+                        return self._final(att, "closed or died")
                     self._publish_counts(att)
                     ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
                     frame = self._sleep_take(
@@ -1131,6 +1176,18 @@ class Receiver:
             if self._closed:
                 self._leave()
 
+    def _final(self, att: Attachment, why: str) -> Frame:
+        """The end is seen (the shutdown flag, EOF): one more take first. A producer publishes its last frames
+        before it says it closes, so a take made after seeing that finds every frame it sent, even those that
+        landed between our last empty take and the look at the flag. Only then is the stream over."""
+        try:
+            frame = self._try_take(att)
+        except ProducerGone:
+            frame = None
+        if frame is not None:
+            return frame
+        raise self._gone(why)
+
     def _arrived(self, frame: Frame, entered: float) -> Frame:
         """Learn how long frames keep us waiting: ``hybrid`` spins only while frames come within its spin.
 
@@ -1139,8 +1196,9 @@ class Receiver:
         self._wait_avg += (time.monotonic() - entered - self._wait_avg) * 0.125
         return frame
 
-    async def recv_async(self, timeout: float | None = None) -> Frame:
-        """Await the next frame: the event loop watches the source's fd, no thread and no polling."""
+    async def recv_async(self, timeout: float | None = _RECEIVER_TIMEOUT) -> Frame:
+        """Await the next frame: the event loop watches the source's fd, no thread and no polling. ``timeout``
+        as for :meth:`recv`."""
         if self._busy:
             raise self._second_waiter()
         import asyncio
@@ -1159,7 +1217,7 @@ class Receiver:
         import asyncio
 
         self._check_open()
-        limit = self.timeout if timeout is None else _call_timeout(timeout)
+        limit = self.timeout if timeout is _RECEIVER_TIMEOUT else _call_timeout(timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         if self._att is None:
@@ -1171,7 +1229,7 @@ class Receiver:
             att = self._att
             assert att is not None
             if att.closing():
-                raise self._gone("closed the link")
+                return self._final(att, "closed the link")
             left = deadline - loop.time()
             if left <= 0:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
@@ -1193,7 +1251,7 @@ class Receiver:
     async def _aiter(self) -> AsyncIterator[Frame]:
         while not self._closed:
             try:
-                yield await self.recv_async(timeout=float("inf") if self.timeout is None else self.timeout)
+                yield await self.recv_async()
             except ProducerGone:
                 if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
                     raise
@@ -1251,6 +1309,7 @@ class Receiver:
         if self._closed:
             return
         self._closed = True
+        _open_receivers.discard(self)
         att = self._att
         loop = self._busy_loop
         if att is not None and self._busy and (loop is None or (loop.is_running() and not loop.is_closed())):
@@ -1276,6 +1335,16 @@ class Receiver:
 
     def _closed_meanwhile(self) -> LinkClosed:
         return LinkClosed(f"cudalink: Receiver {self.name!r} was closed while it waited for a frame")
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: closed here without a word to the producer; frames the child still holds end
+        without touching the leases the parent's frames are counted in."""
+        self._closed = True
+        _open_receivers.discard(self)
+        att, self._att = self._att, None
+        forget = getattr(att, "forget_after_fork", None)
+        if forget is not None:
+            forget()
 
     def _drop(self, att: Attachment) -> None:
         """Leave ``att``, keeping its count of reconnections for ``stats()``."""

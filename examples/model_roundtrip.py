@@ -112,6 +112,7 @@ def main() -> int:
     p = example_args(WHO, __doc__)
     p.add_argument("--model", choices=("auto", "torch", "numpy"), default="auto", help="auto: torch if there")
     args = finish_args(p.parse_args(), WHO)
+    require_device(args.device, WHO)  # before anything touches the GPU: no GPU is a skip (exit 2), not a crash
     if args.role == "producer":
         app(args.name, args.device, args.frames, args.fps, args.shape, None)
         return 0
@@ -132,7 +133,6 @@ def main() -> int:
         skip(WHO, "on the GPU the model needs torch (pip install torch); --model numpy runs on --device cpu")
     else:
         model = numpy_model()
-    require_device(args.device, WHO)
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()

@@ -122,3 +122,37 @@ def host_producer_later(name: str, delay_s: float, ready: Any) -> None:
         for i in range(200):
             tx.send(np.full((4, 4), i % 256, np.uint8))
             time.sleep(0.01)
+
+
+def forking_consumer(name: str, ready: Any, dropped: Any, worker: Any, closed_in_worker: Any) -> None:
+    """Hold two frames, fork a worker whose copies of them end at once (it lives on), then wait to be killed."""
+    import gc
+
+    rx = cudalink.Receiver(name, timeout=10.0, latest=False)
+    held = [rx.recv(timeout=10.0) for _ in range(2)]
+    pid = os.fork()
+    if pid == 0:  # the worker: its copies of the link are closed, its copies of the frames end here
+        closed_in_worker.value = int(rx.closed)
+        held.clear()
+        gc.collect()
+        dropped.set()
+        time.sleep(60)
+        os._exit(0)
+    worker.value = pid
+    ready.set()
+    time.sleep(60)
+
+
+def forking_producer(name: str, worker: Any, closed_in_worker: Any, ready: Any) -> None:
+    """Publish a frame, fork a worker that lives on, then wait to be killed."""
+    with cudalink.Sender(name, shape=(8,), dtype="uint8", device="cpu") as tx:
+        tx.send(np.full(8, 5, np.uint8))
+        pid = os.fork()
+        if pid == 0:
+            closed_in_worker.value = int(tx.closed)
+            time.sleep(60)
+            os._exit(0)
+        worker.value = pid
+        ready.set()
+        while True:
+            time.sleep(1)

@@ -292,3 +292,34 @@ def test_a_stale_key_makes_the_consumer_retry_not_fail(name: str) -> None:
             tx.send(np.arange(4, dtype=np.uint8))
             assert rx.recv(1).seq == 1
         timer.join()
+
+
+def test_a_producer_out_of_fds_rests_its_listener_instead_of_spinning(caplog: pytest.LogCaptureFixture) -> None:
+    """accept() failing with EMFILE leaves the connection waiting, so the listener stays readable: the control
+    thread must stop listening for a moment (and say why once), not call accept() in a loop."""
+    import errno
+
+    from cudalink.transport.control import ControlLoop, SameProcessGate
+
+    calls = []
+
+    class Full(socket.socket):
+        def accept(self) -> tuple[socket.socket, Any]:  # type: ignore[override]
+            calls.append(time.monotonic())
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    listener = Full(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    client = socket.create_connection(listener.getsockname())  # waits in the backlog: readable for good
+    loop = ControlLoop(listener, SameProcessGate())
+    try:
+        with caplog.at_level("WARNING", logger="cudalink"):
+            loop.start(None)  # type: ignore[arg-type]
+            time.sleep(0.5)
+        assert 2 <= len(calls) <= 12, len(calls)  # about one try per 0.1 s, not thousands
+        assert sum("out of file descriptors" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        loop.close()
+        client.close()
+        listener.close()

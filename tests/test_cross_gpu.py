@@ -243,7 +243,8 @@ def test_cpu_and_host_links_keep_their_rules(two_gpus: list[Any]) -> None:
 def test_receiver_device_on_a_machine_without_that_gpu_is_a_clear_error() -> None:
     if devices.count() > 1:
         pytest.skip("this machine has a second GPU")
-    with pytest.raises(CudaUnavailable, match=r"no cuda:1 here; this process sees \d GPU"):
+    # one GPU: names the one there is; none: says why there is none
+    with pytest.raises(CudaUnavailable, match=r"no cuda:1 here(; this process sees 1 GPU|: .*device='cpu')"):
         cudalink.Receiver("nobody-here", device=1, connect=False)
     with pytest.raises(cudalink.LinkError, match="copy must be"):
         cudalink.Receiver("nobody-here", copy="sometimes", connect=False)  # type: ignore[arg-type]

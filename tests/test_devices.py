@@ -35,8 +35,8 @@ def test_an_ordinal_that_is_not_there_names_the_gpus_that_are(monkeypatch: pytes
     with pytest.raises(CudaUnavailable, match=r"no cuda:2 here; this process sees 2 GPU\(s\): cuda:0 GPU-0001") as e:
         devices.check_ordinal(2, TWO)
     assert "cuda:1 GPU-1011" in str(e.value) and "unset" in str(e.value)
-    with pytest.raises(CudaUnavailable, match=r"sees 0 GPU.*none"):
-        devices.check_ordinal(0, [])
+    with pytest.raises(CudaUnavailable, match=r"no cuda:0 here: .*(driver|GPU).*device='cpu'"):
+        devices.check_ordinal(0, [])  # none at all: why (no driver, none seen), not "pass one of: none"
     assert isinstance(e.value, LinkError)
 
 

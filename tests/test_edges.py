@@ -39,7 +39,7 @@ def _later(delay: float, fn: Any, *args: Any) -> threading.Thread:
 # -- no time limit -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["timeout=None", "recv(timeout=inf)"])
+@pytest.mark.parametrize("how", ["timeout=None", "recv(timeout=inf)", "recv(timeout=None)"])
 def test_no_time_limit_attaches_and_waits_for_the_frame(name: str, how: str) -> None:
     """``timeout=None`` is "no limit": it attaches, and a recv waits for a frame sent later (it once failed
     with OverflowError at attach, where the handshake's socket timeout became infinite)."""
@@ -47,14 +47,29 @@ def test_no_time_limit_attaches_and_waits_for_the_frame(name: str, how: str) -> 
         if how == "timeout=None":
             rx = cudalink.Receiver(name, timeout=None)
             call = rx.recv
-        else:
+        elif how == "recv(timeout=inf)":
             rx = cudalink.Receiver(name, connect=False)
             call = functools.partial(rx.recv, timeout=math.inf)
+        else:  # None on one call is no limit too, whatever the Receiver's own timeout
+            rx = cudalink.Receiver(name, timeout=0.05)
+            call = functools.partial(rx.recv, timeout=None)
         with rx:
             _later(0.3, tx.send, np.full(4, 7, np.uint8))
             frame = call()
             assert frame.numpy().tolist() == [7, 7, 7, 7]
             frame.release()
+
+
+def test_recv_async_with_timeout_none_waits_past_the_receivers_timeout(name: str) -> None:
+    async def main() -> list[int]:
+        with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx, cudalink.Receiver(name, timeout=0.05) as rx:
+            _later(0.3, tx.send, np.full(4, 5, np.uint8))
+            frame = await rx.recv_async(timeout=None)
+            with pytest.raises(cudalink.LinkTimeout):  # not given: the Receiver's own 0.05 s
+                await rx.recv_async()
+            return list(frame.numpy().tolist())
+
+    assert asyncio.run(main()) == [5] * 4
 
 
 def test_no_time_limit_async(name: str) -> None:
@@ -549,3 +564,49 @@ def test_a_send_async_cancelled_while_it_waits_for_the_lock_sends_nothing(name: 
     assert tx.seq == 2
     rx.close()
     tx.close()
+
+
+@pytest.mark.parametrize("wait", ["block", "spin"])
+@pytest.mark.parametrize("latest", [False, True])
+def test_frames_published_right_before_a_clean_close_are_all_received(wait: str, latest: bool) -> None:
+    """recv() found nothing, then the producer published its last frames and closed before recv() looked at
+    the shutdown flag: those frames are still delivered (the flag comes after them), and only then does the
+    stream end. ``latest=True`` gets the newest of them."""
+    import threading
+
+    name = f"edge-endrace-{os.getpid()}-{wait}-{latest}"
+    tx = cudalink.Sender(name, shape=(4,), dtype="uint8", slots=8, device="cpu")
+    rx = cudalink.Receiver(name, latest=latest, timeout=2.0, wait=wait)  # type: ignore[arg-type]
+    att = rx._att
+    assert att is not None
+    real_closing, real_alive = att.closing, att.alive
+    once: list[int] = []
+
+    def between() -> None:  # runs where recv() has just found nothing
+        if not once:
+            once.append(1)
+            for i in (1, 2, 3):
+                tx.send(np.full(4, i, np.uint8))
+            closer = threading.Thread(target=tx.close, daemon=True)
+            closer.start()
+            while not real_closing():
+                time.sleep(0.001)
+
+    def closing() -> bool:
+        between()
+        return real_closing()
+
+    def alive() -> bool:
+        between()
+        return real_alive()
+
+    att.closing, att.alive = closing, alive  # type: ignore[method-assign]
+    got = []
+    try:
+        for f in rx:  # ends when the producer closes the link
+            got.append(f.seq)
+            f.release()
+    finally:
+        rx.close()
+        tx.close()
+    assert got == ([1, 2, 3] if not latest else [3]), got

@@ -115,15 +115,21 @@ def test_torch_consumer_tells_a_cpu_build_from_a_machine_without_a_gpu(
     assert got == says if says is None else (got is not None and says in got and "--device cpu" in got), got
 
 
-def test_missing_gpu_is_one_clear_line() -> None:
+@pytest.mark.parametrize(
+    "args",
+    [("asyncio_consumer",), ("model_roundtrip",), ("model_roundtrip", "--role", "producer"), ("fanout",)],
+    ids=lambda a: "-".join(a),
+)
+def test_missing_gpu_is_one_clear_line(args: tuple[str, ...]) -> None:
     try:
         devices.device(0)
         pytest.skip("a GPU is present")
     except cudalink.CudaUnavailable:
         pass
-    proc = run_example("asyncio_consumer", "--device", "0", *QUICK)
+    name = args[0]
+    proc = run_example(name, *args[1:], "--device", "0", *QUICK)
     assert proc.returncode == SKIP_CODE, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("asyncio_consumer: SKIP needs a CUDA GPU") and proc.stdout.count("\n") == 1
+    assert proc.stdout.startswith(f"{name}: SKIP needs a CUDA GPU") and proc.stdout.count("\n") == 1
 
 
 def test_roles_in_two_processes() -> None:

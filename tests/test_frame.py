@@ -85,6 +85,10 @@ def test_spec_validation_messages() -> None:
         FrameSpec((4, 4), "float32", strides=(16, 3))
     with pytest.raises(cudalink.FormatError, match="overlap"):
         FrameSpec((4, 4), "float32", strides=(4, 4))
+    with pytest.raises(cudalink.FormatError, match="strides must be a tuple"):
+        FrameSpec((4,), "uint8", strides=4)  # type: ignore[arg-type]
+    with pytest.raises(cudalink.FormatError, match="frame limit"):
+        FrameSpec((1, 2), "uint8", strides=(2**63, 1))  # spans nothing, but numpy refuses such a view
     with pytest.raises(cudalink.FormatError, match="origin"):
         FrameSpec((4, 4), "float32", origin="left")
     spec = FrameSpec((2, 3, 4), np.float32, pixel_format="BGRA", origin="bottom")
@@ -169,6 +173,10 @@ def test_no_gpu_gives_a_clear_error_naming_the_cpu_backend() -> None:
         pytest.skip("a GPU is present")
     with pytest.raises(cudalink.CudaUnavailable, match="device='cpu'"):
         cudalink.Sender("nogpu", shape=(4,), device=0)
+    # a Receiver asked for a GPU says why there is none, not "pass one of these ordinals: none"
+    why = r"no cuda:0 here: .*(driver|no GPU).*device='cpu'"
+    with cudalink.Sender("nogpu-rx", shape=(4,), device="cpu"), pytest.raises(cudalink.CudaUnavailable, match=why):
+        cudalink.Receiver("nogpu-rx", device=0, timeout=1.0)
 
 
 class _TorchLikeStream:

@@ -114,6 +114,61 @@ def test_the_next_sender_replaces_a_killed_producers_leftovers(spawned: Spawned,
     assert nothing_left(name)
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="segments can be listed only where /dev/shm exists")
+def test_what_no_record_names_is_removed_by_the_next_sender_and_by_clean(control: str) -> None:
+    """A producer killed while it made its segments (before its header or rendezvous file named the
+    generation) or while it removed them (the record first) leaves segments nothing names, and one killed
+    while writing its rendezvous file leaves a temporary file: the next Sender and ``clean`` find them by name.
+    A live look-alike link (named ``NAME-<16 hex>``, whose header has such a name) is left alone."""
+    from cudalink.transport.channel import LoopbackChannel
+    from cudalink.transport.shm import _open_segment
+
+    name = f"left-unrec-{os.getpid()}-{control}"
+    gen = 0x0123456789ABCDEF
+    orphans = [_platform.segment_name(name, f"-{gen:016x}"), _platform.segment_name(name, f"-h{gen:016x}")]
+    tmp = f"{LoopbackChannel.record_path(name)}.999999.tmp"
+
+    def leave() -> None:
+        for seg in orphans:
+            _open_segment(seg, create=True, size=1 << 16).close()
+        with open(tmp, "wb") as f:
+            f.write(b"half a record")
+
+    alike = f"{name}-{gen + 1:016x}"  # another live link whose Unix header looks like our data segment
+    with cudalink.Sender(alike, shape=(2, 2), dtype="uint8", device="cpu") as other:
+        leave()
+        files, segments = leftovers(name)
+        assert set(orphans) <= set(segments) and tmp in files
+        assert _platform.segment_name(alike) not in segments  # held by its live producer
+        with cudalink.Sender(name, shape=(2, 2), dtype="uint8", device="cpu"):
+            assert not any(os.path.exists(f"/dev/shm/{seg}") for seg in orphans) and not os.path.exists(tmp)
+        assert nothing_left(name)
+        leave()
+        removed = dict(clean(only=[name]))
+        assert set(orphans) <= set(removed[name]) and tmp in removed[name]
+        assert nothing_left(name)
+        other.send(np.ones((2, 2), np.uint8))  # the look-alike lives on, whole
+        with cudalink.Receiver(alike, timeout=5.0) as rx:
+            assert rx.poll() is not None or rx.recv(timeout=1.0) is not None
+
+
+def test_a_sender_that_fails_to_start_leaves_no_lock_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudalink.transport import shm
+
+    name = f"left-fail-{os.getpid()}"
+    made = shm._create_segment
+
+    def refuse_data(seg: str, size: int, what: str) -> object:
+        if seg != _platform.segment_name(name) and "-h" not in seg[len(_platform.segment_name(name)) :]:
+            raise cudalink.LinkError("cudalink: not enough shared memory (test)")
+        return made(seg, size, what)
+
+    monkeypatch.setattr(shm, "_create_segment", refuse_data)
+    with pytest.raises(cudalink.LinkError, match="not enough shared memory"):
+        cudalink.Sender(name, shape=(4, 4), dtype="uint8", device="cpu")
+    assert nothing_left(name), os.listdir(_platform.runtime_dir())
+
+
 def test_a_receiver_still_waits_for_a_producer_that_has_not_started(spawned: Spawned, control: str) -> None:
     """Only a name whose lock is free *and* whose leftovers exist is dead: nothing there, or a lone lock
     file (an older version's), is a producer not started yet."""
@@ -168,3 +223,23 @@ def test_a_script_that_never_closes_its_cuda_sender_exits_cleanly_and_leaves_not
     assert proc.returncode == 0 and "sent" in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
     assert nothing_left(name), leftovers(name)
+
+
+def test_a_name_another_user_holds_is_refused_with_whose_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm is shared: another user can make a segment under one of our names, which we cannot remove.
+    The error says whose it is and what to do, not a bare FileExistsError."""
+    from cudalink.transport import shm
+
+    name = f"left-squat-{os.getpid()}"
+    opened = shm._open_segment
+
+    def squatted(seg: str, create: bool = False, size: int = 0) -> object:
+        if create:
+            raise FileExistsError(17, "File exists", seg)
+        return opened(seg, create=create, size=size)
+
+    monkeypatch.setattr(shm, "_open_segment", squatted)
+    monkeypatch.setattr(_platform, "shm_owner", lambda seg: 4242)
+    with pytest.raises(cudalink.LinkError, match=r"another user's \(uid 4242\).*choose another link name"):
+        cudalink.Sender(name, shape=(4, 4), dtype="uint8", device="cpu")
+    assert nothing_left(name)

@@ -8,6 +8,7 @@ import os
 import select
 import stat
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -126,6 +127,19 @@ def test_reserve_is_zero_copy_and_aborts_cleanly(pair: PairFactory, transport: T
             rx.recv(0.05)  # nothing half-written was published
         tx.send(np.full((3, 5, 4), 2, np.uint8))
         assert np.all(np.from_dlpack(rx.recv(1)) == 2)
+
+
+def test_a_reserved_frame_is_stamped_when_published_not_when_reserved(pair: PairFactory, transport: Transport) -> None:
+    """The time spent rendering inside the block is not handoff: the frame's timestamp is its publish time,
+    as for ``send()``."""
+    tx, rx = pair(transport, shape=(4,), dtype="uint8")
+    with tx, rx:
+        with tx.reserve() as w:
+            np.from_dlpack(w)[...] = 1
+            time.sleep(0.05)
+            published_after = time.time_ns()
+        f = rx.recv(1)
+        assert f.timestamp_ns >= published_after, (f.timestamp_ns - published_after) / 1e6
 
 
 def test_a_reserve_block_gives_the_lock_back_however_it_ends(pair: PairFactory, transport: Transport) -> None:

@@ -865,3 +865,33 @@ def test_status_tells_a_built_driver_module_on_a_machine_without_a_driver(
     monkeypatch.setattr(_native, "driver", None)
     monkeypatch.setitem(_native.missing, "driver", why)
     assert _native.status()["driver"].startswith(says)
+
+
+def test_oldest_first_never_passes_a_frame_a_torn_scan_missed() -> None:
+    """The stamp scan is no atomic read: frames landing while it runs can show a later slot's new frame after
+    the scan passed an earlier slot just before its older frame landed. ``latest=False`` must still take the
+    oldest frame the slots hold, not skip it. (The compiled twin does the same re-scan; only the Python scan
+    can be torn on purpose.)"""
+    side = _side("python")
+    rx = side.rx[0]
+    real = rx._stamps
+    torn_once: list[int] = []
+
+    def torn(buf: Any, off: int) -> tuple[int, ...]:
+        before = real(buf, off)  # the scan has read slots 0 and 1 ...
+        if not torn_once:
+            torn_once.append(1)
+            for seq in (1, 2, 3):  # ... the producer publishes frames 1, 2, 3 ...
+                slot = side.tx.claim(seq)
+                assert slot is not None
+                side.tx.publish(slot, seq, 0, SPEC, b"")
+        after = real(buf, off)  # ... and the scan reads the rest
+        return before[:2] + after[2:]
+
+    rx._stamps = torn  # type: ignore[method-assign]
+    got = rx.take(0, False)
+    assert got is not None and got[1].seq == 1, got
+    for want in (2, 3):
+        rx.release(got[0], got[1].seq, False)
+        got = rx.take(got[1].seq, False)
+        assert got is not None and got[1].seq == want

@@ -381,3 +381,16 @@ def test_a_consumer_waits_on_a_frames_event_only_while_its_producer_holds_its_en
         _backends.CudaView.producer_live(view)
     wire.write_u32(header, wire.OFF_FLAGS, wire.FLAG_SHUTDOWN)
     assert _backends.CudaView.producer_live(view) is False
+
+
+def test_macos_names_fit_its_shm_and_socket_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS caps POSIX shm names at 31 characters (the '/' included) and socket paths at 104 bytes: the
+    longest link name with the longest suffix must fit both, and two names must never share a segment."""
+    monkeypatch.setattr(_platform, "IS_MACOS", True)
+    longest = "n" * 48
+    _platform.check_name(longest)
+    for suffix in ("", f"-{2**64 - 1:016x}", f"-h{2**64 - 1:016x}"):
+        assert len("/" + _platform.segment_name(longest, suffix)) <= _platform._MACOS_SHM_NAME_MAX
+    names = {_platform.segment_name(f"cam{i}") for i in range(2000)}
+    assert len(names) == 2000 and _platform.segment_name("cam0") == _platform.segment_name("cam0")
+    assert len(os.path.join("/tmp", f"cudalink-{_platform.user_tag()}", f"{longest}.sock").encode()) < 104

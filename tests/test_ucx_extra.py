@@ -24,6 +24,20 @@ def test_an_address_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) 
         cudalink.Receiver("ucx://127.0.0.1:5000/cam", timeout=0.1)
 
 
+def test_bench_remote_without_the_extra_names_it_before_starting_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cudalink.tools import cli, remote_bench
+
+    monkeypatch.setattr(ucx_engine, "_ucxx", None)
+    monkeypatch.setitem(sys.modules, "ucxx", None)
+    started: list[object] = []
+    monkeypatch.setattr(remote_bench, "_child", lambda *a, **k: started.append(a))
+    assert cli.main(["bench", "--remote", "--quick"]) != 0
+    err = capsys.readouterr().err
+    assert 'pip install "cudalink[ucx]"' in err and "Traceback" not in err and not started
+
+
 def test_sender_serve_without_the_extra_fails_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

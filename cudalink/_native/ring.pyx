@@ -354,6 +354,17 @@ cdef class ConsumerCore:
         meta = PyBytes_FromStringAndSize(<const char *>(base + off + META_AT), mlen) if mlen else b""
         return (seq, ts, self._spec[slot], meta)  # a plain tuple: ``take`` names it for Python callers
 
+    cdef bint _older(self, const uint8_t *base, uint64_t lo, uint64_t best):
+        """Oldest first: a frame older than ``best`` in a slot our scan passed too early (see
+        ``_ring.PyConsumerRing._older``)."""
+        cdef Py_ssize_t i
+        cdef uint64_t st
+        for i in range(self.o.nslots):
+            st = cl_load64(base + self.o.stamps + 8 * i)
+            if st > lo and st < best and not st & 1:
+                return True
+        return False
+
     def take(self, uint64_t after, bint newest):
         """Lease the newest frame after ``after`` (the oldest when ``newest`` is False) and read its record."""
         got = self._take(after, newest)
@@ -388,14 +399,21 @@ cdef class ConsumerCore:
                     except BaseException:
                         cl_store64(lease, 0)
                         raise
-                    if rec[0] == seq:
+                    if rec[0] != seq:
+                        cl_store64(lease, 0)  # an even stamp that stays put over another frame's record: a lie
+                        raise ProtocolError(_stamp_lie(slot, seq, rec[0]))
+                    if newest or not self._older(base, lo, best):
                         return slot, rec
-                    cl_store64(lease, 0)  # an even stamp that stays put over another frame's record: a lie
-                    raise ProtocolError(_stamp_lie(slot, seq, rec[0]))
-                cl_store64(lease, 0)  # the producer reclaimed it between our read and our lease: look again
+                # the producer reclaimed it, or published older frames our scan missed: look again
+                cl_store64(lease, 0)
             return None
         finally:
             PyBuffer_Release(&v)
+
+    def forget(self):
+        """A forked child's copy (the twin of ``PyConsumerRing.forget``): from now on it reads and writes a
+        private blank header, never the shared one whose leases and counts are the parent's."""
+        self.buf = bytearray(self.o.size)
 
     def release(self, Py_ssize_t slot, uint64_t seq, bint fenced):
         """Clear our lease of ``slot`` if it still holds ``seq``; returns the header flags, read after it."""

@@ -181,11 +181,24 @@ def ordinal_of(uuid: bytes, gpus: list[tuple[int, bytes]] | None = None) -> int 
 def check_ordinal(ordinal: int, gpus: list[tuple[int, bytes]] | None = None) -> None:
     """A clear error naming the GPUs that exist when ``ordinal`` is not one of them."""
     gpus = visible() if gpus is None else gpus
+    if not gpus:  # no GPU at all: say why (no driver, or the driver sees none), not "pass one of: none"
+        raise CudaUnavailable(f"cudalink: there is no cuda:{ordinal} here: {_why_no_gpu()}; {driver.NO_GPU_HINT}")
     if not any(i == ordinal for i, _ in gpus):
         raise CudaUnavailable(
             f"cudalink: there is no cuda:{ordinal} here; this process sees {len(gpus)} GPU(s): "
             f"{describe_visible(gpus)} (CUDA_VISIBLE_DEVICES={_visible_env()}); pass one of those ordinals"
         )
+
+
+def _why_no_gpu() -> str:
+    try:
+        drv = driver.bindings()
+        err = drv.cuInit(0)[0]
+    except (LinkError, RuntimeError) as exc:  # includes cuda.pathfinder's DynamicLibNotFoundError
+        return f"no usable CUDA driver ({exc})"
+    if err:
+        return f"the CUDA driver found no usable GPU ({err!r}; CUDA_VISIBLE_DEVICES={_visible_env()})"
+    return f"the CUDA driver sees no GPU (CUDA_VISIBLE_DEVICES={_visible_env()})"
 
 
 def _visible_env() -> str:

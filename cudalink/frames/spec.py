@@ -125,6 +125,8 @@ class FrameSpec:
             raise FormatError(f"cudalink: shape {dims} of {dt.name} exceeds the {MAX_NBYTES >> 30} GiB frame limit")
         st: tuple[int, ...] | None = None
         if strides is not None:
+            if not isinstance(strides, Sequence) or isinstance(strides, (str, bytes)):
+                raise FormatError(f"cudalink: strides must be a tuple of ints (bytes per axis), got {strides!r}")
             st = tuple(_check_int(s, "every stride") for s in strides)
             if len(st) != len(dims):
                 raise FormatError(f"cudalink: strides {st} do not match the {len(dims)} dimensions of {dims}")
@@ -132,6 +134,8 @@ class FrameSpec:
                 raise FormatError(
                     f"cudalink: strides {st} must be non-negative multiples of the itemsize {dt.itemsize}"
                 )
+            if any(s > MAX_NBYTES for s in st):  # even on a length-1 axis, where it spans nothing: numpy refuses it
+                raise FormatError(f"cudalink: strides {st} exceed the {MAX_NBYTES >> 30} GiB frame limit")
             if st == _c_strides(dims, dt.itemsize):
                 st = None
             else:

@@ -464,6 +464,7 @@ def _host_cell(row: dict[str, Any]) -> str:
 
 
 def cmd_remote_bench(args: argparse.Namespace) -> int:
+    ucx_engine.load()  # no UCXX: one line naming the extra, before any child is started
     device = str(getattr(args, "device", None) or "auto")
     r = run(quick=bool(getattr(args, "quick", False)), gpu=False if device == "cpu" else None)
     print_report(r)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import secrets
 import socket
@@ -166,7 +167,8 @@ class LoopbackChannel(Channel):
 
     def leftovers(self, name: str) -> tuple[list[str], list[int]]:
         old = self._read(name)
-        return [self.record_path(name)], [] if old is None else [old.generation]
+        path = self.record_path(name)
+        return [path, *glob.glob(f"{glob.escape(path)}.*.tmp")], [] if old is None else [old.generation]
 
     def listen(self, name: str, generation: int) -> Listening:
         listener = _platform.loopback_listener()

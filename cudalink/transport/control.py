@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
+import logging
 import os
 import secrets
 import select
@@ -28,6 +30,10 @@ from .base import UNVERIFIED_UID, Client, Peer, ServerHandler
 from .wire import HELLO
 
 HANDSHAKE_TIMEOUT = 2.0
+#: accept() failed for want of fds: how long the listener rests before the next try
+_ACCEPT_PAUSE_S = 0.1
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_log = logging.getLogger("cudalink")
 #: a wait longer than this is a wait with no limit (``poll`` takes an int of milliseconds; ``inf`` is no int)
 _LONGEST_WAIT_S = 2e6
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # Windows has none; our sockets are non-blocking anyway
@@ -95,6 +101,8 @@ class ControlLoop:
         self._lock = threading.Lock()
         self._next = 1
         self._closed = False
+        self._paused_until = 0.0  # accepting paused (out of fds) until then
+        self._warned_fds = False
         self._thread = threading.Thread(target=self._run, name="cudalink-control", daemon=True)
 
     def start(self, handler: ServerHandler) -> None:
@@ -161,11 +169,28 @@ class ControlLoop:
         for s in (self._wake_r, self._wake_w):
             s.close()
 
+    def forget_after_fork(self) -> None:
+        """In a forked child, where this loop's thread does not exist: close our copies of its sockets."""
+        self._closed = True
+        for sock in [*self._joined.values(), *(s for s, *_ in self._pending.values()), *self._incoming]:
+            with contextlib.suppress(OSError):
+                sock.close()
+        with contextlib.suppress(Exception):
+            self._sel.close()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+
     # -- the thread -------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._closed:
             timeout = 0.5 if self._pending else None
+            if self._paused_until:
+                left = self._paused_until - time.monotonic()
+                if left <= 0:
+                    self._resume_accepting()
+                else:
+                    timeout = left if timeout is None else min(timeout, left)
             try:
                 events = self._sel.select(timeout)
             except (OSError, ValueError):
@@ -200,9 +225,32 @@ class ControlLoop:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in _OUT_OF_FDS:
+                    self._pause_accepting(exc)
                 return
             self._register_new(sock)
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        """Out of fds: the waiting connection stays readable, so accepting again at once would spin this thread.
+        Stop listening for a moment (consumers already joined are served as usual)."""
+        assert self._listener is not None
+        if not self._warned_fds:
+            self._warned_fds = True
+            _log.warning(
+                "cudalink: the producer is out of file descriptors (%s); new consumers wait until some close. "
+                "Raise the limit (ulimit -n) or close unused links",
+                exc,
+            )
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(self._listener)
+        self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
+
+    def _resume_accepting(self) -> None:
+        self._paused_until = 0.0
+        if self._listener is not None and not self._closed:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.register(self._listener, selectors.EVENT_READ, "listen")
 
     def _register_new(self, sock: socket.socket) -> None:
         _platform.no_delay(sock)

@@ -223,6 +223,14 @@ class RingAttachment:
         if not self.live:  # read after ``detached`` is set: a release racing us is seen by one side or both
             self._unmap()
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: close our copy of the connection (the parent's stays open) and end leases here
+        without writing the ring, whose counts are the parent's."""
+        self.ring.forget()  # the compiled lease writes the ring itself
+        self.release = _no_release  # type: ignore[method-assign]
+        self.detached = self.unmapped = True
+        self.client.close()
+
     def _unmap(self) -> None:
         with self.lock:
             if self.unmapped:
@@ -231,6 +239,10 @@ class RingAttachment:
         with contextlib.suppress(Exception):
             self.view.close()
         self.client.close()
+
+
+def _no_release(slot: int, seq: int, streams: list[int]) -> None:
+    pass
 
 
 def _ring_attachment(client: Client, fixed: wire.Fixed, index: int, fds: list[int]) -> RingAttachment:

@@ -60,7 +60,15 @@ def _open_segment(name: str, create: bool = False, size: int = 0) -> shared_memo
 
 def _create_segment(name: str, size: int, what: str) -> shared_memory.SharedMemory:
     """A new segment whose pages are reserved (``_platform.reserve_shm``): a full /dev/shm is an error here."""
-    shm = _open_segment(name, create=True, size=size)
+    try:
+        shm = _open_segment(name, create=True, size=size)
+    except FileExistsError as exc:  # ours were removed as a dead producer's: this one is not ours to remove
+        owner = _platform.shm_owner(name)
+        whose = f"another user's (uid {owner})" if owner is not None and owner != _platform.uid() else "not ours"
+        raise LinkError(
+            f"cudalink: cannot publish {what}: shared-memory segment {name!r} exists and is {whose}; choose "
+            f"another link name, or have its owner (or an administrator) remove /dev/shm/{name}"
+        ) from exc
     try:
         _platform.reserve_shm(getattr(shm, "_fd", -1), size, what)
     except BaseException:
@@ -161,6 +169,15 @@ class _ShmServer(Server):
             self.data_segment.unlink()
         self._lock.remove_and_release()  # nothing of ours stays behind, not even the lock file
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: close our copies of the listener, the connections and the lock (never unlocking
+        or shutting down what the parent uses) and remove nothing."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listening.listener.close()
+        self._loop.forget_after_fork()
+        self._lock.forget()
+
 
 class _ShmClient(SocketClient):
     def __init__(self, name: str, header: Segment, found: Found) -> None:
@@ -230,7 +247,7 @@ class SharedMemoryTransport(Transport):
         except BaseException:
             for seg in segments:
                 seg.unlink()
-            lock.release()
+            lock.remove_and_release()
             raise
         return _ShmServer(name, header, data, listening, lock)
 
@@ -330,10 +347,44 @@ def leftovers(name: str) -> tuple[list[str], list[str]]:
             seg = _platform.segment_name(name, suffix)
             if seg not in segments and _exists(seg):
                 segments.append(seg)
+    segments += [seg for seg in _unrecorded(name) if seg not in segments]
     return files, segments
 
 
+def _unrecorded(name: str) -> list[str]:
+    """``name``'s segments that no record names: a producer killed while it made them (before the header or
+    rendezvous file said which generation) or while it removed them. Listed where the OS can list them; a
+    look-alike link's header (a link named ``NAME-<16 hex>``) is left alone while its producer lives."""
+    prefix = _platform.segment_name(name)
+    out = []
+    for seg in _platform.shm_segments(prefix):
+        rest = seg[len(prefix) :]
+        if not _SUFFIX.fullmatch(rest):
+            continue
+        if not rest.startswith("-h") and _held(name + rest):
+            continue
+        out.append(seg)
+    return out
+
+
+def _held(name: str) -> bool:
+    """Is link ``name`` held by a live producer (its lock taken)? A lock file made by this look is removed."""
+    try:
+        lock = _platform.ProcessLock(_platform.lock_path(_platform.check_name(name)))
+    except LinkError:
+        return False
+    existed = os.path.exists(lock.path)
+    if not lock.acquire():
+        return True
+    if existed:
+        lock.release()
+    else:
+        lock.remove_and_release()
+    return False
+
+
 _SUFFIX = re.compile(r"-h?[0-9a-f]{16}$")
+_TMP = re.compile(r".+\.tcp\.[0-9]+\.tmp")
 
 
 def clean(dry_run: bool = False, only: Sequence[str] | None = None) -> list[tuple[str, list[str]]]:
@@ -349,6 +400,8 @@ def clean(dry_run: bool = False, only: Sequence[str] | None = None) -> list[tupl
         stem, dot, ext = entry.rpartition(".")
         if dot and ext in ("lock", "sock", "tcp"):
             names.add(stem)
+        elif _TMP.fullmatch(entry):  # a rendezvous file a producer was killed while writing
+            names.add(entry.rsplit(".", 3)[0])
     prefix = _platform.segment_name("")
     for seg in _platform.shm_segments(prefix):
         rest = seg[len(prefix) :]

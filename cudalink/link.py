@@ -1179,7 +1179,10 @@ class Receiver:
     def _final(self, att: Attachment, why: str) -> Frame:
         """The end is seen (the shutdown flag, EOF): one more take first. A producer publishes its last frames
         before it says it closes, so a take made after seeing that finds every frame it sent, even those that
-        landed between our last empty take and the look at the flag. Only then is the stream over."""
+        landed between our last empty take and the look at the flag. Only then is the stream over. (A close()
+        meanwhile, which may be what ended the wait, hands out nothing more.)"""
+        if self._closed:
+            raise self._closed_meanwhile()
         try:
             frame = self._try_take(att)
         except ProducerGone:

@@ -248,6 +248,48 @@ def test_an_attach_between_the_version_and_the_new_handles_never_reads_the_old_s
         producer.data = []
 
 
+def test_new_handles_written_while_ours_are_imported_are_seen_at_the_first_frame(
+    name: str, producer: FakeProducer
+) -> None:
+    """Each import is milliseconds on a GPU: the writer may finish its re-init (new handles) meanwhile. What
+    the first frame checks is what was imported, not the segment read again after the imports."""
+    from cudalink.transport.shm import _open_segment, _unlink_segment
+
+    new = [_open_segment(f"{name}_m{i}".replace(">", "_"), create=True, size=1 << 16) for i in range(producer.n)]
+    old = producer.data
+    hook: list[object] = []
+
+    class SlowImport(HostSlotMemory):
+        def open(self, slot: int, memory: bytes, event: bytes) -> int:
+            size = super().open(slot, memory, event)
+            if slot == 0 and hook:
+                hook.pop()()  # type: ignore[operator]
+            return size
+
+    try:
+        producer.publish(11)
+        with _rx(name, SlowImport, timeout=1.0) as rx:  # type: ignore[arg-type]
+            assert (rx.recv(timeout=1.0).numpy() == 11).all()
+            finish = _python_writer_reinit(producer, new, (4, 6, 4))
+            with pytest.raises(cudalink.ProducerGone):
+                rx.recv(timeout=0.5)
+            hook.append(finish)
+            assert rx.poll() is None and not hook  # attached; the new handles landed during its imports
+            got = []
+            for v in (42, 43, 44):
+                producer.publish(v)
+                try:
+                    got.append(int(rx.recv(timeout=1.0).numpy().flat[0]))
+                except cudalink.ProducerGone:
+                    got.append(-1)
+            assert got[0] == -1 and got[1:] == [43, 44], got  # never a frame from the old slots (11)
+    finally:
+        for seg in (*old, *new):
+            _unlink_segment(seg.name.lstrip("/"))
+            seg.close()
+        producer.data = []
+
+
 def test_a_writer_that_keeps_counting_across_a_reinit_skips_nothing(name: str, producer: FakeProducer) -> None:
     with _rx(name, timeout=1.0) as rx:
         for v in range(50):
@@ -267,6 +309,25 @@ def test_a_writer_that_keeps_counting_across_a_reinit_skips_nothing(name: str, p
         producer.publish(8)
         producer.publish(9)
         assert rx.recv(timeout=1.0).seq == 53 and rx.stats()["skipped"] == 1
+
+
+def test_a_writer_that_counts_from_zero_again_after_a_reinit_still_counts_its_skips(
+    name: str, producer: FakeProducer
+) -> None:
+    """cuda-link's C++ TOP (and cudalink's own writer) start write_idx at 0 again: frames it published before
+    our first take are skipped as usual, whatever the last frame of the previous version was."""
+    with _rx(name, timeout=1.0) as rx:
+        for v in range(5):
+            producer.publish(v)
+            rx.recv(timeout=1.0)
+        producer.init((4, 6, 4), "uint8")
+        with pytest.raises(cudalink.ProducerGone):
+            rx.recv(timeout=0.5)
+        with pytest.raises(cudalink.LinkTimeout):
+            rx.recv(timeout=0.05)
+        for v in range(10):
+            producer.publish(v)
+        assert rx.recv(timeout=1.0).seq == 10 and rx.stats()["skipped"] == 9
 
 
 @pytest.mark.parametrize("ts", [float("inf"), float("-inf"), float("nan"), 1e300, 1e12])

@@ -610,3 +610,31 @@ def test_frames_published_right_before_a_clean_close_are_all_received(wait: str,
         rx.close()
         tx.close()
     assert got == ([1, 2, 3] if not latest else [3]), got
+
+
+def test_a_frame_published_as_close_ends_the_wait_is_not_handed_out() -> None:
+    """close() on another thread makes the wait see the end (its interrupt reads as a hang-up); the one more
+    take that follows a producer's end must not hand out a frame once close() has run."""
+    import threading
+
+    name = f"edge-final-close-{os.getpid()}"
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", device="cpu", slots=4) as tx:
+        rx = cudalink.Receiver(name, timeout=2.0, wait="block")
+        att = rx._att
+        assert att is not None
+        real_alive = att.alive
+        calls: list[int] = []
+
+        def alive() -> bool:
+            calls.append(1)
+            if len(calls) == 1:  # the frame lands and close() runs, between recv()'s checks
+                tx.send(np.full(4, 9, np.uint8))
+                closer = threading.Thread(target=rx.close)
+                closer.start()
+                closer.join()
+            return real_alive()
+
+        att.alive = alive  # type: ignore[method-assign]
+        with pytest.raises(cudalink.LinkClosed):
+            rx.recv()
+        assert rx.closed

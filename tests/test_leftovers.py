@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def nothing_left(name: str) -> bool:
-    files, segments = leftovers(name)
+    files, segments = leftovers(name, unrecorded=True)
     return not files and not segments and not os.path.exists(_platform.lock_path(name))
 
 
@@ -134,12 +134,16 @@ def test_what_no_record_names_is_removed_by_the_next_sender_and_by_clean(control
         with open(tmp, "wb") as f:
             f.write(b"half a record")
 
-    alike = f"{name}-{gen + 1:016x}"  # another live link whose Unix header looks like our data segment
-    with cudalink.Sender(alike, shape=(2, 2), dtype="uint8", device="cpu") as other:
+    # other live links whose Unix headers look like our data segments (NAME-<hex>) and TCP headers (NAME-h<hex>)
+    alike, alike_h = f"{name}-{gen + 1:016x}", f"{name}-h{gen + 2:016x}"
+    with (
+        cudalink.Sender(alike, shape=(2, 2), dtype="uint8", device="cpu") as other,
+        cudalink.Sender(alike_h, shape=(2, 2), dtype="uint8", device="cpu") as other_h,
+    ):
         leave()
-        files, segments = leftovers(name)
+        files, segments = leftovers(name, unrecorded=True)
         assert set(orphans) <= set(segments) and tmp in files
-        assert _platform.segment_name(alike) not in segments  # held by its live producer
+        assert not {_platform.segment_name(alike), _platform.segment_name(alike_h)} & set(segments)  # live
         with cudalink.Sender(name, shape=(2, 2), dtype="uint8", device="cpu"):
             assert not any(os.path.exists(f"/dev/shm/{seg}") for seg in orphans) and not os.path.exists(tmp)
         assert nothing_left(name)
@@ -147,9 +151,21 @@ def test_what_no_record_names_is_removed_by_the_next_sender_and_by_clean(control
         removed = dict(clean(only=[name]))
         assert set(orphans) <= set(removed[name]) and tmp in removed[name]
         assert nothing_left(name)
-        other.send(np.ones((2, 2), np.uint8))  # the look-alike lives on, whole
-        with cudalink.Receiver(alike, timeout=5.0) as rx:
-            assert rx.poll() is not None or rx.recv(timeout=1.0) is not None
+        for look_alike, tx in ((alike, other), (alike_h, other_h)):  # the look-alikes live on, whole
+            tx.send(np.ones((2, 2), np.uint8))
+            with cudalink.Receiver(look_alike, timeout=5.0) as rx:
+                assert rx.recv(timeout=1.0).numpy().tolist() == [[1, 1], [1, 1]]
+
+
+def test_a_receiver_waiting_for_a_producer_never_lists_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Listing /dev/shm (thousands of entries on a busy box) is for the next Sender and ``clean``; a Receiver
+    asks whether a name is abandoned at every retry while it waits."""
+    listed: list[str] = []
+    real = _platform.shm_segments
+    monkeypatch.setattr(_platform, "shm_segments", lambda prefix: listed.append(prefix) or real(prefix))
+    with pytest.raises(cudalink.LinkTimeout):
+        cudalink.Receiver(f"left-nobody-{os.getpid()}", timeout=0.2)
+    assert not listed
 
 
 def test_a_sender_that_fails_to_start_leaves_no_lock_file(monkeypatch: pytest.MonkeyPatch) -> None:

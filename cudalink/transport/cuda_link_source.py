@@ -395,7 +395,10 @@ class CudaLinkSource:
             n = header.num_slots
             if cw.read_shutdown(buf, n):
                 raise NoProducer("the producer closed this segment; waiting for a new one")
-            generation = _generation(_ino(getattr(shm, "_fd", -1)), header.version, cw.read_handles(buf, n, 0)[0])
+            # the handles as read once: what is imported below and what the first frame checks (a writer may
+            # write new ones while the imports, milliseconds each on a GPU, run)
+            handles = bytes(buf[: cw.off_memory(n)])
+            generation = _generation(_ino(getattr(shm, "_fd", -1)), header.version, cw.read_handles(handles, n, 0)[0])
             if generation == dead_generation:
                 raise NoProducer("only the closed producer's leftovers are there")
             try:
@@ -407,7 +410,7 @@ class CudaLinkSource:
             spec = cw.spec_from_meta(meta)
             mem = self._make_memory()
             try:
-                sizes = [mem.open(i, *cw.read_handles(buf, n, i)) for i in range(n)]
+                sizes = [mem.open(i, *cw.read_handles(handles, n, i)) for i in range(n)]
             except BaseException:
                 mem.close()
                 raise
@@ -418,8 +421,9 @@ class CudaLinkSource:
             del buf
             seg = None  # type: ignore[assignment]
             raise
-        handles = bytes(buf[cw.off_memory(0) : cw.off_memory(n)])
-        att = CudaLinkAttachment(self.segment, seg, header, meta, spec, mem, generation, min(sizes), handles)
+        att = CudaLinkAttachment(
+            self.segment, seg, header, meta, spec, mem, generation, min(sizes), handles[cw.off_memory(0) :]
+        )
         att._bell = _platform.Doorbell.open(self.segment)  # Windows, where the producer rings one; else None
         att._source, att._prior = self, self._prior
         return att
@@ -559,12 +563,12 @@ class CudaLinkAttachment:
     def _first(self, rx: object, w: int) -> bool:
         """The attachment's first frame: are the handles we imported still the segment's? Else the producer
         re-initialised while we attached (a restart, seen as one). Also where its count starts: a writer that
-        kept counting across an in-place re-init (cuda-link's TD extension) skipped only what it published
-        since the last frame we took, not its whole count."""
+        kept counting across an in-place re-init (cuda-link's TD extension: its first frame comes within a ring
+        of the last one we took) skipped only what it published since that frame, not its whole count."""
         if self._handles and bytes(self.buf[cw.off_memory(0) : cw.off_memory(self.n)]) != self._handles:
             self._restarted = True
             return False
-        if self._fresh and 0 < self._prior < w and getattr(rx, "_floor", None) == 0:
+        if self._fresh and 0 < self._prior < w <= self._prior + self.n and getattr(rx, "_floor", None) == 0:
             rx._floor = self._prior  # type: ignore[attr-defined]
         return True
 

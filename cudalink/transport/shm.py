@@ -254,7 +254,7 @@ class SharedMemoryTransport(Transport):
     @staticmethod
     def _clean_stale(name: str) -> None:
         """We hold the name's lock: whatever carries the name is a dead producer's leftovers."""
-        files, segments = leftovers(name)
+        files, segments = leftovers(name, unrecorded=True)
         for path in files:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -326,9 +326,11 @@ def _exists(seg_name: str) -> bool:
     return True
 
 
-def leftovers(name: str) -> tuple[list[str], list[str]]:
+def leftovers(name: str, unrecorded: bool = False) -> tuple[list[str], list[str]]:
     """What a producer of ``name`` made that is still there: (files, segment names). Only meaningful to a
-    caller that holds the name's lock (or knows its producer is dead)."""
+    caller that holds the name's lock (or knows its producer is dead). ``unrecorded``: also the segments no
+    record names, found by listing /dev/shm (a cost for the next Sender and ``clean``, not for a Receiver's
+    every look while it waits)."""
     files: list[str] = []
     generations: list[int] = []
     for chan in CHANNELS.values():
@@ -347,7 +349,8 @@ def leftovers(name: str) -> tuple[list[str], list[str]]:
             seg = _platform.segment_name(name, suffix)
             if seg not in segments and _exists(seg):
                 segments.append(seg)
-    segments += [seg for seg in _unrecorded(name) if seg not in segments]
+    if unrecorded:
+        segments += [seg for seg in _unrecorded(name) if seg not in segments]
     return files, segments
 
 
@@ -359,9 +362,7 @@ def _unrecorded(name: str) -> list[str]:
     out = []
     for seg in _platform.shm_segments(prefix):
         rest = seg[len(prefix) :]
-        if not _SUFFIX.fullmatch(rest):
-            continue
-        if not rest.startswith("-h") and _held(name + rest):
+        if not _SUFFIX.fullmatch(rest) or _held(name + rest):  # a live link named NAME-<16 hex> or NAME-h<16 hex>
             continue
         out.append(seg)
     return out
@@ -429,7 +430,7 @@ def clean(dry_run: bool = False, only: Sequence[str] | None = None) -> list[tupl
                     break  # alive (or starting, or closing): never touched
                 taken.append(lock)
             else:
-                files, segments = leftovers(name)
+                files, segments = leftovers(name, unrecorded=True)
                 segments = [seg for seg in segments if seg not in seen]
                 seen.update(segments)
                 if not dry_run:

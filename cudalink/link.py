@@ -99,6 +99,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
+def _forked_note(link: object) -> str:
+    """Why a link is closed in a forked child, for its errors."""
+    if getattr(link, "_forked", False):
+        return " in this process: it was made in the process this one was forked from, and stays that one's"
+    return ""
+
+
 def _register_open(tx: Sender) -> None:
     global _atexit_registered
     if not _atexit_registered:
@@ -421,7 +428,7 @@ class Sender:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise LinkClosed(f"cudalink: Sender {self.name!r} is closed; create a new one")
+            raise LinkClosed(f"cudalink: Sender {self.name!r} is closed; create a new one{_forked_note(self)}")
 
     def _checked(self, meta: object, timestamp_ns: object) -> tuple[bytes, int | None]:
         """Refuse what cannot be published, before a slot or a seq is taken: a closed link, meta that is not
@@ -761,6 +768,7 @@ class Sender:
     def _forget_after_fork(self) -> None:
         """In a forked child: closed here without a word to anyone (see ``_forget_in_forked_child``)."""
         self._closed = True
+        self._forked = True
         _open_senders.discard(self)
         forget = getattr(self._server, "forget_after_fork", None)
         if forget is not None:
@@ -1301,7 +1309,7 @@ class Receiver:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise LinkClosed(f"cudalink: Receiver {self.name!r} is closed; create a new one")
+            raise LinkClosed(f"cudalink: Receiver {self.name!r} is closed; create a new one{_forked_note(self)}")
 
     @property
     def closed(self) -> bool:
@@ -1343,6 +1351,7 @@ class Receiver:
         """In a forked child: closed here without a word to the producer; frames the child still holds end
         without touching the leases the parent's frames are counted in."""
         self._closed = True
+        self._forked = True
         _open_receivers.discard(self)
         att, self._att = self._att, None
         forget = getattr(att, "forget_after_fork", None)

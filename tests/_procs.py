@@ -132,7 +132,12 @@ def forking_consumer(name: str, ready: Any, dropped: Any, worker: Any, closed_in
     held = [rx.recv(timeout=10.0) for _ in range(2)]
     pid = os.fork()
     if pid == 0:  # the worker: its copies of the link are closed, its copies of the frames end here
-        closed_in_worker.value = int(rx.closed)
+        try:
+            rx.poll()
+            said = ""
+        except cudalink.LinkClosed as exc:
+            said = str(exc)
+        closed_in_worker.value = int(rx.closed) + int("forked from" in said)  # 2: closed, and says why
         held.clear()
         gc.collect()
         dropped.set()
@@ -149,7 +154,12 @@ def forking_producer(name: str, worker: Any, closed_in_worker: Any, ready: Any) 
         tx.send(np.full(8, 5, np.uint8))
         pid = os.fork()
         if pid == 0:
-            closed_in_worker.value = int(tx.closed)
+            try:
+                tx.send(np.zeros(8, np.uint8))
+                said = ""
+            except cudalink.LinkClosed as exc:
+                said = str(exc)
+            closed_in_worker.value = int(tx.closed) + int("forked from" in said)
             time.sleep(60)
             os._exit(0)
         worker.value = pid

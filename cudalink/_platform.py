@@ -125,12 +125,12 @@ def runtime_dir() -> str:
     except FileExistsError:
         pass
     st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != uid()):
-        if hasattr(os, "getuid") and st.st_uid != uid():
-            raise LinkError(
-                f"cudalink: {path}, where your links keep their sockets and locks, belongs to uid {st.st_uid}, not "
-                f"you: another user made it; an administrator must remove it (sudo rm -r {path})"
-            )
+    if hasattr(os, "getuid") and st.st_uid != uid():
+        raise LinkError(
+            f"cudalink: {path}, where your links keep their sockets and locks, belongs to uid {st.st_uid}, not "
+            f"you: another user made it; an administrator must remove it (sudo rm -r {path})"
+        )
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise LinkError(f"cudalink: {path} is not a directory owned by you; remove it and retry")
     if hasattr(os, "getuid") and st.st_mode & 0o077:
         os.chmod(path, 0o700)

@@ -1150,9 +1150,7 @@ class Receiver:
                         _platform.yield_cpu()
                         n += 1
                         if n & 15 == 0 and (self._closed or not att.alive()):
-                            if self._closed:
-                                raise self._closed_meanwhile()
-                            return self._final(att, "closed or died")
+                            return self._final(att, "closed or died")  # closed meanwhile: LinkClosed there
                         continue
                     # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
                     # ends this sleep is left in the socket, so the frame it announces is taken with no recv()

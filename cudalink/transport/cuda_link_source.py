@@ -385,10 +385,11 @@ class CudaLinkSource:
         seg = Segment(shm)
         buf = seg.buf
         try:
-            if len(buf) >= cw.HEADER_SIZE and _U32.unpack_from(buf, cw.OFF_MAGIC)[0] == 0:
-                raise NoProducer("the segment exists but its producer has not initialised it yet")
-            if len(buf) >= cw.HEADER_SIZE and _U32.unpack_from(buf, cw.OFF_NUM_SLOTS)[0] == 0:
-                raise NoProducer("the producer is initialising the segment (no slots yet)")
+            if len(buf) >= cw.HEADER_SIZE:
+                if _U32.unpack_from(buf, cw.OFF_MAGIC)[0] == 0:
+                    raise NoProducer("the segment exists but its producer has not initialised it yet")
+                if _U32.unpack_from(buf, cw.OFF_NUM_SLOTS)[0] == 0:  # cuda-link's Python writers: magic, version, N
+                    raise NoProducer("the producer is initialising the segment (no slots yet)")
             header = cw.read_header(buf, self.segment)
             if header.version == 0:
                 raise NoProducer("the producer is initialising the segment (version 0)")

@@ -112,7 +112,20 @@ class CudaLinkSender:
         self._lock = threading.RLock()
         self._wall = time.time_ns() - time.perf_counter_ns()
         self._bell: _platform.Doorbell | None = None
-        self._slots = _backends.CudaSlots(devices.parse_device(device), slots, self.capacity, "legacy")
+        # cuda-link's layout names no writer, so two cudalink writers of one name would overwrite each other's
+        # handles under the readers: the first holds this lock (dropped by the OS if it dies) and refuses a second
+        owner = _platform.ProcessLock(writer_lock_path(self.name))
+        if not owner.acquire(0.2):
+            raise LinkError(
+                f"cudalink: cuda-link segment {self.name!r} is already published by a live cudalink Sender; close "
+                "that one first, or choose another name"
+            )
+        try:
+            self._slots = _backends.CudaSlots(devices.parse_device(device), slots, self.capacity, "legacy")
+        except BaseException:
+            owner.remove_and_release()
+            raise
+        self._owner = owner
         self.device = f"cuda:{self._slots.device}"
         try:
             self._shm = self._segment()
@@ -130,6 +143,7 @@ class CudaLinkSender:
                 with contextlib.suppress(Exception):
                     shm.close()
             self._slots.close(0)
+            owner.remove_and_release()
             raise
         self._closed = False
 
@@ -322,6 +336,7 @@ class CudaLinkSender:
                     self._bell.close()
                     self._bell = None
                 self._slots.close(timeout)
+                self._owner.remove_and_release()  # last: a new writer of the name finds the segment gone
 
     def __enter__(self) -> CudaLinkSender:
         return self
@@ -335,7 +350,17 @@ class CudaLinkSender:
                 self.close()
 
 
-#: what cuda-link's exporter writes; its readers decode int16 as uint16 and int32/uint32 as float32
+def writer_lock_path(name: str) -> str:
+    """The lock a cudalink writer of cuda-link segment ``name`` holds; '@' keeps it out of ``clean``'s link
+    names (cuda-link names are not cudalink's alphabet, hence the hash)."""
+    import hashlib
+
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return _platform.lock_path(f"@cuda-link-{digest}")
+
+
+#: what cuda-link's exporter writes; other readers than its latest decode int8/int16 unsigned, and every
+#: version reads int32/uint32 as float32
 WRITTEN_DTYPES = ("uint8", "uint16", "float16", "float32")
 
 

@@ -696,11 +696,15 @@ class Sender:
         *,
         pixel_format: PixelFormat | str | None = None,
         origin: RowOrigin | str | None = None,
+        strides: tuple[int, ...] | list[int] | None = None,
     ) -> FrameSpec:
-        """Change the format mid-stream; the next frame carries it. Must fit the slot capacity."""
+        """Change the format mid-stream; the next frame carries it. Must fit the slot capacity.
+
+        Arguments left out keep their value, except that a new shape drops the pixel format and a new shape or
+        dtype resets strides to compact (the old ones may not fit). ``pixel_format=""`` clears the format."""
         with self._lock:
             self._check_open()
-            spec = self._spec.reconfigured(shape, dtype, pixel_format, origin, self.capacity)
+            spec = self._spec.reconfigured(shape, dtype, pixel_format, origin, self.capacity, strides)
             self._spec = spec
             return spec
 

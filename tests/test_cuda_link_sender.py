@@ -4,6 +4,7 @@ back by cudalink's own cuda-link reader. The GPU path is in tests/test_cuda_link
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from multiprocessing import shared_memory
@@ -13,7 +14,7 @@ import pytest
 
 import cudalink
 from cudalink import _backends
-from cudalink.cuda_link import CudaLinkSender
+from cudalink.cuda_link import CudaLinkSender, writer_lock_path
 from cudalink.frames.frame import Frame
 from cudalink.frames.spec import FrameSpec
 from cudalink.transport import cuda_link_wire as cw
@@ -213,6 +214,24 @@ def test_a_previous_segment_is_taken_over_with_the_next_version(name: str, fake_
         got = cw.read_segment(keep.buf)
         assert got.header.version == 42 and got.header.write_idx == 0 and got.memory_handles[0] != b"\7" * 64
     keep.close()
+
+
+def test_a_second_writer_of_a_live_name_is_refused_and_the_first_keeps_its_segment(
+    name: str, fake_slots: type[FakeCudaSlots]
+) -> None:
+    with cudalink.Sender(name, shape=(4, 6, 4), slots=3, protocol="cuda-link") as tx:
+        tx.send(np.zeros((4, 6, 4), np.uint8))
+        with pytest.raises(cudalink.LinkError, match="already published"):
+            cudalink.Sender(name, shape=(4, 6, 4), slots=2, protocol="cuda-link")
+        assert len(fake_slots.instances) == 1  # refused before any GPU memory was taken
+        seg = _segment(name)
+        assert seg.buf is not None
+        assert cw.read_header(seg.buf, name).num_slots == 3 and cw.read_write_idx(seg.buf) == 1
+        seg.close()
+        tx.send(np.zeros((4, 6, 4), np.uint8))
+    with cudalink.Sender(name, shape=(4, 6, 4), slots=2, protocol="cuda-link") as again:  # once closed: free
+        assert again.version == 1
+    assert not os.path.exists(writer_lock_path(name))
 
 
 def test_reconfigure_beyond_the_slots_is_refused(name: str, fake_slots: type[FakeCudaSlots]) -> None:

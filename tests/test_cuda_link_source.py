@@ -373,6 +373,25 @@ def test_a_truncated_segment(name: str) -> None:
         _unlink_segment(name)
 
 
+def test_a_v066_segment_is_refused_at_once_with_the_upgrade(name: str) -> None:
+    from cudalink.transport.shm import _open_segment, _unlink_segment
+
+    from .test_cuda_link_wire import _v066_segment
+
+    old = _v066_segment(2)
+    seg = _open_segment(name, create=True, size=len(old))
+    assert seg.buf is not None
+    seg.buf[: len(old)] = old
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.ProtocolError, match="upgrade cuda-link"):
+            _rx(name, timeout=5.0)
+        assert time.monotonic() - t0 < 1.0  # said at once, not a LinkTimeout after 5 s
+    finally:
+        seg.close()
+        _unlink_segment(name)
+
+
 def test_cuda_link_v09_segment_is_read(name: str, producer: FakeProducer) -> None:
     struct.pack_into("<I", producer.buf, 0, cw.MAGIC_V09)
     struct.pack_into("<IIIII", producer.buf, cw.off_metadata(3), 6, 4, 4, 2, 96)  # dtype 2 = uint8

@@ -3,6 +3,7 @@ bad segments that must give clear cudalink errors (never struct.error, IndexErro
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import numpy as np
@@ -235,6 +236,40 @@ def test_bad_v09_dtype_code() -> None:
     struct.pack_into("<I", buf, cw.off_metadata(3) + 12, 4)
     with pytest.raises(cudalink.FormatError, match="dtype code 4"):
         cw.read_segment(buf)
+
+
+def _v066_segment(n: int) -> bytearray:
+    """cuda-link v0.6.6's layout (forkni/cuda-link @214454fe): 192-byte slots whose 128-byte handle fields hold
+    a 64-byte cudaIpcMemHandle, then the event handle at +128; shutdown, metadata and timestamp after them."""
+    buf = bytearray(49 + 192 * n)
+    struct.pack_into("<IQII", buf, 0, cw.MAGIC_V09, 3, n, 7)
+    for i in range(n):
+        at = 20 + 192 * i
+        buf[at : at + 64] = bytes(range(1, 65))
+        buf[at + 128 : at + 192] = bytes(range(65, 129))
+    struct.pack_into("<IIIII", buf, 21 + 192 * n, 64, 32, 4, 2, 64 * 32 * 4)  # uint8 RGBA
+    return buf
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10])
+def test_a_v066_segment_says_upgrade_instead_of_being_misread(n: int) -> None:
+    buf = _v066_segment(n)
+    assert cw.looks_like_v066(buf, n)
+    with pytest.raises(cudalink.ProtocolError, match=r"v0\.6\.6 or older.*upgrade cuda-link"):
+        cw.read_header(buf, "old")
+    with pytest.raises(cudalink.ProtocolError, match="upgrade"):
+        cw.read_segment(bytes(buf) + bytes(4096 - len(buf)))  # as Windows maps it: rounded up to a page
+
+
+@given(segments(magic=cw.MAGIC_V09), st.integers(0, 4096))
+def test_a_current_cipc_segment_is_never_taken_for_v066(seg: cw.Segment, extra: int) -> None:
+    n = seg.header.num_slots
+    blank = dataclasses.replace(seg, event_handles=(bytes(64),) * n)  # a producer that made no events
+    for s in (seg, blank):
+        buf = bytearray(cw.segment_size(n) + extra)  # zero filled beyond the end, as a page-rounded mapping
+        cw.pack_segment(buf, s)
+        assert not cw.looks_like_v066(buf, n)
+        assert cw.read_segment(buf) == s
 
 
 @given(st.binary(max_size=2000))

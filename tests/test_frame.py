@@ -120,6 +120,30 @@ def test_dlpack_arguments_follow_the_rules() -> None:
     assert "dltensor" in repr(legacy)
 
 
+def _versioned_flags(capsule: object) -> int:
+    """The ``flags`` word of a DLManagedTensorVersioned (after version, manager_ctx and deleter)."""
+    import ctypes
+
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    ptr = get(capsule, b"dltensor_versioned")
+    return int(ctypes.c_uint64.from_address(ptr + 24).value)
+
+
+def test_a_copied_export_says_so_and_a_received_view_says_read_only(pair: PairFactory) -> None:
+    read_only, is_copied = 1, 2  # DLPACK_FLAG_BITMASK_READ_ONLY, DLPACK_FLAG_BITMASK_IS_COPIED
+    tx, rx = pair(shape=(3,), dtype="int32")
+    with tx, rx:
+        tx.send(np.array([4, 5, 6], np.int32))
+        with rx.recv(1) as frame:
+            copied = frame.__dlpack__(max_version=(1, 0), copy=True)
+            assert _versioned_flags(copied) & is_copied and not _versioned_flags(copied) & read_only
+            view = frame.__dlpack__(max_version=(1, 0))
+            assert _versioned_flags(view) == read_only
+            del copied, view
+            assert np.from_dlpack(frame, copy=True).tolist() == [4, 5, 6]
+
+
 def test_received_host_frames_are_read_only_and_reserved_ones_writable(pair: PairFactory) -> None:
     tx, rx = pair(shape=(3,), dtype="int32")
     with tx, rx:

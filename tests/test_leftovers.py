@@ -101,6 +101,22 @@ def test_a_killed_producer_is_recognised_as_dead_at_once(spawned: Spawned, contr
     assert nothing_left(name)
 
 
+def test_clean_is_not_put_off_by_another_look_at_a_dead_links_lock(spawned: Spawned) -> None:
+    """Another ``clean`` (or a Receiver asking whether the producer lives) holds a dead link's lock for a moment:
+    that is not a live producer, and this clean still removes the link."""
+    import threading
+
+    name = f"left-peek-{os.getpid()}"
+    producer = spawned.ready(_procs.host_producer_forever, name, (4, 4), "uint8", forever=True)
+    spawned.kill(producer)
+    looker = _platform.ProcessLock(_platform.lock_path(name))
+    assert looker.acquire()
+    threading.Timer(0.02, looker.release).start()
+    removed = clean(only=[name])
+    assert [n for n, _ in removed] == [name]
+    assert nothing_left(name)
+
+
 def test_the_next_sender_replaces_a_killed_producers_leftovers(spawned: Spawned, control: str) -> None:
     name = f"left-next-{os.getpid()}-{control}"
     producer = spawned.ready(_procs.host_producer_forever, name, (4, 4), "uint8", forever=True)

@@ -193,6 +193,41 @@ def test_reconfigure_mid_stream(pair: PairFactory, transport: Transport) -> None
         assert tx.spec.shape == (8, 8, 4)  # a refused reconfigure changes nothing
 
 
+def test_reconfigure_keeps_a_pitched_layout_and_can_clear_the_pixel_format(
+    pair: PairFactory, transport: Transport
+) -> None:
+    pitched = (4 * 8 * 4, 4, 1)  # rows padded to 8 pixels
+    tx, rx = pair(
+        transport,
+        shape=(3, 5, 4),
+        dtype="uint8",
+        capacity=4096,
+        strides=pitched,
+        pixel_format="RGBA",
+        rx={"latest": False},
+    )
+    with tx, rx:
+        img = np.arange(3 * 5 * 4, dtype=np.uint8).reshape(3, 5, 4)
+        tx.reconfigure(origin="bottom")  # shape and dtype stay: so do the strides and the pixel format
+        assert tx.spec.strides == pitched and tx.spec.pixel_format is cudalink.PixelFormat.RGBA
+        tx.send(img)
+        tx.reconfigure(pixel_format="")  # said outright: no pixel format
+        assert tx.spec.pixel_format is None and tx.spec.strides == pitched
+        tx.send(img)
+        tx.reconfigure(shape=(2, 5, 4))  # a new shape: compact again, unless strides are given
+        assert tx.spec.strides is None
+        tx.reconfigure(shape=(2, 5, 4), strides=(4 * 6 * 4, 4, 1))
+        tx.send(img[:2])
+        a, b, c = rx.recv(1), rx.recv(1), rx.recv(1)
+        assert a.strides == pitched and a.pixel_format is cudalink.PixelFormat.RGBA and a.origin.value == "bottom"
+        assert b.pixel_format is None and b.strides == pitched
+        assert c.strides == (96, 4, 1)
+        for f, want in ((a, img), (b, img), (c, img[:2])):
+            assert np.array_equal(np.from_dlpack(f), want)
+        with pytest.raises(cudalink.FormatError, match="strides"):
+            tx.reconfigure(strides=(1, 1))
+
+
 def test_many_consumers_each_get_every_frame(name: str, transport: object) -> None:
     tx = cudalink.Sender(name, shape=(2,), dtype="int64", slots=4, transport=transport)  # type: ignore[arg-type]
     rxs = [cudalink.Receiver(name, transport=transport, latest=False) for _ in range(8)]  # type: ignore[arg-type]

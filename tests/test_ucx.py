@@ -234,6 +234,38 @@ def test_fileno_poll_and_asyncio(stream: tuple[Proc, Proc, str]) -> None:
         assert seqs == sorted(seqs)
 
 
+def test_poll_never_waits_on_the_network() -> None:
+    """A render loop polls once per frame: against a server that answers nothing (stopped), poll() says "no
+    producer" at once while it connects in the background, and hands out frames once the server answers."""
+    with (
+        served("p", "--frames", "1000000", "--fps", "100") as (_, srv, url),
+        cudalink.Receiver(url, connect=False, timeout=10.0) as rx,
+    ):
+        ucx_engine.engine()  # started once per process, before the clock
+        os.kill(srv.p.pid, signal.SIGSTOP)
+        try:
+            slowest = 0.0
+            for _ in range(20):
+                t0 = time.monotonic()
+                with contextlib.suppress(cudalink.LinkTimeout):
+                    assert rx.poll() is None
+                slowest = max(slowest, time.monotonic() - t0)
+                time.sleep(0.02)
+            # one attempt to connect takes at least 0.2 s (and up to 1.2 s) where a poll waits for it
+            assert slowest < 0.15, f"poll() waited {slowest:.3f} s on a server that does not answer"
+        finally:
+            os.kill(srv.p.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        frame = None
+        while frame is None:
+            assert time.monotonic() < deadline, "no frame by poll() after the server came back"
+            with contextlib.suppress(cudalink.LinkTimeout):
+                frame = rx.poll()
+            time.sleep(0.01)
+        check(frame)
+        frame.release()
+
+
 def test_back_pressure_stops_at_the_server() -> None:
     """A consumer that holds every frame it gets: the producer (policy="block"!) never waits on it."""
     name = unique("b")

@@ -384,10 +384,9 @@ class Frame:
                 # we export anyway: writing through it is the consumer's bug, as with any DLPack 0.x tensor.
                 arr = np.asarray(_HostArrayRef(hold, self._spec, readonly=False))
                 return (arr.copy() if copy else arr).__dlpack__()
+            # numpy makes the copy itself and marks it IS_COPIED, so the consumer knows it owns the bytes
             arr = self.numpy()
-            if copy:
-                arr = arr.copy()
-            return cast("npt.NDArray[np.number]", arr).__dlpack__(max_version=max_version, copy=False)
+            return cast("npt.NDArray[np.number]", arr).__dlpack__(max_version=max_version, copy=bool(copy))
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(
                 f"cudalink: frame lives on {self.device}; it cannot be exported to DLPack device {tuple(dl_device)}"

@@ -208,15 +208,23 @@ class FrameSpec:
         pixel_format: PixelFormat | str | None,
         origin: RowOrigin | str | None,
         capacity: int,
+        strides: Sequence[int] | None = None,
     ) -> FrameSpec:
         """This spec with what a Sender's ``reconfigure`` changes, checked against its slots' ``capacity``.
 
-        A new shape drops the pixel format unless one is given: the old one may not fit its channels.
+        A new shape drops the pixel format unless one is given: the old one may not fit its channels. Strides
+        are kept while shape and dtype stay (a pitched layout is a property of the slots, not of one frame)
+        and reset to compact when either changes, unless new ones are given. ``pixel_format=""`` clears it.
         """
+        new_shape = self.shape if shape is None else shape
+        new_dtype = self.dtype if dtype is None else dtype
+        if strides is None:
+            same = FrameSpec(new_shape, new_dtype)
+            strides = self.strides if (same.shape, same.dtype) == (self.shape, self.dtype) else None
         spec = FrameSpec(
-            self.shape if shape is None else shape,
-            self.dtype if dtype is None else dtype,
-            None,
+            new_shape,
+            new_dtype,
+            strides,
             pixel_format if pixel_format is not None else (self.pixel_format if shape is None else None),
             self.origin if origin is None else origin,
         )
@@ -267,6 +275,8 @@ def _pixel_format(value: PixelFormat | str | None, dtype: np.dtype[np.generic] |
     if value is None or isinstance(value, PixelFormat):
         return value
     text = str(value).upper()
+    if text in ("", "NONE"):  # said outright: no pixel format (how ``reconfigure`` clears one)
+        return None
     for suffix in ("32F", "16F", "64F", "8", "16", "32"):
         if text.endswith(suffix) and text[: -len(suffix)] in PixelFormat.__members__:
             text = text[: -len(suffix)]

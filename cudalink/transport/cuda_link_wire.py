@@ -1,4 +1,4 @@
-"""cuda-link's shared-memory segment (forkni/cuda-link, v0.9 to v1.12): the one file that owns its layout.
+"""cuda-link's shared-memory segment (forkni/cuda-link, v0.6.7 to v1.12): the one file that owns its layout.
 
 cuda-link is the library most TouchDesigner users share GPU frames with today. Its TD components and its
 Python exporter/importer all read and write one ``SharedMemory`` segment, laid out here; speaking it lets a
@@ -8,7 +8,7 @@ N = number of slots, 1..10; the segment is ``49 + 128·N`` bytes:
 ====================  =====  =================================================================================
 offset                size   field
 ====================  =====  =================================================================================
-0                     u32    magic ``0x43495044`` ("CIPD", v1.0+) or ``0x43495043`` ("CIPC", v0.9)
+0                     u32    magic ``0x43495044`` ("CIPD", v1.0+) or ``0x43495043`` ("CIPC", v0.6.7-v0.9)
 4                     u64    version: +1 each time a producer (re)initialises the segment
 12                    u32    num_slots N
 16                    u32    write_idx: 0 = nothing yet; the newest frame is slot (write_idx - 1) mod N
@@ -63,13 +63,16 @@ __all__ = [
 
 #: v1.0+ magic, "CIPD" in the bytes ``44 50 49 43``
 MAGIC = 0x43495044
-#: v0.9 magic, "CIPC": the same layout with a 4-byte dtype enum in the metadata
+#: v0.6.7-v0.9 magic, "CIPC": the same layout with a 4-byte dtype enum in the metadata (v0.6.6 and older
+#: share it with other slots: :func:`looks_like_v066`)
 MAGIC_V09 = 0x43495043
 MAGICS = {MAGIC: "v1.0+", MAGIC_V09: "v0.9"}
 MIN_SLOTS = 1
 MAX_SLOTS = 10
 HANDLE_SIZE = 64
 SLOT_SIZE = 128  # memory handle + event handle
+#: cuda-link v0.6.6 and older: the same header and magic as v0.9, 128-byte handle fields (see looks_like_v066)
+V066_SLOT_SIZE = 192
 HEADER_SIZE = 20
 META_SIZE = 20
 #: the allocation granularity cuda-link rounds each slot's cudaMalloc up to
@@ -241,6 +244,13 @@ def read_header(buf: bytes | bytearray | memoryview, name: str = "") -> Header:
             f"cudalink: cuda-link segment{where} says it has {nslots} slots; the layout allows "
             f"{MIN_SLOTS}..{MAX_SLOTS} (a corrupt segment or one being initialised); restart its producer"
         )
+    if magic == MAGIC_V09 and looks_like_v066(buf, nslots):
+        raise ProtocolError(
+            f"cudalink: cuda-link segment{where} has the layout of cuda-link v0.6.6 or older (192-byte slots; its "
+            f"magic 0x{MAGIC_V09:08X} is shared with v0.6.7-v0.9, which use 128), which cudalink cannot read; "
+            "upgrade cuda-link (its TouchDesigner component and Python package) to v1.0 or newer, then restart "
+            "the producer"
+        )
     need = segment_size(nslots)
     if len(buf) < need:
         raise ProtocolError(
@@ -248,6 +258,23 @@ def read_header(buf: bytes | bytearray | memoryview, name: str = "") -> Header:
             f"(49 + 128·N): the segment is truncated; restart its producer"
         )
     return Header(magic, version, nslots, write_idx)
+
+
+def looks_like_v066(buf: bytes | bytearray | memoryview, nslots: int) -> bool:
+    """Whether a "CIPC" segment is cuda-link v0.6.6's or older (same magic and header, 192-byte slots).
+
+    Its handle fields are 128 bytes of which ``cudaIpcGetMemHandle`` fills 64, so bytes 64..127 of every slot
+    are zero, and its metadata sits at ``21 + 192·N``, past the end of a 128-byte segment of N slots (where
+    a current one has nothing, or Windows' zero fill of a page-rounded mapping): both must hold."""
+    old = OFF_SLOTS + V066_SLOT_SIZE * nslots
+    if len(buf) < old + 1 + META_SIZE + 8:
+        return False
+    for i in range(nslots):
+        at = OFF_SLOTS + V066_SLOT_SIZE * i + HANDLE_SIZE
+        if any(buf[at : at + HANDLE_SIZE]):
+            return False
+    width, height, comps, code, _size = _META_V09.unpack_from(buf, old + 1)
+    return bool(width > 0 and height > 0 and comps > 0 and code < len(V09_DTYPES))
 
 
 def read_write_idx(buf: bytes | bytearray | memoryview) -> int:

@@ -294,6 +294,9 @@ class SharedMemoryTransport(Transport):
 
 #: how long a producer tries for its name's lock: a Receiver or ``cudalink clean`` may hold it for a moment
 _LOOK_S = 0.25
+#: how long ``clean`` tries for a dead link's lock: another look (a second ``clean``, a Receiver asking whether
+#: the producer lives) holds it for a moment, which is not a live producer
+_PEEK_S = 0.1
 
 
 def _generation_of(seg_name: str) -> int | None:
@@ -426,7 +429,7 @@ def clean(dry_run: bool = False, only: Sequence[str] | None = None) -> list[tupl
         taken: list[_platform.ProcessLock] = []
         try:
             for lock in locks:
-                if not lock.acquire():
+                if not lock.acquire(_PEEK_S):
                     break  # alive (or starting, or closing): never touched
                 taken.append(lock)
             else:

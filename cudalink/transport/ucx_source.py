@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import os
 import select
@@ -96,14 +97,38 @@ class UcxSource:
         self._device: int | None = None
         self._last: UcxAttachment | None = None
         self._closed = False
+        #: a connection ``poll()`` started in the background, taken by the next attach
+        self._pending: concurrent.futures.Future[UcxAttachment] | None = None
 
     def attach(self, deadline: float, dead_generation: int) -> UcxAttachment:
+        """Connect within ``deadline``; with no time left (``poll()``), connect in the background instead and
+        say "not yet" until that connection is made: a network round trip must not stall a caller that polls
+        once per rendered frame (a TouchDesigner cook, a game loop)."""
         if self._device is None:
             self._device = _pick_device(self._device_arg)
+        pending = self._pending
+        left = deadline - time.monotonic()
+        if pending is None and left <= 0:
+            eng = ucx_engine.engine()
+            pending = self._pending = eng.submit(self._connect(eng, ucx_engine.HANDSHAKE_S))
+        if pending is not None:
+            if not pending.done():
+                concurrent.futures.wait([pending], timeout=max(0.0, left))
+                if not pending.done():
+                    raise NoProducer(f"connecting to {self.addr.host}:{self.addr.port}")
+            self._pending = None
+            return self._checked(lambda: pending.result(), dead_generation)
         eng = ucx_engine.engine()
-        left = min(max(0.2, deadline - time.monotonic()), _ATTEMPT_S)
+        left = min(max(0.2, left), _ATTEMPT_S)
+        return self._checked(
+            lambda: eng.run(self._connect(eng, min(left, ucx_engine.HANDSHAKE_S)), left + 1.0, UcxAttachment.detach),
+            dead_generation,
+        )
+
+    def _checked(self, connect: Callable[[], UcxAttachment], dead_generation: int) -> UcxAttachment:
+        """The attachment ``connect`` returns, or its failure as the Receiver's retry loop reads it."""
         try:
-            att = eng.run(self._connect(eng, min(left, ucx_engine.HANDSHAKE_S)), left + 1.0, UcxAttachment.detach)
+            att = connect()
         except ucx_wire.Refused as exc:
             if exc.code == ucx_wire.R_KEY:
                 raise ProtocolError(
@@ -116,7 +141,7 @@ class UcxSource:
             raise
         except ProtocolError:
             raise
-        except (TimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError) as exc:
             raise NoProducer(f"no answer from {self.addr.host}:{self.addr.port}") from exc
         except Exception as exc:  # UCX's connection errors (refused, reset, unreachable)
             raise NoProducer(
@@ -129,6 +154,9 @@ class UcxSource:
         if att.generation == dead_generation and (last is None or last.producer_gone):
             att.detach()
             raise NoProducer("only the dead producer is there")
+        if self._closed:  # closed while a background connection was made: nobody will use it
+            att.detach()
+            raise NoProducer("closed")
         self._last = att
         return att
 
@@ -176,6 +204,15 @@ class UcxSource:
 
     def close(self) -> None:
         self._closed = True
+        pending, self._pending = self._pending, None
+        if pending is not None:  # a background connection (poll's): close what it makes (it ends within
+            pending.add_done_callback(_detach_made)  # HANDSHAKE_S; a cancel could lose one made meanwhile)
+
+
+def _detach_made(fut: concurrent.futures.Future[UcxAttachment]) -> None:
+    if fut.exception() is None:
+        with contextlib.suppress(Exception):
+            fut.result().detach()
 
 
 class _Landing(_Hold):

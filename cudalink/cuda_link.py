@@ -30,7 +30,7 @@ from numpy.typing import DTypeLike
 
 from . import _backends, _platform
 from .cuda import devices
-from .errors import FormatError, LinkClosed, LinkError
+from .errors import ArgumentError, ArgumentTypeError, FormatError, LinkClosed, LinkError
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import cuda_link_wire as cw
@@ -80,21 +80,25 @@ class CudaLinkSender:
         self._closed = True  # until the segment is ours: a refused Sender never unlinks the name (a live one)
         self.name = strip_prefix(name)
         if device == "cpu":
-            raise LinkError(
+            raise ArgumentError(
                 "cudalink: cuda-link's layout shares GPU memory only (cudaIpcMemHandle); pass device=0 (or "
                 "'cuda:N'), or use protocol='cudalink' for a CPU link"
             )
         if not isinstance(slots, int) or not cw.MIN_SLOTS <= slots <= cw.MAX_SLOTS:
-            raise LinkError(f"cudalink: cuda-link segments have 1..10 slots, got slots={slots!r}")
+            raise (ArgumentTypeError if not isinstance(slots, int) else ArgumentError)(
+                f"cudalink: cuda-link segments have 1..10 slots, got slots={slots!r}"
+            )
         if policy != "drop":
-            raise LinkError(
+            raise ArgumentError(
                 "cudalink: cuda-link readers take no leases, so a cuda-link Sender always overwrites the oldest slot; "
                 "leave policy='drop'"
             )
         if handles not in ("auto", "legacy"):
-            raise LinkError(f"cudalink: cuda-link shares legacy cuIpc handles; handles={handles!r} is not possible")
+            raise ArgumentError(f"cudalink: cuda-link shares legacy cuIpc handles; handles={handles!r} is not possible")
         if magic not in cw.MAGICS:
-            raise LinkError(f"cudalink: magic must be cuda-link's 0x{cw.MAGIC:08X} (or v0.9's 0x{cw.MAGIC_V09:08X})")
+            raise ArgumentError(
+                f"cudalink: magic must be cuda-link's 0x{cw.MAGIC:08X} (or v0.9's 0x{cw.MAGIC_V09:08X})"
+            )
         spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
         meta = _written_meta(spec)
         if magic == cw.MAGIC_V09:
@@ -121,7 +125,8 @@ class CudaLinkSender:
                 "that one first, or choose another name"
             )
         try:
-            self._slots = _backends.CudaSlots(devices.parse_device(device), slots, self.capacity, "legacy")
+            with devices.gpu_only("a cuda-link Sender"):
+                self._slots = _backends.CudaSlots(devices.parse_device(device), slots, self.capacity, "legacy")
         except BaseException:
             owner.remove_and_release()
             raise

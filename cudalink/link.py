@@ -36,7 +36,7 @@ from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import ring_source, ucx_engine, wire
 from .transport.base import UNVERIFIED_UID, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
-from .transport.source import Attachment, Copy, Source, copy_mode
+from .transport.source import NO_TIME, Attachment, Copy, Source, copy_mode
 from .transport.sources import open_source
 
 if TYPE_CHECKING:
@@ -62,6 +62,9 @@ _COPY_CLAMP_NS = 100_000_000
 #: the longest one sleep inside ``recv`` (it loops while time is left): every source's wait takes it
 _LONGEST_SLEEP_S = 3600.0
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
+#: a consumer that always finds a frame waiting never sleeps, where it tells monitors its counts: it tells them
+#: every 8th frame instead (a mask on ``received``)
+_COUNT_EVERY = 7
 _META_MAX = wire.META_MAX
 
 
@@ -172,6 +175,14 @@ def _choice_arg(value: object, what: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def _bool_arg(value: object, what: str) -> bool:
+    """True or False (numpy's bools, and 0 or 1, as a TouchDesigner toggle may give, too): a word such as "no"
+    is truthy and would quietly mean the opposite."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    raise ArgumentTypeError(f"cudalink: {what} must be True or False, got {type(value).__name__} {value!r}")
+
+
 def default_transport() -> Transport:
     global _default_transport
     if _default_transport is None:
@@ -186,7 +197,9 @@ class _Handler(ServerHandler):
     """Runs on the transport's control thread: admits consumers, reclaims the leases of those who leave."""
 
     def __init__(self, sender: Sender) -> None:
-        self.sender = sender
+        # not a cycle: a Sender the application drops goes at once (with its mappings and fds), not when the
+        # cycle collector next runs
+        self.sender: Sender = weakref.proxy(sender)
         self.conns: dict[int, int] = {}
         #: for the hot path, swapped whole on each change: joined consumers' indexes as a bit mask, and
         #: each index's connection
@@ -235,15 +248,16 @@ class _Handler(ServerHandler):
         return Reply(wire.pack_welcome(wire.Welcome(index, s.generation, len(fds))), fds)
 
     def on_leave(self, conn: int) -> None:
-        with self.lock:
+        with self.lock, contextlib.suppress(ReferenceError):  # the Sender gone (collected): nothing to reclaim
             index = self.conns.pop(conn, None)
             self._swap()
             if index is not None:
                 self.sender._forget_consumer(index)
-        self.sender._released.set()
+            self.sender._released.set()
 
     def on_hint(self) -> None:
-        self.sender._released.set()
+        with contextlib.suppress(ReferenceError):
+            self.sender._released.set()
 
     def _swap(self) -> None:
         """Publish who is joined for the hot path: a new dict first, then the mask that names its keys."""
@@ -269,7 +283,7 @@ class Sender:
 
             return cast("Sender", CudaLinkSender(name, protocol=protocol, **kwargs))  # type: ignore[arg-type]
         if protocol != "cudalink":
-            raise LinkError(f"cudalink: protocol must be 'cudalink' or 'cuda-link', got {protocol!r}")
+            raise ArgumentError(f"cudalink: protocol must be 'cudalink' or 'cuda-link', got {protocol!r}")
         return super().__new__(cls)
 
     def __init__(
@@ -301,6 +315,9 @@ class Sender:
             )
         if serve is not None:  # before anything is allocated: a bad address or a missing extra fails first
             ucx_engine.check_listen(serve)
+            # the key exists once we return (its server would make it a moment later): a Receiver made
+            # right after this, on this host, finds it
+            ucx_engine.announce_key(ucx_engine.load_key(create=True)[1])
         self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
         policy = _choice_arg(policy, "policy", ("drop", "block"))  # type: ignore[assignment]
         slots = _int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
@@ -325,6 +342,7 @@ class Sender:
         self._seq = 0
         self._closing = False
         self._closed = False
+        self._final_stats: dict[str, int] | None = None  # stats() once closed
         self._lock = threading.RLock()
         self._released = threading.Event()
         #: send_async()'s cancel flags, by the thread that runs each send: a cancelled one stops waiting for a slot
@@ -414,6 +432,9 @@ class Sender:
         return self._slots.stream
 
     def stats(self) -> dict[str, int]:
+        final = self._final_stats
+        if final is not None:  # closed: the header's memory went back to the OS
+            return dict(final)
         buf = self._server.header
         return {
             "published": wire.read_u64(buf, wire.OFF_PUBLISHED),
@@ -765,7 +786,13 @@ class Sender:
                 try:
                     self._slots.settle()  # every published frame complete before we hang up (see CudaView)
                 finally:
+                    self._final_stats = {**self.stats(), "consumers": 0}
+                    # a consumer that still holds a frame keeps its connection (and its lease) to the end
+                    unread = self._server.connection_count() > 0
                     self._server.close()
+                    discard = getattr(self._server, "discard_frames", None)
+                    if discard is not None and not unread:
+                        discard()  # the frames' memory back to the OS now, not when this Sender is collected
                     self._fence_events = [None] * len(self._fence_events)
                     self._slots.close(timeout)
 
@@ -915,6 +942,8 @@ class Receiver:
         connect: bool = True,
     ) -> None:
         wait = _choice_arg(wait, "wait", ("spin", "block", "hybrid"))  # type: ignore[assignment]
+        latest = _bool_arg(latest, "latest")
+        wake_ahead = _bool_arg(wake_ahead, "wake_ahead")
         self.timeout = _seconds_arg(timeout, "timeout", "timeout=5.0", none_ok=True)
         spin_s = _seconds_arg(spin_us, "spin_us", "spin_us=50", unit="microseconds") / 1e6
         self._source: Source = source or open_source(
@@ -993,12 +1022,17 @@ class Receiver:
 
         From the first call on, the producer sends this receiver a wake-up for every frame (normally it
         wakes only receivers blocked inside ``recv``); take frames with :meth:`poll` when it is readable.
+        The descriptor belongs to one producer: after :class:`ProducerGone` it is closed, and once
+        :meth:`poll` (or :meth:`recv`) has attached to the next producer, ``fileno()`` gives that one's.
         """
         if self._att is None:
             self._check_open()
-            raise LinkError(
-                f"cudalink: Receiver {self.name!r} is not attached yet (connect=False); call poll() or recv() first"
+            why = (
+                "its producer is gone; poll() (or recv()) attaches to the next one, then register the new fileno()"
+                if self._dead_generation
+                else "not attached yet (connect=False); call poll() or recv() first"
             )
+            raise LinkError(f"cudalink: Receiver {self.name!r} has no descriptor now: {why}")
         self._sticky_wake = True
         self._att.set_waiting(wire.WAIT_ON)
         return self._att.fileno()
@@ -1009,7 +1043,8 @@ class Receiver:
         att.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)
 
     def _attach(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        # 0.0 tells a source the caller gives no time at all (poll), where a deadline just past does not
+        deadline = time.monotonic() + timeout if timeout > 0 else NO_TIME
         delay = 0.001
         last_error = "no producer"
         while True:
@@ -1079,7 +1114,9 @@ class Receiver:
         att.count(self.received, self.skipped)
 
     def poll(self) -> Frame | None:
-        """A new frame if one is there now, else None; never waits."""
+        """A new frame if one is there now, else None; never waits. While no producer is there (not yet, or
+        not again after its end) it raises :class:`LinkTimeout`, and once at a producer's end ProducerGone,
+        so a loop that polls can tell "no new frame" from "nobody sends"."""
         att = self._att
         if att is None or self._closed:  # the per-frame path: one test when attached and open
             self._check_open()
@@ -1094,6 +1131,8 @@ class Receiver:
             self._publish_counts(att)
             if not att.alive():
                 return self._final(att, "closed or died")
+        elif not self.received & _COUNT_EVERY:
+            self._publish_counts(att)
         return frame
 
     def recv(self, timeout: float | None = _RECEIVER_TIMEOUT) -> Frame:
@@ -1133,6 +1172,8 @@ class Receiver:
                 while True:
                     frame = take(att)
                     if frame is not None:
+                        if not self.received & _COUNT_EVERY:  # a consumer that never waits tells monitors too
+                            self._publish_counts(att)
                         return self._arrived(frame, entered) if learn else frame
                     if self._closed:
                         raise self._closed_meanwhile()

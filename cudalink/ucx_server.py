@@ -38,9 +38,10 @@ from . import _platform
 from .errors import LinkError, LinkTimeout, ProducerGone, ProtocolError, ProtocolReason
 from .frames.frame import Frame
 from .frames.spec import FrameSpec
-from .link import Receiver
+from .link import Receiver, default_transport
 from .transport import ucx_engine, ucx_wire
 from .transport import wire as shm_wire
+from .transport.ring_source import RingSource
 from .transport.source import Copy
 
 log = logging.getLogger("cudalink.ucx")
@@ -141,7 +142,9 @@ class _Consumer:
         # docstring); staged, it is copied out to host memory straight from the producer's slot
         copy: Copy = "auto" if self.staged else "always"
         try:
-            rx = await asyncio.to_thread(Receiver, name, timeout=0.0, latest=hello.latest, copy=copy)
+            # host frames go straight from the slot in either case (copy_host=False)
+            source = RingSource(name, default_transport(), copy=copy, copy_host=False)
+            rx = await asyncio.to_thread(Receiver, name, timeout=0.0, latest=hello.latest, source=source)
         except LinkTimeout:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"no producer publishes {name!r} here now"))
             return False
@@ -440,13 +443,7 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> 
     ucx_engine.check_port(addr.port)  # at once, not after UCX's 15 s of retries
     ucx_engine.load()
     key, created = ucx_engine.load_key(create=True)
-    if created:
-        print(
-            f"cudalink: made a new key in {created}. On each consumer's host run:\n"
-            f"  mkdir -p ~/.config/cudalink && scp {os.uname().nodename}:{created} ~/.config/cudalink/ucx.key\n"
-            "or set CUDALINK_KEY to its contents there.",
-            flush=True,
-        )
+    ucx_engine.announce_key(created)
     if addr.host not in ("127.0.0.1", "localhost"):
         print(f"cudalink: serving {name!r} beyond this host; frames are not encrypted (use a VPN).", flush=True)
 

@@ -101,6 +101,7 @@ def test_demo_bad_shape_is_one_line() -> None:
 def test_explicit_gpu_without_gpu_is_one_line() -> None:
     proc = run_cli("demo", "--device", "cuda:0", "--seconds", "1")
     assert_one_line_error(proc)
+    assert "--device cpu" in proc.stderr and "device='cpu'" not in proc.stderr  # the command line's words
 
 
 def test_demo_pattern_checksums_are_exact() -> None:
@@ -197,6 +198,23 @@ def test_monitor_shows_consumers_and_leases(pair: PairFactory) -> None:
     assert "consumers (1 joined)" in proc.stdout
     assert str(os.getpid()) in proc.stdout
     assert re.search(rf"\d+:{seq} · 3 · ", proc.stdout), proc.stdout  # lease slot:seq, 3 frames behind
+
+
+@pytest.mark.parametrize("how", ["recv", "poll"])
+def test_monitor_counts_a_consumer_that_never_waits(pair: PairFactory, how: str) -> None:
+    """A consumer slower than its producer always finds a frame waiting and never sleeps: the monitor must
+    still see what it received (it was shown as 0 received, 'never')."""
+    from cudalink.tools.monitor import read_snapshot
+
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", slots=8, rx={"latest": False})
+    with tx, rx:
+        for i in range(40):
+            tx.send(np.full(4, i, np.uint8))  # always there before the consumer asks
+            frame = rx.recv() if how == "recv" else rx.poll()
+            assert frame is not None and frame.seq == i + 1
+            frame.release()
+        (consumer,) = read_snapshot(tx.name).consumers
+        assert 32 <= consumer.received <= 40, consumer
 
 
 def test_monitor_piped_prints_a_line_per_interval_and_exits_on_sigterm() -> None:

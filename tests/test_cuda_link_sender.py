@@ -116,6 +116,23 @@ def test_argument_errors_name_the_fix() -> None:
         cudalink.Sender("x", shape=(4, 4, 4), protocol="ndi")
 
 
+def test_no_gpu_says_cuda_link_needs_one_instead_of_suggesting_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device='cpu' is refused for cuda-link, so the usual "use device='cpu'" advice would lead nowhere."""
+    from cudalink.cuda import driver
+    from cudalink.transport import cuda_link_source
+
+    def no_gpu(*args: object, **kw: object) -> None:
+        raise cudalink.CudaUnavailable(f"cudalink: no usable CUDA driver (none here); {driver.NO_GPU_HINT}")
+
+    monkeypatch.setattr(_backends, "CudaSlots", no_gpu)
+    with pytest.raises(cudalink.CudaUnavailable, match="cuda-link Sender needs a usable NVIDIA GPU") as err:
+        cudalink.Sender(f"nogpu{uuid.uuid4().hex[:6]}", shape=(4, 4, 4), protocol="cuda-link")
+    assert driver.NO_GPU_HINT not in str(err.value)
+    monkeypatch.setattr(cuda_link_source, "CudaSlotMemory", no_gpu)
+    with pytest.raises(cudalink.CudaUnavailable, match="reading a cuda-link segment needs a usable NVIDIA GPU"):
+        cuda_link_source.CudaLinkSource("cuda-link:whatever")._make_memory()
+
+
 def test_the_segment_it_writes(name: str, fake_slots: type[FakeCudaSlots]) -> None:
     tx = cudalink.Sender(name, shape=(4, 6, 4), pixel_format="BGRA", slots=2, protocol="cuda-link")
     try:

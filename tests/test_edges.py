@@ -22,7 +22,7 @@ from cudalink.transport import MemoryTransport, SharedMemoryTransport
 from cudalink.transport.base import Transport
 from cudalink.transport.shm import EmptySegment, _exists, _open_segment, _unlink_segment
 
-from .conftest import DEFAULT, PairFactory, close_while_waiting
+from .conftest import DEFAULT, PairFactory, Spawned, close_while_waiting
 
 
 @pytest.fixture(params=["memory", "shm"])
@@ -638,3 +638,37 @@ def test_a_frame_published_as_close_ends_the_wait_is_not_handed_out() -> None:
         with pytest.raises(cudalink.LinkClosed):
             rx.recv()
         assert rx.closed
+
+
+def test_close_ends_a_recv_that_waits_on_a_hung_producers_handshake(spawned: Spawned, name: str) -> None:
+    """A producer that hangs (stopped) mid-admission: close() on another thread ends the waiting recv() at once
+    with LinkClosed, not after the handshake's own 5 s."""
+    import signal
+
+    from . import _procs
+
+    producer = spawned.ready(_procs.host_producer_forever, name, (16,), "uint8", forever=True)
+    assert producer.pid is not None
+    os.kill(producer.pid, signal.SIGSTOP)
+    try:
+        rx = cudalink.Receiver(name, timeout=None, connect=False)
+        ended: list[float] = []
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                rx.recv()
+            except BaseException as exc:  # what ended it is the point
+                errors.append(exc)
+            ended.append(time.monotonic())
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.3)  # in the handshake by now
+        closed_at = time.monotonic()
+        rx.close()
+        t.join(10)
+        assert errors and isinstance(errors[0], cudalink.LinkClosed), errors
+        assert ended[0] - closed_at < 2.0, ended[0] - closed_at
+    finally:
+        os.kill(producer.pid, signal.SIGCONT)

@@ -65,6 +65,12 @@ SENDER_BAD = [
     ({"pixel_format": "RGBA", "shape": (4, 4, 3)}, ValueError, "channel"),
     ({"origin": "left"}, ValueError, "origin must be"),
     ({"strides": (1,)}, ValueError, "strides"),
+    ({"protocol": "cudalnk"}, ValueError, "protocol must be"),
+    ({"protocol": "cuda-link", "slots": 11}, ValueError, "1..10 slots"),
+    ({"protocol": "cuda-link", "slots": "3"}, TypeError, "1..10 slots"),
+    ({"protocol": "cuda-link", "policy": "block"}, ValueError, "policy='drop'"),
+    ({"protocol": "cuda-link", "handles": "pool"}, ValueError, "legacy"),
+    ({"protocol": "cuda-link", "device": "cpu"}, ValueError, "GPU memory only"),
 ]
 
 
@@ -94,6 +100,9 @@ RECEIVER_BAD = [
     ({"device": "gpu"}, ValueError, "device must be 'cpu'"),
     ({"device": 0.5}, TypeError, "device must be 'cpu'"),
     ({"copy": "maybe"}, ValueError, "copy must be"),
+    ({"latest": "no"}, TypeError, "latest must be True or False"),
+    ({"latest": None}, TypeError, "latest must be True or False"),
+    ({"wake_ahead": "off"}, TypeError, "wake_ahead must be True or False"),
 ]
 
 

@@ -4,6 +4,7 @@ Sender, by a Receiver (which says so instead of waiting out its timeout) and by 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -45,6 +46,52 @@ def test_a_clean_close_removes_everything_it_made_even_the_lock_file(control: st
         files, segments = leftovers(name)
         assert files and segments and os.path.exists(_platform.lock_path(name))
     assert nothing_left(name), (leftovers(name), os.listdir(_platform.runtime_dir()))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="measures /dev/shm")
+def test_close_gives_the_frames_memory_back_at_once_while_the_object_lives() -> None:
+    """Re-creating a Sender after close (a format change) must not need twice the shared memory: close() frees
+    the frames' pages when no consumer holds one, not when the garbage collector finds the Sender."""
+
+    def used() -> int:
+        st = os.statvfs("/dev/shm")
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    shape = (1024, 1024, 4)  # 4 MiB a frame, 4 slots
+    gc.disable()  # as if the collector had not run yet
+    try:
+        before = used()
+        tx = cudalink.Sender(f"left-mem-{os.getpid()}", shape=shape, dtype="uint8", slots=4)
+        for _ in range(4):
+            tx.send(np.ones(shape, np.uint8))  # every slot's pages touched
+        grown = used() - before
+        assert grown >= 15 << 20, grown
+        tx.close()
+        assert used() - before < grown // 4, (before, grown, used())
+        assert tx.stats()["published"] == 4  # still says what it did
+    finally:
+        gc.enable()
+
+
+def test_a_sender_the_application_drops_goes_at_once_with_its_fds() -> None:
+    """No reference cycle keeps a Sender (and its mappings and fds) until the collector runs."""
+    gc.disable()
+    try:
+        fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+        for i in range(3):
+            tx = cudalink.Sender(f"left-drop-{os.getpid()}-{i}", shape=(8, 8), dtype="uint8")
+            rx = cudalink.Receiver(tx.name, timeout=2.0)
+            tx.send(np.zeros((8, 8), np.uint8))
+            rx.recv().release()
+            rx.close()
+            gone = weakref.ref(tx)
+            tx.close()
+            del tx
+            assert gone() is None
+        if fds is not None:
+            assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    finally:
+        gc.enable()
 
 
 def test_a_script_that_never_closes_its_sender_leaves_nothing(control: str) -> None:

@@ -228,6 +228,67 @@ def test_reconfigure_keeps_a_pitched_layout_and_can_clear_the_pixel_format(
             tx.reconfigure(strides=(1, 1))
 
 
+def test_copy_always_on_a_host_link_holds_no_slot(pair: PairFactory, transport: Transport) -> None:
+    pitched = (4 * 4 * 3, 3, 1)  # a padded layout: the copy is compact
+    tx, rx = pair(
+        transport,
+        shape=(2, 3, 3),
+        dtype="uint8",
+        slots=2,
+        capacity=64,
+        strides=pitched,
+        pixel_format="RGB",
+        rx={"latest": False, "copy": "always"},
+    )
+    with tx, rx:
+        kept = []
+        for i in range(6):  # three times the slots, every frame kept: the producer never drops
+            assert tx.send(np.full((2, 3, 3), i, np.uint8)) is not None
+            kept.append(rx.recv(1))
+        assert tx.stats()["dropped"] == 0 and rx.stats()["path"] == "copy"
+        for i, f in enumerate(kept):
+            assert f.seq == i + 1 and f.strides == (9, 3, 1) and f.pixel_format is cudalink.PixelFormat.RGB
+            out = np.from_dlpack(f)
+            assert out.shape == (2, 3, 3) and np.all(out == i) and not out.flags.writeable
+
+
+def test_a_selector_loop_follows_a_restarted_producer(name: str) -> None:
+    """The README's selector pattern: register fileno(), poll() when readable; after ProducerGone, poll until
+    the next producer is there and register its descriptor."""
+    import selectors
+
+    rx = cudalink.Receiver(name, connect=False, timeout=2.0)
+    sel = selectors.DefaultSelector()
+    got: list[tuple[int, int]] = []
+    try:
+        for generation in range(2):
+            with cudalink.Sender(name, shape=(2,), dtype="uint8") as tx:
+                deadline = time.monotonic() + 5
+                while True:  # not attached: poll() says no producer until it attaches
+                    assert time.monotonic() < deadline
+                    try:
+                        frame = rx.poll()
+                        break
+                    except cudalink.LinkTimeout:
+                        time.sleep(0.01)
+                assert frame is None
+                sel.register(rx.fileno(), selectors.EVENT_READ)
+                for i in range(3):
+                    tx.send(np.full(2, 10 * generation + i, np.uint8))
+                    assert sel.select(5.0)
+                    with rx.poll() as f:  # type: ignore[union-attr]
+                        got.append((generation, int(np.from_dlpack(f)[0])))
+                sel.unregister(rx.fileno())
+            with pytest.raises(cudalink.ProducerGone):
+                while rx.poll() is None:
+                    pass
+            with pytest.raises(cudalink.LinkError, match=r"producer is gone.*register the new fileno"):
+                rx.fileno()
+    finally:
+        rx.close()
+    assert got == [(0, 0), (0, 1), (0, 2), (1, 10), (1, 11), (1, 12)]
+
+
 def test_many_consumers_each_get_every_frame(name: str, transport: object) -> None:
     tx = cudalink.Sender(name, shape=(2,), dtype="int64", slots=4, transport=transport)  # type: ignore[arg-type]
     rxs = [cudalink.Receiver(name, transport=transport, latest=False) for _ in range(8)]  # type: ignore[arg-type]

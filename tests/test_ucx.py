@@ -637,6 +637,42 @@ def test_a_missing_key_names_the_way_out(monkeypatch: pytest.MonkeyPatch, tmp_pa
         cudalink.Receiver("ucx://127.0.0.1:9/x", timeout=0.1)
 
 
+def test_the_first_serve_on_a_host_has_made_its_key_when_the_sender_returns(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No key on this host yet: Sender(serve=) makes it before it returns (its server process would, a moment
+    later), so a Receiver made right after, on this host, finds it; and it says how to copy it."""
+    monkeypatch.delenv("CUDALINK_KEY")
+    key_file = tmp_path / "cudalink" / "ucx.key"
+    monkeypatch.setenv("CUDALINK_KEY_FILE", str(key_file))
+    name = unique("k")
+    with cudalink.Sender(name, shape=(8, 8, 4), serve=f"ucx://127.0.0.1:{free_port()}") as tx:
+        assert key_file.exists() and oct(key_file.stat().st_mode & 0o777) == "0o600"
+        assert "made a new key" in capsys.readouterr().out
+        assert tx._remote is not None
+        key, created = ucx_engine.load_key(create=True)  # the server's own look finds the same one
+        assert created is None and key.hex() == key_file.read_text().strip()
+
+
+def test_a_key_made_meanwhile_by_another_process_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A Sender and its server (or two servers) making the first key at the same moment agree on one, and
+    neither fails nor leaves a half-written file for the other to read."""
+    monkeypatch.delenv("CUDALINK_KEY")
+    path = tmp_path / "cudalink" / "ucx.key"
+    monkeypatch.setenv("CUDALINK_KEY_FILE", str(path))
+    theirs = "ab" * 32
+    real_link = os.link
+
+    def link_after_them(src: str, dst: str) -> None:
+        Path(dst).write_text(theirs + "\n")  # the other process got there first
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", link_after_them)
+    key, created = ucx_engine.load_key(create=True)
+    assert key.hex() == theirs and created is None
+    assert os.listdir(path.parent) == ["ucx.key"]  # our private file is gone
+
+
 async def _raw_client(url: str, send: list[bytes], proof: bool) -> str:
     """Connect as a hostile peer: answer the challenge (or not), then send ``send``; say how it ended."""
     addr = ucx_wire.parse_address(url, need_name=True)

@@ -45,6 +45,20 @@ def device(ordinal: int) -> Device:
 
 
 @contextlib.contextmanager
+def gpu_only(what: str) -> Iterator[None]:
+    """For what exists on a GPU only (cuda-link's segments): a missing GPU says so, instead of the usual
+    advice to pass device='cpu', which that call refuses."""
+    try:
+        yield
+    except CudaUnavailable as exc:
+        text = str(exc)
+        if driver.NO_GPU_HINT not in text:
+            raise
+        hint = f"{what} needs a usable NVIDIA GPU and driver (device='cpu' exists only for cudalink's own links)"
+        raise CudaUnavailable(text.replace(driver.NO_GPU_HINT, hint)) from exc
+
+
+@contextlib.contextmanager
 def keep_current() -> Iterator[None]:
     """Give the calling thread its current CUDA context back afterwards.
 

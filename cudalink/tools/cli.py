@@ -174,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         text = " ".join(str(exc).split()) or type(exc).__name__
+        # the library's advice, in this command line's words (an option, not a keyword argument)
+        text = text.replace("use device='cpu'", "use --device cpu")
         if not text.startswith("cudalink:"):
             text = f"cudalink: {type(exc).__name__}: {text}" if not isinstance(exc, LinkError) else f"cudalink: {text}"
         print(text, file=sys.stderr)

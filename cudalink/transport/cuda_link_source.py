@@ -371,7 +371,8 @@ class CudaLinkSource:
         from ..cuda import devices
 
         ordinal = 0 if self._device is None else devices.parse_device(self._device)
-        return CudaSlotMemory(ordinal, self.copy)
+        with devices.gpu_only("reading a cuda-link segment"):
+            return CudaSlotMemory(ordinal, self.copy)
 
     def attach(self, deadline: float, dead_generation: int) -> CudaLinkAttachment:
         try:

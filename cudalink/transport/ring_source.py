@@ -20,7 +20,7 @@ from ..errors import FormatError, ProducerGone, ProtocolError
 from ..frames.frame import Frame, _Hold
 from . import wire
 from .base import Client, NoProducer, Transport
-from .landed import LandedAttachment
+from .landed import HostCopyAttachment, LandedAttachment
 from .source import Attachment, Copy, account
 
 if TYPE_CHECKING:
@@ -265,14 +265,24 @@ class RingSource:
     ``device``: None (or the producer's GPU) takes frames where the producer made them, with no copy. Another
     GPU of this host (``N``: this process's ordinal) gets each frame copied into a small pool of buffers on
     it (``transport.landed``), unless ``copy="never"``, which refuses. ``copy="always"`` copies even on the
-    producer's GPU (a consumer that holds frames long then never holds the producer's slots). The producer's
+    producer's GPU, or into host memory of ours on a host link (a consumer that holds frames long then never
+    holds the producer's slots). The producer's
     GPU is found by the UUID in the header, whatever CUDA_VISIBLE_DEVICES numbers it here.
     """
 
     def __init__(
-        self, name: str, transport: Transport, *, device: int | str | None = None, copy: Copy = "auto"
+        self,
+        name: str,
+        transport: Transport,
+        *,
+        device: int | str | None = None,
+        copy: Copy = "auto",
+        copy_host: bool = True,
     ) -> None:
         self.name = _platform.check_name(name)
+        #: whether ``copy="always"`` copies a host link's frames too (the ucx server says no: it sends host
+        #: frames straight from the slot, and copies only GPU frames into memory of its own)
+        self.copy_host = copy_host
         if device is not None and device != "cpu":
             devices.parse_device(device)  # a bad device= is an ArgumentError now, not at the first attach
         self.transport = transport
@@ -280,6 +290,8 @@ class RingSource:
         self.copy = copy
         #: ``device=N`` as an ordinal here, checked now: a GPU that is not there is named before any attach
         self._ordinal: int | None = None
+        self._closed = False
+        self._handshaking: Client | None = None  # the client whose handshake runs now (see close)
         if device is not None and device != "cpu":
             self._ordinal = devices.parse_device(device)
             devices.check_ordinal(self._ordinal)
@@ -310,12 +322,17 @@ class RingSource:
                 raise NoProducer("only the dead producer's leftovers are there")
             token = secrets.randbits(63)
             hello = wire.pack_hello(wire.Hello(fixed.generation, token, os.getpid()))
+            self._handshaking = client  # close() on another thread cuts a wait on a producer that hangs
             try:
+                if self._closed:
+                    raise NoProducer("closed")
                 data, fds = client.handshake(
                     hello, wire.WELCOME.size, min(max(0.05, deadline - time.monotonic()), _HANDSHAKE_S)
                 )
             except (TimeoutError, ConnectionError) as exc:
                 raise NoProducer(f"handshake failed: {exc}") from exc
+            finally:
+                self._handshaking = None
             try:
                 welcome = wire.unpack_reply(data, fixed.nconsumers)
             except ProtocolError as exc:
@@ -327,10 +344,16 @@ class RingSource:
                     raise NoProducer(str(exc)) from exc
                 raise
             if fixed.backend == wire.BACKEND_HOST:
-                return _ring_attachment(client, fixed, welcome.index, fds)
+                att = _ring_attachment(client, fixed, welcome.index, fds)
         except BaseException:
             client.close()
             raise
+        if fixed.backend == wire.BACKEND_HOST:
+            try:
+                return self._place(att)
+            except BaseException:
+                att.detach()
+                raise
         # CUDA: mapping the producer's memory makes its GPU current; the caller's current GPU (what torch and
         # cupy call "the current device") is given back, since a Receiver on GPU 1 must not move it to 0
         try:
@@ -356,7 +379,7 @@ class RingSource:
                     f"cudalink: {self.name!r} carries host frames; a Receiver cannot put them on {want!r} "
                     "(drop device=, or copy the frame to the GPU yourself)"
                 )
-            return att
+            return HostCopyAttachment(att) if self.copy == "always" and self.copy_host else att
         producer = att.device_id  # this process's ordinal for the producer's GPU, found by its UUID
         if want == "cpu":
             raise FormatError(
@@ -386,4 +409,9 @@ class RingSource:
         return self._ordinal
 
     def close(self) -> None:
-        pass
+        self._closed = True
+        client = self._handshaking
+        if client is not None:
+            interrupt = getattr(client, "interrupt", None)
+            if interrupt is not None:
+                interrupt()

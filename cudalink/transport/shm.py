@@ -10,6 +10,7 @@ generation id, so a restart never collides with leftovers that Windows keeps whi
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import re
 import sys
@@ -121,6 +122,16 @@ class Segment:
     def unlink(self) -> None:
         _unlink_segment(self._shm.name)
 
+    def discard(self) -> bool:
+        """Free the segment's pages now (``MADV_REMOVE``: the mapping stays and reads zeros), rather than when
+        the last mapping goes; False where the OS cannot. Only for memory nobody reads any more."""
+        mm = getattr(self._shm, "_mmap", None)
+        advice = getattr(mmap, "MADV_REMOVE", None)
+        if mm is None or advice is None:
+            return False
+        mm.madvise(advice)
+        return True
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.buf = memoryview(b"")
@@ -168,6 +179,13 @@ class _ShmServer(Server):
         if self.data_segment is not None:
             self.data_segment.unlink()
         self._lock.remove_and_release()  # nothing of ours stays behind, not even the lock file
+
+    def discard_frames(self) -> None:
+        """The frames' memory back to the OS at close, once no consumer holds a frame: the mappings (ours
+        until the Sender is collected, theirs until they let go) would keep it in /dev/shm meanwhile."""
+        if self.data_segment is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.data_segment.discard()
 
     def forget_after_fork(self) -> None:
         """In a forked child: close our copies of the listener, the connections and the lock (never unlocking

@@ -17,7 +17,11 @@ from ..errors import ArgumentError, ArgumentTypeError
 if TYPE_CHECKING:
     from ..frames.frame import Frame
 
-__all__ = ["Attachment", "Copy", "Counters", "Source", "account", "copy_mode"]
+__all__ = ["NO_TIME", "Attachment", "Copy", "Counters", "Source", "account", "copy_mode"]
+
+#: ``attach``'s deadline where the caller gives no time at all (``poll()``), unlike a deadline that has just
+#: passed: a source that needs a network round trip may start it in the background and say NoProducer meanwhile
+NO_TIME = 0.0
 
 #: when a source may copy a frame into memory the Receiver owns (see each source's docs for what ``auto`` means)
 Copy = Literal["auto", "never", "always"]
@@ -107,7 +111,8 @@ class Source(Protocol):
 
     def attach(self, deadline: float, dead_generation: int) -> Attachment:
         """Attach to the producer now. Raise ``transport.base.NoProducer`` to be retried until ``deadline``
-        (``time.monotonic()``); never attach to ``dead_generation``, the producer this Receiver saw die."""
+        (``time.monotonic()``; :data:`NO_TIME` from ``poll()``); never attach to ``dead_generation``, the
+        producer this Receiver saw die."""
         ...
 
     def close(self) -> None:

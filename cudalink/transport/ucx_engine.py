@@ -298,10 +298,32 @@ def load_key(create: bool = False) -> tuple[bytes, str | None]:
             ) from None
     key = secrets.token_bytes(ucx_wire.KEY_SIZE)
     os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key.hex() + "\n")
+    # written whole under a private name, then linked into place: a process that makes one at the same
+    # moment (a Sender and its server) finds either no file or a whole one, and the first key made wins
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return load_key(create=False)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     return key, path
+
+
+def announce_key(created: str | None) -> None:
+    """Say where a key just made lives and how to copy it to the consumers' hosts (nothing if none was made)."""
+    if created:
+        print(
+            f"cudalink: made a new key in {created}. On each consumer's host run:\n"
+            f"  mkdir -p ~/.config/cudalink && scp {os.uname().nodename}:{created} ~/.config/cudalink/ucx.key\n"
+            "or set CUDALINK_KEY to its contents there.",
+            flush=True,
+        )
 
 
 # -- the worker a loop progresses -----------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from ..frames.frame import Frame, _Hold
 from ..frames.spec import FrameSpec
 from . import ucx_engine, ucx_wire, wire
 from .base import NoProducer
-from .source import Copy, Counters, account
+from .source import NO_TIME, Copy, Counters, account
 
 __all__ = ["UcxAttachment", "UcxSource"]
 
@@ -108,7 +108,7 @@ class UcxSource:
             self._device = _pick_device(self._device_arg)
         pending = self._pending
         left = deadline - time.monotonic()
-        if pending is None and left <= 0:
+        if pending is None and deadline == NO_TIME:
             eng = ucx_engine.engine()
             pending = self._pending = eng.submit(self._connect(eng, ucx_engine.HANDSHAKE_S))
         if pending is not None:

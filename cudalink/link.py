@@ -228,9 +228,9 @@ class _Handler(ServerHandler):
             )
         if hello.generation != s.generation:
             return Reply(wire.pack_reject(wire.REJECT_GENERATION, "stale header; re-read it"), accepted=False)
-        if s._closing:
-            return Reply(wire.pack_reject(wire.REJECT_CLOSING, "producer is closing"), accepted=False)
-        with self.lock:
+        with self.lock:  # closing is read under the lock close() reads ``conns`` under (see Sender.close)
+            if s._closing:
+                return Reply(wire.pack_reject(wire.REJECT_CLOSING, "producer is closing"), accepted=False)
             index = s._ring.free_index()
             if index is None:
                 return Reply(
@@ -787,8 +787,11 @@ class Sender:
                     self._slots.settle()  # every published frame complete before we hang up (see CudaView)
                 finally:
                     self._final_stats = {**self.stats(), "consumers": 0}
-                    # a consumer that still holds a frame keeps its connection (and its lease) to the end
-                    unread = self._server.connection_count() > 0
+                    # a consumer that still holds a frame keeps its connection (and its lease) to the end; one
+                    # admitted as we closed is in ``conns`` before its WELCOME goes (closing is set by now, so
+                    # no later one is admitted)
+                    with self._handler.lock:
+                        unread = bool(self._handler.conns) or self._server.connection_count() > 0
                     self._server.close()
                     discard = getattr(self._server, "discard_frames", None)
                     if discard is not None and not unread:
@@ -1042,9 +1045,10 @@ class Receiver:
             return
         att.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)
 
-    def _attach(self, timeout: float) -> None:
-        # 0.0 tells a source the caller gives no time at all (poll), where a deadline just past does not
-        deadline = time.monotonic() + timeout if timeout > 0 else NO_TIME
+    def _attach(self, timeout: float, polling: bool = False) -> None:
+        # NO_TIME tells a source the caller (poll) gives no time at all, where timeout=0 elsewhere still asks
+        # for one attempt made now
+        deadline = NO_TIME if polling else time.monotonic() + timeout
         delay = 0.001
         last_error = "no producer"
         while True:
@@ -1087,7 +1091,7 @@ class Receiver:
         ``reattached``). None coming in time after a death is :class:`ProducerGone` (the stream's end), or with
         ``end_is_timeout`` (``poll``: "nothing now") :class:`LinkTimeout`, as always."""
         try:
-            self._attach(limit)
+            self._attach(limit, polling=end_is_timeout)
         except LinkTimeout as exc:
             if self._dead_generation and not end_is_timeout:
                 raise ProducerGone(

@@ -73,6 +73,45 @@ def test_close_gives_the_frames_memory_back_at_once_while_the_object_lives() -> 
         gc.enable()
 
 
+def test_a_consumer_admitted_as_the_producer_closes_keeps_its_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() gives the frames' memory back only when no consumer can hold one: a consumer admitted just as
+    close() began (its WELCOME still on the way) reads the real frame, never zeros."""
+    import subprocess
+    import threading
+
+    from cudalink import link
+
+    admitting = threading.Event()
+    join = link.Sender._join_consumer
+
+    def slow_join(self: link.Sender, *args: int) -> None:
+        admitting.set()
+        time.sleep(0.3)  # the control thread descheduled mid-admission
+        join(self, *args)
+
+    monkeypatch.setattr(link.Sender, "_join_consumer", slow_join)
+    consumer = (
+        "import sys, time, cudalink\n"
+        "try:\n"
+        "    with cudalink.Receiver(sys.argv[1], timeout=5.0) as rx:\n"
+        "        f = rx.recv(timeout=2.0)\n"
+        "        a = f.numpy()\n"
+        "        time.sleep(0.5)\n"
+        "        print('HELD', int(a.min()), int(a.max()))\n"
+        "except cudalink.LinkError as exc:\n"  # too late for the frame (its segment gone): fine, not zeros
+        "    print('NONE', type(exc).__name__, exc)\n"
+    )
+    name = f"left-admit-{os.getpid()}"
+    tx = cudalink.Sender(name, shape=(64, 64, 4), dtype="uint8")
+    tx.send(np.full((64, 64, 4), 7, np.uint8))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", consumer, name], stdout=subprocess.PIPE, text=True, env=env)
+    assert admitting.wait(20)
+    tx.close()
+    out = proc.communicate(timeout=30)[0]
+    assert "HELD 7 7" in out or "NONE" in out, out
+
+
 def test_a_sender_the_application_drops_goes_at_once_with_its_fds() -> None:
     """No reference cycle keeps a Sender (and its mappings and fds) until the collector runs."""
     gc.disable()

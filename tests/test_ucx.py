@@ -266,6 +266,23 @@ def test_poll_never_waits_on_the_network() -> None:
         frame.release()
 
 
+def test_a_recv_after_a_poll_and_a_timeout_zero_receiver_both_connect(stream: tuple[Proc, Proc, str]) -> None:
+    """poll()'s background connection is taken by a recv() with no time limit (it raised OverflowError), and
+    timeout=0 anywhere but poll() still makes one attempt now (it was taken for poll's 'no time at all')."""
+    _, _, url = stream
+    with cudalink.Receiver(url, timeout=10.0):  # the server answers by now
+        pass
+    with cudalink.Receiver(url, connect=False, timeout=None) as rx:
+        with contextlib.suppress(cudalink.LinkTimeout):
+            assert rx.poll() is None
+        for _ in range(3):
+            with rx.recv() as f:
+                check(f)
+    for _ in range(3):
+        with cudalink.Receiver(url, timeout=0) as rx:
+            assert rx.connected
+
+
 def test_back_pressure_stops_at_the_server() -> None:
     """A consumer that holds every frame it gets: the producer (policy="block"!) never waits on it."""
     name = unique("b")
@@ -671,6 +688,22 @@ def test_a_key_made_meanwhile_by_another_process_wins(monkeypatch: pytest.Monkey
     key, created = ucx_engine.load_key(create=True)
     assert key.hex() == theirs and created is None
     assert os.listdir(path.parent) == ["ucx.key"]  # our private file is gone
+
+
+def test_the_key_is_made_where_the_filesystem_has_no_hard_links(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("CUDALINK_KEY")
+    path = tmp_path / "cudalink" / "ucx.key"
+    monkeypatch.setenv("CUDALINK_KEY_FILE", str(path))
+
+    def no_links(src: str, dst: str) -> None:
+        raise PermissionError(1, "Operation not permitted")  # vfat, many SMB/FUSE mounts
+
+    monkeypatch.setattr(os, "link", no_links)
+    key, created = ucx_engine.load_key(create=True)
+    assert created == str(path) and key.hex() == path.read_text().strip()
+    assert os.listdir(path.parent) == ["ucx.key"] and oct(path.stat().st_mode & 0o777) == "0o600"
 
 
 async def _raw_client(url: str, send: list[bytes], proof: bool) -> str:

@@ -309,6 +309,14 @@ def load_key(create: bool = False) -> tuple[bytes, str | None]:
             os.link(tmp, path)
         except FileExistsError:
             return load_key(create=False)
+        except OSError:  # a filesystem without hard links (vfat, some SMB/FUSE mounts): create it in place
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                time.sleep(0.05)  # its maker's one write is done by now
+                return load_key(create=False)
+            with os.fdopen(fd, "w") as f:
+                f.write(key.hex() + "\n")
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

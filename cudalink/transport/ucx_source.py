@@ -113,7 +113,7 @@ class UcxSource:
             pending = self._pending = eng.submit(self._connect(eng, ucx_engine.HANDSHAKE_S))
         if pending is not None:
             if not pending.done():
-                concurrent.futures.wait([pending], timeout=max(0.0, left))
+                concurrent.futures.wait([pending], timeout=min(max(0.0, left), _ATTEMPT_S))  # left may be inf
                 if not pending.done():
                     raise NoProducer(f"connecting to {self.addr.host}:{self.addr.port}")
             self._pending = None

@@ -1406,8 +1406,12 @@ class Receiver:
             forget()
 
     def _drop(self, att: Attachment) -> None:
-        """Leave ``att``, keeping its count of reconnections for ``stats()``."""
-        self._reconnected += getattr(att, "resumes", 0)
+        """Leave ``att``, keeping its count of reconnections for ``stats()`` (once: a close() on another thread
+        and the waiter it woke may both come here)."""
+        if not getattr(att, "_counted_out", False):
+            with contextlib.suppress(AttributeError):  # a compiled attachment may take no new attributes
+                att._counted_out = True  # type: ignore[attr-defined]
+                self._reconnected += getattr(att, "resumes", 0)
         self._att = None
         att.detach()
 

@@ -29,6 +29,7 @@ import contextlib
 import os
 import select
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -342,6 +343,7 @@ class UcxAttachment:
         self.owed = 0  # buffers given back while resuming: credits to send once connected again
         self._freed = asyncio.Event()
         self.rfd, self.wfd = os.pipe()
+        self._pipe_lock = threading.Lock()
         os.set_blocking(self.rfd, False)
         os.set_blocking(self.wfd, False)
         self.detached = False
@@ -359,8 +361,9 @@ class UcxAttachment:
         self._post(ucx_wire.pack_ping())  # set up (a GPU's landing pool made): the server's clock starts now
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self.wfd, b"\x01")
+        with self._pipe_lock, contextlib.suppress(OSError):  # never a number _close_pipe has given back
+            if self.wfd >= 0:
+                os.write(self.wfd, b"\x01")
 
     interrupt = _wake  # the Receiver is being closed: its waiting recv wakes, and leaves
 
@@ -586,11 +589,12 @@ class UcxAttachment:
     def _close_pipe(self) -> None:
         """The wake-up pipe, closed with the connection (not left to the garbage collector: a cycle keeps
         an attachment, and so its two fds, alive until a collection runs)."""
-        rfd, wfd, self.rfd, self.wfd = self.rfd, self.wfd, -1, -1
-        for fd in (rfd, wfd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        with self._pipe_lock:  # a close() on another thread may be in _wake (interrupt) right now
+            rfd, wfd, self.rfd, self.wfd = self.rfd, self.wfd, -1, -1
+            for fd in (rfd, wfd):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
     def _free_memory(self) -> None:
         """The landing buffers no frame holds (a held one goes when its frame does: frames landed but never

@@ -353,12 +353,25 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, peer_uid, _gid = struct.unpack("3i", raw)
         return pid, peer_uid
-    if hasattr(os, "getuid"):  # BSD/macOS: no pid, but the uid is what the check needs
+    if IS_MACOS:  # LOCAL_PEERCRED: a struct xucred (u_int version, uid_t uid, ...); CPython names neither
+        with contextlib.suppress(OSError):
+            raw = sock.getsockopt(_SOL_LOCAL, _LOCAL_PEERCRED, _XUCRED_SIZE)
+            version, peer_uid = struct.unpack_from("=II", raw)
+            if version == 0:  # XUCRED_VERSION
+                return 0, int(peer_uid)
+    if hasattr(os, "getuid"):  # other BSDs: no pid, but the uid is what the check needs
         getpeereid = getattr(socket, "getpeereid", None)
         if getpeereid is not None:
             peer_uid, _ = getpeereid(sock)
             return 0, int(peer_uid)
-    return 0, uid()
+    return 0, uid()  # nothing to ask: the runtime directory's 0700 is the guard left (and the rendezvous key)
+
+
+#: macOS <sys/un.h> and <sys/ucred.h>: SOL_LOCAL, LOCAL_PEERCRED, and sizeof(struct xucred) (4 + 4 + 2 + 2 pad
+#: + 16 * 4 groups)
+_SOL_LOCAL = 0
+_LOCAL_PEERCRED = 0x001
+_XUCRED_SIZE = 76
 
 
 def loopback_listener(sock: socket.socket | None = None) -> socket.socket:
@@ -387,10 +400,11 @@ def no_delay(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def hangup_poller(sock: socket.socket) -> Callable[[], bool]:
+def hangup_poller(sock: socket.socket, pid: int = 0) -> Callable[[], bool]:
     """A check, without reading anything, of whether the peer of ``sock`` has closed its end (it exited or was
     killed), even with unread bytes still queued: ``poll`` with POLLRDHUP where the OS has it (Linux). Elsewhere
-    a peek, which sees the hang-up only once the queued bytes are read."""
+    (Windows, macOS) a peek, which sees the hang-up only once the queued bytes are read: while bytes are queued
+    (the wake-up a Receiver leaves on purpose) the peer's process ``pid``, where known, is asked about instead."""
     rdhup = getattr(select, "POLLRDHUP", 0)
     if rdhup and hasattr(select, "poll"):
         poller = select.poll()
@@ -406,11 +420,14 @@ def hangup_poller(sock: socket.socket) -> Callable[[], bool]:
 
     def peek_closed() -> bool:
         try:
-            return sock.recv(1, socket.MSG_PEEK) == b""
+            queued = sock.recv(1, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
             return True
+        if not queued:
+            return True
+        return pid > 0 and not pid_alive(pid)  # a hang-up behind queued bytes cannot be seen: ask the OS
 
     return peek_closed
 

@@ -164,11 +164,13 @@ class CudaLinkSender:
             old = None
         except FileNotFoundError:
             old = None
+        version = 0
         if old is not None:
             try:
                 buf = old.buf
                 assert buf is not None
                 header = cw.read_header(buf, self.name)
+                version = header.version
                 if header.num_slots == self._n and len(buf) >= size:
                     self._version = header.version
                     return old
@@ -180,6 +182,19 @@ class CudaLinkSender:
         self._version = 0
         try:
             return _open_segment(self.name, create=True, size=size)
+        except FileExistsError as exc:
+            # Windows: nothing unlinks a name, which lives while any reader (a TD TOP) holds its mapping. Take
+            # that mapping over, laid out anew for our slot count, where it is large enough (Windows rounds
+            # mappings up to a page, which holds 10 slots); its version continues, so readers see the change
+            again = _open_segment(self.name)
+            if again.buf is not None and len(again.buf) >= size:
+                self._version = version
+                return again
+            again.close()
+            raise LinkError(
+                f"cudalink: cannot create cuda-link segment {self.name!r}: a reader still holds the old one, too small "
+                f"for {self._n} slots; close its readers (or keep the slot count), then start again"
+            ) from exc
         except OSError as exc:
             raise LinkError(f"cudalink: cannot create cuda-link segment {self.name!r}: {exc}") from exc
 
@@ -295,15 +310,20 @@ class CudaLinkSender:
         *,
         pixel_format: PixelFormat | str | None = None,
         origin: RowOrigin | str | None = None,
+        strides: tuple[int, ...] | list[int] | None = None,
     ) -> FrameSpec:
         """Change the format; the segment is re-initialised (version + 1), which cuda-link readers treat as a
-        restart. Must fit the slots (``capacity``)."""
+        restart. Must fit the slots (``capacity``). cuda-link's frames are tightly packed: no ``strides``."""
         with self._lock:
             self._check_open()
+            if strides is not None:
+                raise FormatError("cudalink: cuda-link frames are tightly packed HWC; reconfigure takes no strides")
             spec = self._spec.reconfigured(shape, dtype, pixel_format, origin, self.capacity)
             meta = _written_meta(spec)
             self._spec, self._meta = spec, meta
             self._initialise()
+            if self._bell is not None:
+                self._bell.ring()  # a reader asleep on the doorbell sees the new version now, not at its timeout
             return spec
 
     async def send_async(
@@ -330,6 +350,8 @@ class CudaLinkSender:
             try:
                 buf, n = self._buf, self._n
                 _say_shutdown(buf, n)
+                if self._bell is not None:
+                    self._bell.ring()  # cuda-link rings once more at shutdown: a sleeping reader lets go now
                 time.sleep(max(0.0, min(timeout, 5.0)))
             finally:
                 self._buf = memoryview(b"")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import time
 from typing import Any
 
@@ -53,13 +52,13 @@ def idle_cpu(name: str, result: Any, seconds: float) -> None:
     async def main() -> float:
         rx = cudalink.Receiver(name, timeout=10)
         rx.recv(timeout=5).release()  # the one frame there is
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = os.times()  # user + system CPU of this process, on every OS (resource is POSIX only)
         try:
             await rx.recv_async(timeout=seconds)
         except cudalink.LinkTimeout:
             pass
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        t1 = os.times()
         rx.close()
-        return (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        return (t1.user - t0.user) + (t1.system - t0.system)
 
     result.put(asyncio.run(main()))

@@ -21,6 +21,9 @@ import cudalink
 from cudalink.transport import MemoryTransport
 from cudalink.transport.base import Transport
 
+#: SIGKILL where it exists; Windows has none (os.kill with SIGTERM is TerminateProcess there)
+SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+
 #: what the ``pair`` fixture returns: ``pair(transport=None, rx=None, **sender_kw) -> (tx, rx)``
 PairFactory = Callable[..., tuple[cudalink.Sender, cudalink.Receiver]]
 
@@ -152,9 +155,9 @@ class Spawned:
         return self.ctx.Queue()
 
     def kill(self, p: BaseProcess, timeout: float = 10.0) -> None:
-        """SIGKILL ``p`` (no cleanup runs in it) and reap it."""
+        """SIGKILL ``p`` (no cleanup runs in it; TerminateProcess on Windows) and reap it."""
         if p.pid is not None and p.exitcode is None:
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()
         p.join(timeout)
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from cudalink.transport.shm import SharedMemoryTransport, header_segment
 
 from . import _async_procs as ap
 from . import _procs
-from .conftest import DEFAULT, PairFactory, Spawned
+from .conftest import DEFAULT, SIGKILL, PairFactory, Spawned
 
 
 @pytest.fixture
@@ -251,10 +251,43 @@ def test_async_without_add_reader_cancels_cleanly_and_sees_producer_death(pair: 
     _run(go())
 
 
+class OneLoopPerSocket(ReaderlessLoop):
+    """Windows' rule besides: a socket read through one proactor loop is bound to its completion port for
+    good, and another loop's read fails with WinError 87 (EINVAL)."""
+
+    owner: dict[int, int] = {}
+
+    async def sock_recv(self, sock: Any, n: int) -> bytes:
+        if self.owner.setdefault(sock.fileno(), id(self)) != id(self):
+            raise OSError(22, "[WinError 87] The parameter is incorrect")
+        return await super().sock_recv(sock, n)
+
+
+@pytest.mark.usefixtures("tcp")
+def test_a_receiver_awaited_on_a_second_proactor_loop_keeps_its_live_producer(pair: PairFactory) -> None:
+    """Two asyncio.run() calls with one Receiver: the second loop cannot read the socket the first bound, and
+    that is not the producer's end (it said ProducerGone)."""
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"timeout": 5})
+    for value in (1, 2):
+        threading.Timer(0.2, tx.send, (np.full(4, value, np.uint8),)).start()
+        loop = OneLoopPerSocket()
+        try:
+            frame = loop.run_until_complete(rx.recv_async(timeout=5))
+        finally:
+            loop.close()
+        assert np.from_dlpack(frame).tolist() == [value] * 4
+        frame.release()
+    tx.close()
+    loop = OneLoopPerSocket()
+    try:
+        with pytest.raises(cudalink.ProducerGone):
+            loop.run_until_complete(rx.recv_async(timeout=5))
+    finally:
+        loop.close()
+
+
 @pytest.mark.usefixtures("tcp")
 def test_async_without_add_reader_sees_a_killed_producer_at_once(spawned: Spawned, name: str) -> None:
-    import signal
-
     prod = spawned.ready(ap.idle_producer, name, stop=spawned.event(), forever=True)  # killed below
     rx = cudalink.Receiver(name, timeout=30)
 
@@ -264,7 +297,7 @@ def test_async_without_add_reader_sees_a_killed_producer_at_once(spawned: Spawne
         waiter = asyncio.ensure_future(rx.recv_async())
         await asyncio.sleep(0.1)
         t0 = time.monotonic()
-        os.kill(prod.pid, signal.SIGKILL)
+        os.kill(prod.pid, SIGKILL)
         with pytest.raises(cudalink.ProducerGone):
             await asyncio.wait_for(waiter, 10)
         return time.monotonic() - t0

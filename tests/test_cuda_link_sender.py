@@ -251,6 +251,33 @@ def test_a_second_writer_of_a_live_name_is_refused_and_the_first_keeps_its_segme
     assert not os.path.exists(writer_lock_path(name))
 
 
+def test_the_doorbell_rings_at_each_frame_a_format_change_and_close(
+    name: str, fake_slots: type[FakeCudaSlots], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuda-link rings its doorbell once more at shutdown: a reader asleep on it lets go at once."""
+    import cudalink.cuda_link as mod
+
+    rings: list[str] = []
+
+    class Bell:
+        def ring(self) -> None:
+            rings.append("ring")
+
+        def close(self) -> None:
+            rings.append("closed")
+
+    monkeypatch.setattr(mod._platform.Doorbell, "create", lambda name: Bell())
+    tx = cudalink.Sender(name, shape=(4, 6, 4), protocol="cuda-link")
+    tx.send(np.zeros((4, 6, 4), np.uint8))
+    assert rings == ["ring"]
+    tx.reconfigure(shape=(2, 6, 4))
+    assert rings == ["ring", "ring"]
+    with pytest.raises(cudalink.FormatError, match="tightly packed"):
+        tx.reconfigure(strides=(96, 16, 4))
+    tx.close()
+    assert rings == ["ring", "ring", "ring", "closed"]
+
+
 def test_reconfigure_beyond_the_slots_is_refused(name: str, fake_slots: type[FakeCudaSlots]) -> None:
     with cudalink.Sender(name, shape=(4, 6, 4), protocol="cuda-link") as tx:
         with pytest.raises(cudalink.FormatError, match="capacity="):
@@ -292,6 +319,35 @@ def test_a_sender_that_fails_after_taking_the_segment_gives_it_up(
     assert fake_slots.instances[0].closed
     with pytest.raises(FileNotFoundError):
         _segment(name)
+
+
+def test_where_a_held_name_cannot_be_unlinked_its_mapping_is_taken_over_for_another_slot_count(
+    name: str, fake_slots: type[FakeCudaSlots], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows: a named mapping lives while any reader (TD's In TOP) holds it, and nothing unlinks it, so the
+    name cannot be made anew: the old mapping is laid out again for the new slot count, its version going on."""
+    import cudalink.cuda_link as mod
+
+    from ._cuda_link_fake import FakeProducer
+
+    monkeypatch.setattr(mod, "_unlink_segment", lambda name: None)  # as on Windows
+    old = FakeProducer(name, slots=3)
+    held = old.shm.buf  # a reader's mapping of the name
+    assert held is not None
+    old.publish(1)
+    before = cw.read_version(held)
+    with cudalink.Sender(name, shape=(4, 6, 4), slots=2, protocol="cuda-link") as tx:
+        header = cw.read_header(held)
+        assert header.num_slots == 2 and header.version == before + 1 == tx.version
+        tx.send(np.zeros((4, 6, 4), np.uint8))
+        assert cw.read_write_idx(held) == 1
+    with pytest.raises(cudalink.LinkError, match="a reader still holds the old one"):
+        cudalink.Sender(name, shape=(4, 6, 4), slots=10, protocol="cuda-link")  # does not fit the old mapping
+    old.shm.close()
+    for d in old.data:
+        _unlink_segment(d.name.lstrip("/"))
+        d.close()
+    _unlink_segment(name)
 
 
 def test_a_segment_of_another_slot_count_is_shut_down_for_its_readers_before_it_is_replaced(

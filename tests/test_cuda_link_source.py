@@ -392,6 +392,28 @@ def test_a_v066_segment_is_refused_at_once_with_the_upgrade(name: str) -> None:
         _unlink_segment(name)
 
 
+def test_the_doorbell_is_waited_on_only_where_cuda_links_switch_says_so(
+    name: str, producer: FakeProducer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ring of cuda-link's auto-reset doorbell wakes one waiter: waiting on it by default would steal the
+    wake-ups of a TD TOP or importer reading the same segment."""
+    from cudalink import _platform
+    from cudalink.transport.cuda_link_source import doorbell_wanted
+
+    opened: list[str] = []
+    monkeypatch.setattr(_platform.Doorbell, "open", lambda seg: opened.append(seg))
+    producer.publish(1)
+    monkeypatch.delenv("CUDALINK_DOORBELL", raising=False)
+    with _rx(name, timeout=2.0) as rx:
+        rx.recv(timeout=1.0).release()
+    assert opened == []
+    monkeypatch.setenv("CUDALINK_DOORBELL", "1")
+    with _rx(name, timeout=2.0) as rx:
+        rx.recv(timeout=1.0).release()
+    assert opened == [name]
+    assert not doorbell_wanted("") and not doorbell_wanted("0") and doorbell_wanted("yes")
+
+
 def test_cuda_link_v09_segment_is_read(name: str, producer: FakeProducer) -> None:
     struct.pack_into("<I", producer.buf, 0, cw.MAGIC_V09)
     struct.pack_into("<IIIII", producer.buf, cw.off_metadata(3), 6, 4, 4, 2, 96)  # dtype 2 = uint8
@@ -527,11 +549,13 @@ class FakeBell:
 def test_a_doorbell_is_slept_on_instead_of_polling(
     name: str, producer: FakeProducer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Windows: cuda-link's producer may ring ``Local\\cudalink_db_<name>``; a waiting recv sleeps on it."""
+    """Windows: cuda-link's producer may ring ``Local\\cudalink_db_<name>``; a waiting recv sleeps on it (where
+    CUDALINK_DOORBELL=1 says it is the only waiter)."""
     import threading
 
     from cudalink import _platform
 
+    monkeypatch.setenv("CUDALINK_DOORBELL", "1")
     bell = FakeBell()
     monkeypatch.setattr(_platform.Doorbell, "open", classmethod(lambda cls, seg, k=None: bell))
     with _rx(name, timeout=2.0, wait="block") as rx:

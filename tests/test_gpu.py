@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ from cudalink.frames.frame import Frame
 
 from . import _content
 from . import _gpu_procs as gp
-from .conftest import DEFAULT, PairFactory, Spawned, close_while_waiting
+from .conftest import DEFAULT, SIGKILL, PairFactory, Spawned, close_while_waiting
 
 pytestmark = pytest.mark.gpu
 
@@ -172,7 +171,7 @@ def test_producer_kill_restart_and_consumer_kill(
         first = rx.recv(timeout=5.0).seq
         time.sleep(0.3)
         assert rx.recv(timeout=5.0).seq > first + 10  # still publishing
-        os.kill(prod.pid, signal.SIGKILL)
+        os.kill(prod.pid, SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(cudalink.ProducerGone):
             while True:
@@ -311,7 +310,7 @@ def _gpu_chaos(spawned: Spawned, name: str, cycles: int) -> dict[str, float]:
                 if time.monotonic() >= stop_at:
                     break
                 f = rx.recv(timeout=10)
-            os.kill(prod.pid, signal.SIGKILL)
+            os.kill(prod.pid, SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(cudalink.ProducerGone):
                 while True:

@@ -21,7 +21,7 @@ from cudalink import _platform
 from cudalink.transport.shm import SharedMemoryTransport, clean, leftovers
 
 from . import _procs
-from .conftest import Spawned
+from .conftest import SIGKILL, Spawned
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,7 +156,7 @@ def test_the_exit_registry_holds_senders_weakly_and_forgets_closed_ones() -> Non
     assert nothing_left(tx.name)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("sig", [SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_killed_producer_is_recognised_as_dead_at_once(spawned: Spawned, control: str, sig: int) -> None:
     name = f"left-kill-{os.getpid()}-{control}-{int(sig)}"
     producer = spawned.ready(_procs.host_producer_forever, name, (4, 4), "uint8", forever=True)

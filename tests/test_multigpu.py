@@ -9,7 +9,6 @@ is. Run on a two-GPU machine with ``python -m pytest -m gpu tests/test_multigpu.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from typing import Any
 
@@ -21,7 +20,7 @@ from cudalink.cuda import devices
 from . import _content
 from . import _gpu_procs as gp
 from . import _multigpu_procs as mp_
-from .conftest import DEFAULT, PairFactory, Spawned, need_gpus
+from .conftest import DEFAULT, SIGKILL, PairFactory, Spawned, need_gpus
 
 pytestmark = pytest.mark.gpu
 
@@ -192,7 +191,7 @@ def test_producer_sigkill_is_producer_gone_on_gpu_1_and_the_pool_is_freed(spawne
         att: Any = rx._att
         assert att.pool.stats()["buffers"] >= 1
         assert free0 - torch.cuda.mem_get_info(1)[0] >= 8 << 20  # the pool is on GPU 1
-        os.kill(prod.pid, signal.SIGKILL)
+        os.kill(prod.pid, SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(cudalink.ProducerGone):
             while True:

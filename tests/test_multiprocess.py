@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import numpy as np
@@ -13,7 +12,7 @@ import cudalink
 from cudalink.tools.monitor import read_snapshot
 
 from . import _content, _procs
-from .conftest import DEFAULT, PairFactory, Spawned
+from .conftest import DEFAULT, SIGKILL, PairFactory, Spawned
 
 pytestmark = pytest.mark.usefixtures("control")  # every test runs over the Unix and the TCP channel
 
@@ -49,7 +48,7 @@ def test_producer_sigkill_raises_producer_gone_and_a_new_generation_is_picked_up
     first = rx.recv(2)
     old_gen = rx.generation
     held = np.from_dlpack(first)  # a frame of the dead generation, kept across the crash
-    os.kill(prod.pid, signal.SIGKILL)
+    os.kill(prod.pid, SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(cudalink.ProducerGone):
         while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import socket
 import stat
 import sys
@@ -342,6 +343,28 @@ def test_a_hang_up_is_seen_without_reading_even_behind_queued_wake_ups() -> None
     a.close()
 
 
+def test_without_pollrdhup_a_hang_up_behind_queued_bytes_is_seen_through_the_producers_pid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows and macOS have no POLLRDHUP: a peek sees the queued wake-up, not the hang-up behind it, so a
+    killed producer would pass for alive (and its dead IPC event be waited on). Its pid says it is gone."""
+    import subprocess
+
+    monkeypatch.delattr(select, "POLLRDHUP", raising=False)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid, alive in ((os.getpid(), True), (dead.pid, False)):
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        closed = _platform.hangup_poller(a, pid)
+        b.send(b"\x01")  # the wake-up a Receiver leaves queued on purpose
+        b.close()  # the producer's end goes
+        assert closed() is (not alive)
+        assert a.recv(8) == b"\x01"  # nothing consumed
+        assert closed()  # once read, the peek sees the hang-up itself
+        a.close()
+
+
 def test_a_clean_close_is_not_a_hang_up_until_the_producer_closes_its_end() -> None:
     from cudalink.transport.control import ClientSocket
 
@@ -394,3 +417,23 @@ def test_macos_names_fit_its_shm_and_socket_limits(monkeypatch: pytest.MonkeyPat
     names = {_platform.segment_name(f"cam{i}") for i in range(2000)}
     assert len(names) == 2000 and _platform.segment_name("cam0") == _platform.segment_name("cam0")
     assert len(os.path.join("/tmp", f"cudalink-{_platform.user_tag()}", f"{longest}.sock").encode()) < 104
+
+
+def test_on_macos_the_peer_uid_comes_from_local_peercred(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython has no getpeereid: without LOCAL_PEERCRED every peer passed for this user on macOS."""
+    import struct
+
+    class MacSocket:
+        def __init__(self, raw: bytes) -> None:
+            self.raw = raw
+            self.asked: list[tuple[int, int, int]] = []
+
+        def getsockopt(self, level: int, opt: int, size: int) -> bytes:
+            self.asked.append((level, opt, size))
+            return self.raw
+
+    monkeypatch.setattr(_platform, "IS_LINUX", False)
+    monkeypatch.setattr(_platform, "IS_MACOS", True)
+    other = MacSocket(struct.pack("=IIh", 0, 4242, 1) + bytes(66))
+    assert _platform.peer_credentials(other) == (0, 4242)  # type: ignore[arg-type]
+    assert other.asked == [(0, 1, 76)]  # SOL_LOCAL, LOCAL_PEERCRED, sizeof(struct xucred)

@@ -9,7 +9,6 @@ import gc
 import os
 import queue
 import random
-import signal
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ from cudalink.transport.base import Peer
 from cudalink.transport.shm import _open_segment, _unlink_segment
 
 from . import _chaos, _content, _procs
-from .conftest import DEFAULT, PairFactory, Spawned, header_bytes
+from .conftest import DEFAULT, SIGKILL, PairFactory, Spawned, header_bytes
 
 
 def _chaos_cycles(spawned: Spawned, name: str, cycles: int) -> dict[str, float]:
@@ -50,7 +49,7 @@ def _chaos_cycles(spawned: Spawned, name: str, cycles: int) -> dict[str, float]:
                 assert problem is None, problem
                 f.release()
                 frames += 1
-            os.kill(prod.pid, signal.SIGKILL)
+            os.kill(prod.pid, SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(cudalink.ProducerGone):
                 while True:

@@ -9,7 +9,18 @@
 
 #include <stdint.h>
 
-#if defined(_MSC_VER) && !defined(__clang__)
+#if defined(_MSC_VER) && !defined(__clang__) && (defined(_M_ARM64) || defined(_M_ARM))
+/* ARM: volatile orders nothing in hardware (/volatile:iso is the default there): barriers around each access */
+#include <intrin.h>
+#include <windows.h>
+static inline uint64_t cl_load64(const void *p) { uint64_t v = *(const volatile uint64_t *)p; MemoryBarrier(); return v; }
+static inline uint32_t cl_load32(const void *p) { uint32_t v = *(const volatile uint32_t *)p; MemoryBarrier(); return v; }
+static inline void cl_store64(void *p, uint64_t v) { MemoryBarrier(); *(volatile uint64_t *)p = v; }
+static inline void cl_store32(void *p, uint32_t v) { MemoryBarrier(); *(volatile uint32_t *)p = v; }
+static inline void cl_fence(void) { MemoryBarrier(); }
+#define CL_LITTLE_ENDIAN 1
+#elif defined(_MSC_VER) && !defined(__clang__)
+/* x86/x64: the hardware keeps loads and stores in order (TSO); the compiler is kept from moving them */
 #include <intrin.h>
 #include <windows.h>
 static inline uint64_t cl_load64(const void *p) { uint64_t v = *(const volatile uint64_t *)p; _ReadWriteBarrier(); return v; }

@@ -30,6 +30,8 @@ from .base import UNVERIFIED_UID, Client, Peer, ServerHandler
 from .wire import HELLO
 
 HANDSHAKE_TIMEOUT = 2.0
+#: a wait in a worker thread (a second proactor loop, see ClientSocket._recv_async) looks again this often
+_THREAD_STEP_S = 0.25
 #: accept() failed for want of fds: how long the listener rests before the next try
 _ACCEPT_PAUSE_S = 0.1
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -389,6 +391,10 @@ class ClientSocket:
         self._key = key
         self._fds = hasattr(socket, "AF_UNIX") and sock.family == socket.AF_UNIX
         self._hup: Callable[[], bool] | None = None
+        self._iocp_taken = False  # Windows: another proactor loop holds this socket (see _recv_async)
+        #: the producer's pid (its header says), for a hang-up check where the OS cannot see one behind queued
+        #: bytes (see ``_platform.hangup_poller``); 0: unknown
+        self.peer_pid = 0
         self._poll = select.poll() if hasattr(select, "poll") else None
         if self._poll is not None:
             self._poll.register(sock, select.POLLIN)
@@ -443,7 +449,7 @@ class ClientSocket:
         Not ``gone``: that is also set by a clean close's shutdown byte, and a closing producer keeps its
         events (and its end of the socket) until its consumers have left or its close timed out."""
         if self._hup is None:
-            self._hup = _platform.hangup_poller(self.sock)
+            self._hup = _platform.hangup_poller(self.sock, self.peer_pid)
         return self._hup()
 
     def drain(self) -> bool:
@@ -499,13 +505,41 @@ class ClientSocket:
             loop.remove_reader(fd)
 
     async def _recv_async(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+        if self._iocp_taken:
+            await self._wait_in_thread(timeout)
+            return
         try:
             data = await asyncio.wait_for(loop.sock_recv(self.sock, 4096), timeout)
         except asyncio.TimeoutError:
             return
-        except OSError:
+        except OSError as exc:
+            if exc.errno == errno.EINVAL or getattr(exc, "winerror", None) == 87:
+                # Windows: the socket is bound to the completion port of the first proactor loop that read
+                # it, for good; another loop (a second asyncio.run) cannot read it through its own. Not the
+                # producer's end: wait in a thread from now on
+                self._iocp_taken = True
+                await self._wait_in_thread(timeout)
+                return
             data = b""
         self._seen(data)
+
+    async def _wait_in_thread(self, timeout: float | None) -> None:
+        """Until readable or ``timeout``, in a worker thread, in short steps (a cancelled wait ends within one)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.gone:
+            step = _THREAD_STEP_S if end is None else min(_THREAD_STEP_S, end - time.monotonic())
+            if step <= 0:
+                return
+            readable = await asyncio.to_thread(self._readable, step)
+            if readable:
+                return
+
+    def _readable(self, timeout: float) -> bool:
+        try:
+            return bool(select.select([self.sock], [], [], timeout)[0])
+        except (OSError, ValueError):
+            self.gone = True
+            return True
 
     def hint(self) -> None:
         with contextlib.suppress(OSError):

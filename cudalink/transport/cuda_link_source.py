@@ -12,7 +12,8 @@ lease. So this source
   sleeping (lowest latency, one busy core). ``fileno()`` starts one small poller thread (same plan) that
   makes a socket readable when a frame may be there, for selectors and asyncio. On Windows, where a cuda-link
   producer may ring a doorbell (the auto-reset event ``Local\\cudalink_db_<name>``), a waiting ``recv()``
-  sleeps on it instead, with the same plan as its timeout (untested on Windows so far).
+  sleeps on it instead, with the same plan as its timeout, where ``CUDALINK_DOORBELL=1`` says this reader is
+  its only waiter (each ring wakes one waiter: cuda-link's rule; untested on Windows so far).
 - delivers the newest frame only: the layout describes just that one (``latest=False`` acts as ``True``).
 - gives each frame ``seq = write_idx`` (frames the producer published since it initialised the segment);
   frames overwritten before we looked count as skipped.
@@ -336,6 +337,12 @@ def _ino(shm_fd: int) -> int:
         return 0
 
 
+def doorbell_wanted(env: str | None = None) -> bool:
+    """``CUDALINK_DOORBELL=1``, cuda-link's own switch: this reader is the doorbell's only waiter."""
+    value = os.environ.get("CUDALINK_DOORBELL", "") if env is None else env
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 class CudaLinkSource:
     """Where a ``Receiver("cuda-link:NAME")`` gets its frames: cuda-link's segment, by polling."""
 
@@ -426,7 +433,11 @@ class CudaLinkSource:
         att = CudaLinkAttachment(
             self.segment, seg, header, meta, spec, mem, generation, min(sizes), handles[cw.off_memory(0) :]
         )
-        att._bell = _platform.Doorbell.open(self.segment)  # Windows, where the producer rings one; else None
+        # cuda-link's doorbell is an auto-reset event: each ring wakes exactly one waiter, so a reader that
+        # waits on it steals the wake-ups of the TD TOP or importer beside it (cuda-link calls it single-waiter
+        # and makes its own importer opt in): ours waits on it only where asked, as cuda-link's does
+        if doorbell_wanted():
+            att._bell = _platform.Doorbell.open(self.segment)  # Windows, where the producer rings one; else None
         att._source, att._prior = self, self._prior
         return att
 

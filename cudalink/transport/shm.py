@@ -208,6 +208,8 @@ class _ShmClient(SocketClient):
 
     def handshake(self, hello: bytes, reply_size: int, timeout: float) -> tuple[bytes, list[int]]:
         self._sock = self._found.connect(timeout)
+        with contextlib.suppress(ProtocolError, ValueError):
+            self._sock.peer_pid = wire.read_fixed(self.header).pid
         return self._sock.handshake(hello, reply_size, timeout)
 
     def map_data(self, generation: int, size: int) -> memoryview:

@@ -119,11 +119,17 @@ def _series(us: float, n: int = 50) -> gpuclock.Series:
 
 
 def test_gpu_clock_goal_is_the_floor_plus_20_us_per_pass() -> None:
-    """The pipelined handoff against the in-process floor of the same pass; a skipped MPS pass is no goal."""
+    """The pipelined handoff against the in-process floor of the same pass and the same cadence; a skipped MPS
+    pass is no goal."""
     setup: gpuclock.Setup = {
         "status": "ok",
         "reason": "",
-        "series": {"floor_ahead": _series(8.0), "send_2ms_ahead": _series(20.0), "send_60fps_ahead": _series(40.0)},
+        "series": {
+            "floor_ahead": _series(8.0),
+            "floor_60fps_ahead": _series(12.0),
+            "send_2ms_ahead": _series(20.0),
+            "send_60fps_ahead": _series(40.0),
+        },
         "notes": {},
     }
     clock: gpuclock.GpuClock = {
@@ -137,6 +143,7 @@ def test_gpu_clock_goal_is_the_floor_plus_20_us_per_pass() -> None:
     two_ms, sixty = rows
     assert two_ms["met"] is True and two_ms["reference"] == pytest.approx(8.0)
     assert sixty["met"] is False and sixty["target"] == "<= floor + 20 us"
+    assert sixty["reference"] == pytest.approx(12.0)  # the 60 fps floor, not the 2 ms one
 
 
 def test_gpu_clock_counts_a_consumer_that_read_another_frame_as_unordered() -> None:

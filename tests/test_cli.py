@@ -343,8 +343,8 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     # the sleeping modes' floor: a bare wake a beat after each of their frames, in the same two processes
     goals = {g["goal"]: g for g in report["goals"]}
     for mode, goal in (
-        ("hybrid", "handoff p50, wait='hybrid', 2 ms cadence"),
-        ("block", "handoff p50, wait='block', 2 ms cadence"),
+        ("hybrid", "handoff p50, wait='hybrid', 2 ms cadence (woken ahead: no OS wake in this span)"),
+        ("block", "handoff p50, wait='block', 2 ms cadence (woken ahead: no OS wake in this span)"),
         ("block_noahead", "handoff p50, wait='block', wake_ahead=False"),
     ):
         beat, handoff = modes[mode]["wake_paired"], modes[mode]["handoff"]

@@ -24,6 +24,10 @@ from cudalink.transport import MemoryTransport, wire
 from .conftest import DEFAULT, PairFactory
 from .test_cli import run_cli
 
+#: the sleeping modes' handoff goals, woken ahead (the default): the OS wake runs during send()
+BLOCK_GOAL = "handoff p50, wait='block', 2 ms cadence (woken ahead: no OS wake in this span)"
+HYBRID_GOAL = "handoff p50, wait='hybrid', 2 ms cadence (woken ahead: no OS wake in this span)"
+
 
 @pytest.fixture
 def traced() -> object:
@@ -198,12 +202,34 @@ def test_goals_judge_each_figure_against_its_floor(block: float, met: bool) -> N
     }
     extra = {"recv_export_release": _summary(7.0)}
     got = {g["goal"]: g for g in goals(report, {"reserve_commit": _summary(4.0)}, extra, cuda=False)}
-    assert got["handoff p50, wait='block', 2 ms cadence"]["met"] is met
-    assert got["handoff p50, wait='block', 2 ms cadence"]["ratio"] == pytest.approx(block / 10.0)
+    assert got[BLOCK_GOAL]["met"] is met
+    assert got[BLOCK_GOAL]["ratio"] == pytest.approx(block / 10.0)
     assert got["handoff p50, wait='spin'"]["met"] is False  # 12 > 1 + 10
     assert got["poll + np.from_dlpack + release p50"]["met"] is False  # 7 > 3 x 2
     assert got["fan-out p99 vs one consumer's p99"]["met"] is False  # 95 > 3 x 30
     assert got["reserve() + commit p50 (in process, no consumer)"]["met"] is True
+
+
+def test_a_skipped_peer_leaves_cudalinks_own_figures_in_the_goals() -> None:
+    """On a cupy-only GPU install torch.multiprocessing is skipped: the goals that read cudalink's side of its
+    rows (send(), recv + from_dlpack, fan-out) still show cudalink's figure (they showed a dash)."""
+    from cudalink.tools.bench import goals
+
+    skipped = {"status": "skipped", "reason": "torch is not installed", "peer": None}
+    report = {
+        "floors": {"wake": _summary(10.0), "memcpy_record": _summary(5.0), "wait_dlpack": _summary(8.0)},
+        "wait_modes": [],
+        "rows": [
+            {"id": "send_cost", "peer_name": "torch-mp", **skipped, "cudalink": _summary(6.0)},
+            {"id": "recv_export", "peer_name": "torch-mp", **skipped, "cudalink": _summary(9.0)},
+            {"id": "fanout", "peer_name": "torch-mp", **skipped, "cudalink": _summary(20.0, 95.0)},
+        ],
+    }
+    got = {g["goal"]: g for g in goals(report, None, {}, cuda=True)}
+    assert got["recv + from_dlpack p50, cross-process"]["cudalink"] == 9.0
+    assert got["send() p50 vs torch.multiprocessing put"]["cudalink"] == 6.0
+    assert got["send() p50 vs torch.multiprocessing put"]["reference"] is None  # the peer's side stays out
+    assert any(g["cudalink"] == 95.0 for name, g in got.items() if name.startswith("fan-out p99"))
 
 
 @pytest.mark.parametrize(("single", "met"), [(40.0, True), (39.0, False)])
@@ -274,11 +300,11 @@ def test_the_sleeping_modes_are_judged_against_the_wake_taken_in_their_own_run(b
         "rows": [],
     }
     got = {g["goal"]: g for g in goals(report, None, {}, cuda=False)}
-    block = got["handoff p50, wait='block', 2 ms cadence"]
+    block = got[BLOCK_GOAL]
     assert block["reference"] == beat and block["met"] is met and "same two processes" in block["reference_label"]
     alone = got["handoff p50, wait='block', wake_ahead=False"]
     assert alone["reference"] == 10.0 and alone["met"] is False and "same" not in alone["reference_label"]
-    assert got["handoff p50, wait='hybrid', 2 ms cadence"]["ratio"] == pytest.approx(2.0)
+    assert got[HYBRID_GOAL]["ratio"] == pytest.approx(2.0)
 
 
 def test_the_paired_wake_times_only_its_own_frames_beat() -> None:
@@ -534,3 +560,27 @@ def test_breakdown_producer_stages_add_up_to_the_send_whatever_order_the_wake_ca
     if late:
         assert breakdown.stage_start(t.WAKING_AHEAD, m) == t.SLOT_CLAIMED  # the copy's head, nothing else
         assert breakdown.stage_start(t.COPY_QUEUED, m) == t.AHEAD_SENT  # its tail
+
+
+def test_the_breakdown_drops_its_first_timed_sends_whatever_seqs_they_got() -> None:
+    """reserve() commits run before the timed sends and take seqs: a cut by seq dropped no timed send at all,
+    so the warm-up's cold frames were counted."""
+    from cudalink.tools import breakdown
+
+    got = breakdown.run(-1, "numpy", (8, 8), 30, 0.002, 10, wait="block")
+    assert got["frames"] == 20, got["frames"]
+
+
+def test_the_runs_with_a_paired_wake_keep_the_cadence_their_rows_name() -> None:
+    """The sleeping modes' rows say "2 ms cadence": their runs slept 2 ms either side of the beat, so frames
+    came every 4 ms, unlike the spin and async rows beside them."""
+    from cudalink.tools.bench import Bench
+    from cudalink.tools.measure import Backend
+
+    bench = Bench(quick=True, backend=Backend(-1, ""))
+    gaps = {}
+    for paired in (False, True):
+        run = bench._run("cudalink", shape=(64, 64, 4), n=60, interval=0.002, wait="block", wake_floor=paired)
+        t = [run.entered[s] for s in sorted(run.entered)]
+        gaps[paired] = float(np.median(np.diff(t))) / 1e6
+    assert gaps[True] < 1.5 * gaps[False] and gaps[True] < 3.0, gaps  # ms

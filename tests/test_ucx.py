@@ -924,6 +924,40 @@ def test_two_network_namespaces_joined_by_a_veth_pair() -> None:
 # -- bench --remote ---------------------------------------------------------------------------------------------
 
 
+def test_remote_bench_runs_the_gpu_rows_on_the_gpu_asked_for_and_says_when_quick_leaves_them_out(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device 1`` measured GPU 0 (the rows were pinned to it), and ``--quick`` dropped them without a word."""
+    calls: list[tuple[str, object]] = []
+    lat = {"n": 1, "p50_us": 10.0, "p99_us": 20.0}
+    rate = {"fps": 100.0, "GBps": 1.0}
+
+    def stream(shape: object, secs: float, device: str = "cpu", env: object = None) -> dict[str, float]:
+        calls.append(("stream", device))
+        return rate
+
+    def d2d(nbytes: int, count: int = 50, device: int = 0) -> dict[str, float]:
+        calls.append(("d2d", device))
+        return rate
+
+    monkeypatch.setattr(remote_bench, "cudalink_handoff", lambda *a, **k: lat)
+    monkeypatch.setattr(remote_bench, "bare_handoff", lambda *a, **k: lat)
+    monkeypatch.setattr(remote_bench, "bare_stream", lambda *a, **k: rate)
+    monkeypatch.setattr(remote_bench, "tcp_stream", lambda *a, **k: rate)
+    monkeypatch.setattr(remote_bench, "cudalink_stream", stream)
+    monkeypatch.setattr(remote_bench, "bare_d2d", d2d)
+    monkeypatch.setattr(remote_bench, "_gpu_here", lambda: True)
+    quick = remote_bench.run(quick=True)
+    assert "gpu_stream" not in quick and "--quick" in quick["gpu_skipped"]
+    remote_bench.print_report(quick)
+    assert "GPU rows: --quick leaves" in capsys.readouterr().out
+    calls.clear()
+    on_1 = remote_bench.run(quick=True, gpu=True, device=1)
+    assert set(on_1["gpu_stream"]) == {"1080p", "4K"}
+    gpu_calls = [c for c in calls if c != ("stream", "cpu")]
+    assert gpu_calls and all(dev in ("1", 1) for _, dev in gpu_calls), gpu_calls
+
+
 def test_remote_bench_times_cudalink_and_both_bare_floors(capsys: pytest.CaptureFixture[str]) -> None:
     """Its parts measure what they say (a latency per frame, from stamps the sender wrote), and the report
     shows the goal's floor (one message, UCXX's core API) beside the two-message one and the asyncio API's."""

@@ -269,7 +269,9 @@ def run(
     if msg[0] != "result":  # an error (a consumer's "ready" came first, above)
         raise LinkError(f"cudalink: breakdown consumer failed: {msg[1]}")
     consumed = msg[1]
-    both = [{**dict(produced[s]), **dict(consumed[s])} for s in sorted(consumed) if s > warm and s in produced]
+    # the first ``warm`` timed sends warm up; by their order, not their seq (reserve() costs took seqs before)
+    kept = set(sorted(produced)[warm:])
+    both = [{**dict(produced[s]), **dict(consumed[s])} for s in sorted(consumed) if s in kept]
     durations: dict[str, list[int]] = {m: [] for m, _, _ in STAGES}
     for m in both:
         for end, _, _ in STAGES:

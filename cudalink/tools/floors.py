@@ -197,7 +197,7 @@ def measure(
             ev = driver.new_ipc_event(s)
             keep += [s, ev]
             ev_handle = driver.event_handle(ev)
-            out.update(_producer_ops(backend_device, lib, shape, frames, interval))
+            out.update({k: v[warm:] for k, v in _producer_ops(backend_device, lib, shape, frames, interval).items()})
         for kind in ("wake", "spin"):
             kind_run = ("gpu" if backend_device >= 0 else "cpu") if kind == "wake" else "spin"
             got = _run_child(ctx, seg, name, kind_run, shape, backend_device, lib, ev_handle, frames, interval)

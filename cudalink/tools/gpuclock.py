@@ -140,6 +140,7 @@ CASES: tuple[tuple[str, str], ...] = (
     ("floor_ahead", "in-process floor: two streams, one event wait, CPU ahead"),
     ("floor_behind", "in-process floor: two streams, one event wait, CPU behind"),
     ("floor_copy_ahead", "in-process floor + the frame's D2D copy, CPU ahead"),
+    ("floor_60fps_ahead", "in-process floor, 60 fps (its kernel's longer spin), CPU ahead"),
     ("send_2ms_ahead", "cudalink send(), 2 ms cadence, CPU ahead (pipelined)"),
     ("send_2ms_behind", "cudalink send(), 2 ms cadence, CPU behind"),
     ("send_60fps_ahead", "cudalink send(), 60 fps, CPU ahead (pipelined)"),
@@ -271,18 +272,21 @@ def _floor(k: Kernels, device: int, pl: Plan, interval: float, copy_nbytes: int)
     a, b = driver.stream_handle(a_obj), driver.stream_handle(b_obj)
     ca, cb = driver.cu_stream(a), driver.cu_stream(b)
     ev = driver.check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-    n, warm = pl["frames_2ms"], pl["warm"]
+    warm = pl["warm"]
     src, dst = k.alloc(copy_nbytes), k.alloc(copy_nbytes)
     out: dict[str, Series] = {}
     try:
-        for key, behind, copy in (
-            ("floor_ahead", False, False),
-            ("floor_behind", True, False),
-            ("floor_copy_ahead", False, True),
+        # each cadence its own floor: the 60 fps case's kernel spins longer (ahead_spin_ns), its GPU idles longer
+        for key, behind, copy, period, n in (
+            ("floor_ahead", False, False, interval, pl["frames_2ms"]),
+            ("floor_behind", True, False, interval, pl["frames_2ms"]),
+            ("floor_copy_ahead", False, True, interval, pl["frames_2ms"]),
+            ("floor_60fps_ahead", False, False, 1 / 60, pl["frames_60fps"]),
         ):
+            spin = AHEAD_SPIN_NS if period == interval else ahead_spin_ns(period)
             log, got = k.alloc(8 * n), k.alloc(16 * n)
             for i in range(n):
-                k.write(a, src, log + 8 * i, 0 if behind else AHEAD_SPIN_NS)
+                k.write(a, src, log + 8 * i, 0 if behind else spin)
                 if behind:
                     _sync(a)
                 if copy:
@@ -290,7 +294,7 @@ def _floor(k: Kernels, device: int, pl: Plan, interval: float, copy_nbytes: int)
                 driver.check(drv.cuEventRecord(ev, ca), "cuEventRecord")
                 driver.check(drv.cuStreamWaitEvent(cb, ev, 0), "cuStreamWaitEvent")
                 k.read(b, dst if copy else src, got + 16 * i)
-                time.sleep(interval)
+                time.sleep(period)
             _sync(a)
             _sync(b)
             ns, bad = _handoffs(k.fetch(got, 2 * n), list(range(n)), k.fetch(log, n))

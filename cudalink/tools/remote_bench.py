@@ -345,7 +345,9 @@ def tcp_stream(nbytes: int, count: int) -> dict[str, float]:
 # -- the run ---------------------------------------------------------------------------------------------------
 
 
-def run(quick: bool = False, gpu: bool | None = None) -> dict[str, Any]:
+def run(quick: bool = False, gpu: bool | None = None, device: int = 0) -> dict[str, Any]:
+    """The remote rows. ``gpu``: also the GPU rows (None: where a GPU is here and the run is not quick; a quick
+    run says it left them out); ``device``: the GPU they run on."""
     import secrets
 
     os.environ.setdefault("CUDALINK_KEY", secrets.token_hex(32))  # this run's own key, for its children too
@@ -385,13 +387,15 @@ def run(quick: bool = False, gpu: bool | None = None) -> dict[str, Any]:
         out["stream"][label] = {"cudalink": c, "bare_ucxx": b, "tcp": t, "share_of_bare": c["fps"] / b["fps"]}
     if gpu is None:
         gpu = not quick and _gpu_here()
+        if quick and _gpu_here():
+            out["gpu_skipped"] = "--quick leaves the GPU rows out (run without it for them)"
     if gpu:  # GPU producer -> GPU consumer through UCX's CUDA transports, against the GPU's own D2D copy
         out["gpu_stream"] = {}
         for label in ("1080p", "4K"):
             shape = SIZES[label]
             try:
-                c = cudalink_stream(shape, secs, device="0")
-                d = bare_d2d(int(np.prod(shape)))
+                c = cudalink_stream(shape, secs, device=str(device))
+                d = bare_d2d(int(np.prod(shape)), device=device)
             except Exception as exc:  # the host rows above still stand
                 out["gpu_stream_error"] = f"{label}: {type(exc).__name__}: {exc}"
                 break
@@ -400,7 +404,7 @@ def run(quick: bool = False, gpu: bool | None = None) -> dict[str, Any]:
         for label in ("1080p", "4K"):
             shape = SIZES[label]
             try:
-                c = cudalink_stream(shape, secs, device="0", env={"CUDALINK_UCX_STAGE": "host"})
+                c = cudalink_stream(shape, secs, device=str(device), env={"CUDALINK_UCX_STAGE": "host"})
             except Exception as exc:
                 out["gpu_staged_error"] = f"{label}: {type(exc).__name__}: {exc}"
                 break
@@ -442,6 +446,8 @@ def print_report(r: dict[str, Any]) -> None:
         ("gpu_stream", "GPU->GPU", "bare D2D copy GB/s", "share of D2D (as is)", _d2d_cell, "share_of_d2d"),
         ("gpu_staged", "staged", "bare UCXX host", "share (as across hosts on TCP)", _host_cell, "share_of_bare"),
     )
+    if r.get("gpu_skipped"):
+        print(f"GPU rows: {r['gpu_skipped']}")
     for key, title, ref, share, ref_cell, share_key in parts:
         if r.get(f"{key}_error"):
             print(f"{title} rows failed: {r[f'{key}_error']}")
@@ -466,7 +472,12 @@ def _host_cell(row: dict[str, Any]) -> str:
 def cmd_remote_bench(args: argparse.Namespace) -> int:
     ucx_engine.load()  # no UCXX: one line naming the extra, before any child is started
     device = str(getattr(args, "device", None) or "auto")
-    r = run(quick=bool(getattr(args, "quick", False)), gpu=False if device == "cpu" else None)
+    if device in ("cpu", "auto"):
+        r = run(quick=bool(getattr(args, "quick", False)), gpu=False if device == "cpu" else None)
+    else:  # a GPU named outright: its rows run, on that GPU, quick or not
+        from ..cuda import devices
+
+        r = run(quick=bool(getattr(args, "quick", False)), gpu=True, device=devices.parse_device(device))
     print_report(r)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:

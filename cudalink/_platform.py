@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import getpass
 import hashlib
 import mmap
@@ -427,9 +428,21 @@ def hangup_poller(sock: socket.socket, pid: int = 0) -> Callable[[], bool]:
             return True
         if not queued:
             return True
-        return pid > 0 and not pid_alive(pid)  # a hang-up behind queued bytes cannot be seen: ask the OS
+        if pid <= 0:
+            return False
+        # a hang-up behind queued bytes cannot be seen: ask the OS about the process, at most every
+        # _PID_LOOK_S (this runs at each GPU frame's stream wait; a Windows process query costs microseconds)
+        now = time.monotonic()
+        if now - looked[0] >= _PID_LOOK_S:
+            looked[0], looked[1] = now, float(not pid_alive(pid))
+        return bool(looked[1])
 
+    looked = [-_PID_LOOK_S, 0.0]  # when the pid was last asked about, and whether it was dead then
     return peek_closed
+
+
+#: how often a hang-up check where the OS cannot see one (see ``hangup_poller``) asks about the peer's pid
+_PID_LOOK_S = 0.05
 
 
 # -- processes --------------------------------------------------------------------------------------------
@@ -472,6 +485,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+@functools.cache
 def _kernel32() -> ctypes.CDLL:
     """kernel32 with the prototypes spelled out: a HANDLE is pointer-sized, ctypes' default int is not."""
     import ctypes

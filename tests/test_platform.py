@@ -323,7 +323,12 @@ def test_kernel32_prototypes_use_pointer_sized_handles(monkeypatch: pytest.Monke
         return types.SimpleNamespace(**fns)
 
     monkeypatch.setattr(ctypes, "WinDLL", windll, raising=False)
-    _platform._kernel32()
+    _platform._kernel32.cache_clear()  # made once per process (it is asked at each GPU frame's wait there)
+    try:
+        _platform._kernel32()
+        _platform._kernel32()
+    finally:
+        _platform._kernel32.cache_clear()
     assert opened == [("kernel32", True)]  # so ctypes.get_last_error() sees OpenProcess's error
     assert fns["OpenProcess"].restype is wintypes.HANDLE
     assert fns["CloseHandle"].argtypes == (wintypes.HANDLE,)

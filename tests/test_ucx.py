@@ -6,6 +6,7 @@ Each test takes fresh ports (a listener re-bound to a port just used can fail wi
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -951,6 +952,19 @@ def test_remote_bench_runs_the_gpu_rows_on_the_gpu_asked_for_and_says_when_quick
     assert "gpu_stream" not in quick and "--quick" in quick["gpu_skipped"]
     remote_bench.print_report(quick)
     assert "GPU rows: --quick leaves" in capsys.readouterr().out
+    asked: list[dict[str, object]] = []
+    monkeypatch.setattr(remote_bench, "run", lambda **kw: asked.append(kw) or quick)
+    for given in ("1", "cuda:1", "auto", "cpu"):  # the command line's forms (--device 1 as its help says)
+        remote_bench.cmd_remote_bench(argparse.Namespace(device=given, quick=True, json=None))
+    assert [a.get("device") for a in asked] == [1, 1, None, None], asked
+    assert [a["gpu"] for a in asked] == [True, True, None, False], asked
+    monkeypatch.undo()
+    for name, fake in (("cudalink_handoff", lambda *a, **k: lat), ("bare_handoff", lambda *a, **k: lat)):
+        monkeypatch.setattr(remote_bench, name, fake)
+    for name, fake in (("bare_stream", lambda *a, **k: rate), ("tcp_stream", lambda *a, **k: rate)):
+        monkeypatch.setattr(remote_bench, name, fake)
+    monkeypatch.setattr(remote_bench, "cudalink_stream", stream)
+    monkeypatch.setattr(remote_bench, "bare_d2d", d2d)
     calls.clear()
     on_1 = remote_bench.run(quick=True, gpu=True, device=1)
     assert set(on_1["gpu_stream"]) == {"1080p", "4K"}

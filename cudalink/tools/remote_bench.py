@@ -477,7 +477,8 @@ def cmd_remote_bench(args: argparse.Namespace) -> int:
     else:  # a GPU named outright: its rows run, on that GPU, quick or not
         from ..cuda import devices
 
-        r = run(quick=bool(getattr(args, "quick", False)), gpu=True, device=devices.parse_device(device))
+        ordinal = int(device) if device.isdigit() else devices.parse_device(device)  # "0" as the help says
+        r = run(quick=bool(getattr(args, "quick", False)), gpu=True, device=ordinal)
     print_report(r)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:

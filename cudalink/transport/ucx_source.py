@@ -289,6 +289,9 @@ class UcxAttachment:
     spins = False  # our UCX thread lands the frames: recv() sleeps on the pipe, never spins (see Attachment)
     receive = staticmethod(_receive)
     sleep_receive = staticmethod(_sleep_receive)
+    #: guards the wake-up pipe's fds against a close on the other thread; each attachment gets its own in
+    #: ``__init__`` (this one serves an attachment made without it)
+    _pipe_lock = threading.Lock()
 
     def __init__(
         self,

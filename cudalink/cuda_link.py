@@ -11,8 +11,9 @@ the CPU never waits for the GPU (on Windows it then rings cuda-link's doorbell e
 
 Initialisation writes everything else first and the version (old + 1) last, as cuda-link's C++ TOP does (its
 Python writers bump the version first; cudalink's reader guards against that, see ``cuda_link_source``); a
-segment that already exists under the name (a previous producer's) is taken over, so readers see a version
-change and re-import; one of another slot count is closed for its readers (shutdown = 1) and replaced.
+segment that already exists under the name (a previous producer's, gone or idle) is taken over, so readers see a
+version change and re-import; one of another slot count is closed for its readers (shutdown = 1) and replaced.
+One whose frames keep coming (a live writer: the layout names none) is refused, as is a second cudalink writer.
 ``reconfigure`` re-initialises the same way (cuda-link's metadata describes every slot at once, so a format
 change is a restart for its readers). ``close``: shutdown = 1, handles zeroed, ~100 ms of
 grace for readers to let go, then the slots are freed and the segment unlinked.
@@ -166,17 +167,25 @@ class CudaLinkSender:
             old = None
         version = 0
         if old is not None:
+            buf = old.buf
+            assert buf is not None
             try:
-                buf = old.buf
-                assert buf is not None
-                header = cw.read_header(buf, self.name)
+                header: cw.Header | None = cw.read_header(buf, self.name)
+            except LinkError:  # another layout: start afresh
+                header = None
+            if header is not None:
                 version = header.version
+                if _written_now(buf, header.num_slots):
+                    old.close()
+                    raise LinkError(
+                        f"cudalink: cuda-link segment {self.name!r} is being written by a live producer (a TD "
+                        "component or a cuda-link exporter: its frames keep coming); close it first, or choose "
+                        "another name"
+                    )
                 if header.num_slots == self._n and len(buf) >= size:
                     self._version = header.version
                     return old
                 _say_shutdown(buf, header.num_slots)  # another slot count: its readers must let go, then find ours
-            except LinkError:
-                pass
             old.close()
             _unlink_segment(self.name)  # another layout or slot count: start afresh
         self._version = 0
@@ -375,6 +384,25 @@ class CudaLinkSender:
         with contextlib.suppress(Exception):
             if not self._closed:
                 self.close()
+
+
+#: how long a new writer watches an existing segment for another writer's frames before it takes it over
+LIVE_LOOK_S = 0.1
+
+
+def _written_now(buf: memoryview, nslots: int) -> bool:
+    """Whether another writer publishes into ``buf`` now (write_idx or the timestamp moves within LIVE_LOOK_S):
+    cuda-link's layout names no writer, so a live one (TD's Out TOP, an exporter) is told by its frames. One that
+    is idle or dead is taken over, as before; a closed one (shutdown) needs no look."""
+    if cw.read_shutdown(buf, nslots):
+        return False
+    first = (cw.read_write_idx(buf), cw.read_timestamp(buf, nslots))
+    end = time.monotonic() + LIVE_LOOK_S
+    while time.monotonic() < end:
+        time.sleep(0.005)
+        if (cw.read_write_idx(buf), cw.read_timestamp(buf, nslots)) != first:
+            return True
+    return False
 
 
 def writer_lock_path(name: str) -> str:

@@ -5,6 +5,7 @@ back by cudalink's own cuda-link reader. The GPU path is in tests/test_cuda_link
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from multiprocessing import shared_memory
@@ -276,6 +277,40 @@ def test_the_doorbell_rings_at_each_frame_a_format_change_and_close(
         tx.reconfigure(strides=(96, 16, 4))
     tx.close()
     assert rings == ["ring", "ring", "ring", "closed"]
+
+
+def test_a_live_foreign_writers_segment_is_refused_and_a_silent_one_taken_over(
+    name: str, fake_slots: type[FakeCudaSlots]
+) -> None:
+    """cuda-link's layout names no writer: a TD component or an exporter that is publishing is told by its
+    frames, and its segment is left alone; one whose frames stopped (dead, or idle) is taken over as before."""
+    import threading
+
+    from ._cuda_link_fake import FakeProducer
+
+    live = FakeProducer(name, slots=3)
+    stop = threading.Event()
+
+    def frames() -> None:
+        while not stop.is_set():
+            live.publish(1)
+            time.sleep(0.005)
+
+    t = threading.Thread(target=frames)
+    t.start()
+    try:
+        with pytest.raises(cudalink.LinkError, match="being written by a live producer"):
+            cudalink.Sender(name, shape=(4, 6, 4), slots=2, protocol="cuda-link")
+        idx = cw.read_write_idx(live.buf)
+        time.sleep(0.05)
+        assert cw.read_write_idx(live.buf) > idx and not cw.read_shutdown(live.buf, 3)  # untouched, still going
+        assert len(fake_slots.instances) == 1 and fake_slots.instances[0].closed  # nothing of ours left
+    finally:
+        stop.set()
+        t.join()
+    with cudalink.Sender(name, shape=(4, 6, 4), slots=3, protocol="cuda-link") as tx:  # silent now: taken over
+        assert tx.version == live.version + 1
+    live.close()
 
 
 def test_reconfigure_beyond_the_slots_is_refused(name: str, fake_slots: type[FakeCudaSlots]) -> None:

@@ -678,8 +678,8 @@ class Sender:
         """
         return _Reservation(self, stream, _meta_bytes(meta), None if timeout is None else _call_timeout(timeout))
 
-    def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, int, Frame]:
-        """The start of a ``reserve()`` block, under the lock the block holds: (slot, spec, timestamp, frame)."""
+    def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, Frame]:
+        """The start of a ``reserve()`` block, under the lock the block holds: (slot, spec, frame)."""
         self._check_open()
         spec = self._spec
         slot = self._claim(timeout)
@@ -688,15 +688,14 @@ class Sender:
             raise LinkTimeout(f"cudalink: every slot of {self.name!r} is held by consumers; nothing to reserve")
         try:
             fences = self._fences(slot, self._ring.take_fences(slot))
-            ts = time.time_ns()
-            frame = self._slots.writable_frame(slot, spec, self._seq + 1, ts, fences)
+            frame = self._slots.writable_frame(slot, spec, self._seq + 1, time.time_ns(), fences)
             if fences:  # whoever writes the slot first waits for consumers still reading it (GPU-side)
                 writer = driver.stream_handle(stream) if stream is not None else self._slots.stream_int
                 frame._sync.wait(writer)  # type: ignore[union-attr]
         except BaseException:
             self._ring.abort(slot)
             raise
-        return slot, spec, ts, frame
+        return slot, spec, frame
 
     def _commit(self, slot: int, spec: FrameSpec, frame: Frame, stream: object, meta: bytes) -> None:
         """The clean end of a ``reserve()`` block: the ready event after the writer's streams, then the publish,
@@ -867,7 +866,7 @@ class _Reservation:
         self._stream = stream
         self._meta = meta
         self._timeout = timeout
-        self._taken: tuple[int, FrameSpec, int, Frame] | None = None
+        self._taken: tuple[int, FrameSpec, Frame] | None = None
 
     def __enter__(self) -> Frame:
         if self._taken is not None:
@@ -879,14 +878,14 @@ class _Reservation:
         except BaseException:
             tx._lock.release()
             raise
-        return taken[3]
+        return taken[2]
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         taken = self._taken
         if taken is None:
             return
         tx = self._tx
-        slot, spec, _ts, frame = taken
+        slot, spec, frame = taken
         try:
             if exc_type is None:
                 tx._commit(slot, spec, frame, self._stream, self._meta)

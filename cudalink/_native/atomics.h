@@ -9,24 +9,20 @@
 
 #include <stdint.h>
 
-#if defined(_MSC_VER) && !defined(__clang__) && (defined(_M_ARM64) || defined(_M_ARM))
-/* ARM: volatile orders nothing in hardware (/volatile:iso is the default there): barriers around each access */
+#if defined(_MSC_VER) && !defined(__clang__)
 #include <intrin.h>
 #include <windows.h>
-static inline uint64_t cl_load64(const void *p) { uint64_t v = *(const volatile uint64_t *)p; MemoryBarrier(); return v; }
-static inline uint32_t cl_load32(const void *p) { uint32_t v = *(const volatile uint32_t *)p; MemoryBarrier(); return v; }
-static inline void cl_store64(void *p, uint64_t v) { MemoryBarrier(); *(volatile uint64_t *)p = v; }
-static inline void cl_store32(void *p, uint32_t v) { MemoryBarrier(); *(volatile uint32_t *)p = v; }
-static inline void cl_fence(void) { MemoryBarrier(); }
-#define CL_LITTLE_ENDIAN 1
-#elif defined(_MSC_VER) && !defined(__clang__)
+#if defined(_M_ARM64) || defined(_M_ARM)
+/* ARM: volatile orders nothing in hardware (/volatile:iso is the default there): a barrier by each access */
+#define CL_ORDER() MemoryBarrier()
+#else
 /* x86/x64: the hardware keeps loads and stores in order (TSO); the compiler is kept from moving them */
-#include <intrin.h>
-#include <windows.h>
-static inline uint64_t cl_load64(const void *p) { uint64_t v = *(const volatile uint64_t *)p; _ReadWriteBarrier(); return v; }
-static inline uint32_t cl_load32(const void *p) { uint32_t v = *(const volatile uint32_t *)p; _ReadWriteBarrier(); return v; }
-static inline void cl_store64(void *p, uint64_t v) { _ReadWriteBarrier(); *(volatile uint64_t *)p = v; }
-static inline void cl_store32(void *p, uint32_t v) { _ReadWriteBarrier(); *(volatile uint32_t *)p = v; }
+#define CL_ORDER() _ReadWriteBarrier()
+#endif
+static inline uint64_t cl_load64(const void *p) { uint64_t v = *(const volatile uint64_t *)p; CL_ORDER(); return v; }
+static inline uint32_t cl_load32(const void *p) { uint32_t v = *(const volatile uint32_t *)p; CL_ORDER(); return v; }
+static inline void cl_store64(void *p, uint64_t v) { CL_ORDER(); *(volatile uint64_t *)p = v; }
+static inline void cl_store32(void *p, uint32_t v) { CL_ORDER(); *(volatile uint32_t *)p = v; }
 static inline void cl_fence(void) { MemoryBarrier(); }
 #define CL_LITTLE_ENDIAN 1
 #else

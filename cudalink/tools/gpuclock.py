@@ -283,10 +283,9 @@ def _floor(k: Kernels, device: int, pl: Plan, interval: float, copy_nbytes: int)
             ("floor_copy_ahead", False, True, interval, pl["frames_2ms"]),
             ("floor_60fps_ahead", False, False, 1 / 60, pl["frames_60fps"]),
         ):
-            spin = AHEAD_SPIN_NS if period == interval else ahead_spin_ns(period)
             log, got = k.alloc(8 * n), k.alloc(16 * n)
             for i in range(n):
-                k.write(a, src, log + 8 * i, 0 if behind else spin)
+                k.write(a, src, log + 8 * i, 0 if behind else ahead_spin_ns(period))
                 if behind:
                     _sync(a)
                 if copy:

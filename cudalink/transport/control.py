@@ -467,19 +467,21 @@ class ClientSocket:
             if len(data) < 65536:
                 return True
 
-    def wait_readable(self, timeout: float | None) -> None:
+    def wait_readable(self, timeout: float | None) -> bool:
+        """Until readable (a wake-up, EOF) or ``timeout``; consumes nothing. True where there is something to
+        look at now (readable, or the socket gone)."""
         if self.gone:
-            return
+            return True
         try:
             if timeout is not None and timeout > _LONGEST_WAIT_S:  # no limit (inf), or beyond what poll takes
                 timeout = None
             if self._poll is not None:
                 ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
-                self._poll.poll(ms)
-            else:
-                select.select([self.sock], [], [], timeout)
+                return bool(self._poll.poll(ms))
+            return bool(select.select([self.sock], [], [], timeout)[0])
         except (OSError, ValueError):
             self.gone = True
+            return True
 
     async def wait_async(self, timeout: float | None) -> None:
         """Return when readable (a wake-up, EOF) or after ``timeout``; the caller then drains.
@@ -530,16 +532,8 @@ class ClientSocket:
             step = _THREAD_STEP_S if end is None else min(_THREAD_STEP_S, end - time.monotonic())
             if step <= 0:
                 return
-            readable = await asyncio.to_thread(self._readable, step)
-            if readable:
+            if await asyncio.to_thread(self.wait_readable, step):
                 return
-
-    def _readable(self, timeout: float) -> bool:
-        try:
-            return bool(select.select([self.sock], [], [], timeout)[0])
-        except (OSError, ValueError):
-            self.gone = True
-            return True
 
     def hint(self) -> None:
         with contextlib.suppress(OSError):

@@ -219,10 +219,7 @@ class HostCopyAttachment(_Wrapped):
             if got is None or got[0] is not spec:
                 if len(self._specs) > 64:
                     self._specs.clear()
-                got = self._specs[id(spec)] = (
-                    spec,
-                    FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin),
-                )
+                got = self._specs[id(spec)] = (spec, spec.with_shape(spec.shape))  # the same, compact
             spec = got[1]
         ro = arr.view()
         ro.flags.writeable = False

@@ -122,15 +122,13 @@ class Segment:
     def unlink(self) -> None:
         _unlink_segment(self._shm.name)
 
-    def discard(self) -> bool:
+    def discard(self) -> None:
         """Free the segment's pages now (``MADV_REMOVE``: the mapping stays and reads zeros), rather than when
-        the last mapping goes; False where the OS cannot. Only for memory nobody reads any more."""
+        the last mapping goes, where the OS can. Only for memory nobody reads any more."""
         mm = getattr(self._shm, "_mmap", None)
         advice = getattr(mmap, "MADV_REMOVE", None)
-        if mm is None or advice is None:
-            return False
-        mm.madvise(advice)
-        return True
+        if mm is not None and advice is not None:
+            mm.madvise(advice)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -298,25 +298,26 @@ def load_key(create: bool = False) -> tuple[bytes, str | None]:
             ) from None
     key = secrets.token_bytes(ucx_wire.KEY_SIZE)
     os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+
+    def write_new(where: str) -> None:  # FileExistsError where it exists
+        with os.fdopen(os.open(where, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(key.hex() + "\n")
+
     # written whole under a private name, then linked into place: a process that makes one at the same
     # moment (a Sender and its server) finds either no file or a whole one, and the first key made wins
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    write_new(tmp)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(key.hex() + "\n")
         try:
             os.link(tmp, path)
         except FileExistsError:
             return load_key(create=False)
         except OSError:  # a filesystem without hard links (vfat, some SMB/FUSE mounts): create it in place
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                write_new(path)
             except FileExistsError:
                 time.sleep(0.05)  # its maker's one write is done by now
                 return load_key(create=False)
-            with os.fdopen(fd, "w") as f:
-                f.write(key.hex() + "\n")
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -37,8 +37,10 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks with peers side by side; pass --quick for the short CPU run."""
-    session.install("-e", ".")
+    """Benchmarks with peers side by side; pass --quick for the short CPU run. The ucx extra brings the remote
+    rows' engine floor (``--remote``). Peers that need torch or cupy are skipped here (this venv has neither): on
+    a GPU machine, run ``python -m cudalink bench`` in the environment that has them."""
+    session.install("-e", ".[ucx]")
     session.run("python", "-m", "cudalink", "bench", *session.posargs)
 
 

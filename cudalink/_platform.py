@@ -258,6 +258,15 @@ class ProcessLock:
 SHM_DIR = "/dev/shm"
 
 
+def physical_memory() -> int | None:
+    """The machine's RAM in bytes (POSIX ``sysconf``); None where unknown. Bounds what a peer's word may make
+    us allocate."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def shm_free_bytes(path: str = SHM_DIR) -> int | None:
     """Bytes free for new shared memory where it is a filesystem (Linux's /dev/shm); None where unknown."""
     if not IS_LINUX or not hasattr(os, "statvfs"):

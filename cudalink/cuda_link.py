@@ -278,6 +278,13 @@ class CudaLinkSender:
     def __repr__(self) -> str:
         return f"<cudalink.Sender cuda-link:{self.name!r} {self._spec.label} slots={self._n} {self.device}>"
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Refused clearly, as a cudalink Sender is: it is this process's writer of the segment."""
+        raise ArgumentTypeError(
+            f"cudalink: a Sender can't be pickled or passed to another process; make Sender('cuda-link:{self.name}', "
+            "...) in the process that produces the frames"
+        )
+
     def _check_open(self, meta: bytes = b"") -> None:
         if self._closed:
             raise LinkClosed(f"cudalink: Sender cuda-link:{self.name!r} is closed; create a new one")
@@ -310,6 +317,7 @@ class CudaLinkSender:
     ) -> contextlib.AbstractContextManager[Frame]:
         """Zero-copy: the next slot as a writable Frame, published when the block exits cleanly (the slot's
         event recorded after your streams). If the block raises, nothing is published."""
+        self._check_open(meta)  # here, not only when the block begins
         return _Reservation(self, stream, meta)
 
     def reconfigure(

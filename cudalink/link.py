@@ -445,6 +445,13 @@ class Sender:
     def __repr__(self) -> str:
         return f"<cudalink.Sender {self.name!r} {self._spec.label} slots={self.slots} {self.device}>"
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Refused clearly: ``multiprocessing`` pickles what it passes to a child, and a Sender is this process's."""
+        raise ArgumentTypeError(
+            f"cudalink: a Sender can't be pickled or passed to another process; make Sender({self.name!r}, ...) in "
+            "the process that produces the frames"
+        )
+
     # -- publishing -------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -676,6 +683,7 @@ class Sender:
         ends. If the block raises, nothing is published. When consumers hold every slot it raises
         :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
         """
+        self._check_open()  # here, not only when the block begins
         return _Reservation(self, stream, _meta_bytes(meta), None if timeout is None else _call_timeout(timeout))
 
     def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, Frame]:
@@ -964,6 +972,7 @@ class Receiver:
         #: a recv()/recv_async() is under way (maybe on another thread): close() then wakes it, and it leaves
         self._busy = False
         self._busy_loop: Any = None  # the loop of a recv_async() under way (None: a recv() on a thread)
+        self._attach_lock = threading.Lock()  # one attachment wins where two calls attach at once
         self._floor = 0
         self._wait_avg = 0.0  # seconds recv() waited for recent frames (moving average)
         self.received = 0
@@ -981,6 +990,12 @@ class Receiver:
     def source(self) -> Source:
         """Where this Receiver's frames come from."""
         return self._source
+
+    def __repr__(self) -> str:
+        att = self._att
+        state = "closed" if self._closed else (f"{att.backend} {att.device}" if att is not None else "not attached")
+        mode = "latest" if self.latest else "in order"
+        return f"<cudalink.Receiver {self.name!r} {mode} {state} received={self.received}>"
 
     @property
     def generation(self) -> int:
@@ -1044,7 +1059,9 @@ class Receiver:
             return
         att.set_waiting(wire.WAIT_ON if self._sticky_wake else wire.WAIT_OFF)
 
-    def _attach(self, timeout: float, polling: bool = False) -> None:
+    def _attach(self, timeout: float, polling: bool = False, abandon: threading.Event | None = None) -> bool:
+        """Attach within ``timeout``; False where another call attached meanwhile (its attachment is kept).
+        ``abandon``: set by a cancelled ``recv_async``, whose thread then stops trying at its next turn."""
         # NO_TIME tells a source the caller (poll) gives no time at all, where timeout=0 elsewhere still asks
         # for one attempt made now
         deadline = NO_TIME if polling else time.monotonic() + timeout
@@ -1058,6 +1075,8 @@ class Receiver:
                 last_error = str(exc) or "no producer"
             if self._closed:  # close() on another thread while we wait for a producer
                 raise self._closed_meanwhile()
+            if abandon is not None and abandon.is_set():
+                raise LinkTimeout(f"cudalink: recv_async() on {self.name!r} was cancelled before a producer came")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LinkTimeout(
@@ -1066,6 +1085,17 @@ class Receiver:
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.05)
+        with self._attach_lock:
+            if self._att is not None:  # a cancelled recv_async's attach, finished after a later call attached
+                att.detach()
+                return False
+            self._install(att)
+        if self._closed:  # closed meanwhile (a cancelled recv_async's attach runs on in its thread): leave
+            self._leave()
+            raise self._closed_meanwhile()
+        return True
+
+    def _install(self, att: Attachment) -> None:
         kind = type(att)
         if kind.receive is not type(self)._try_take:  # another source's per-frame pair, bound once here
             self._try_take = functools.partial(kind.receive, self)  # type: ignore[method-assign]
@@ -1081,23 +1111,20 @@ class Receiver:
             att.set_waiting(wire.WAIT_ON)
         self._last = 0
         self._floor = att.floor
-        if self._closed:  # closed meanwhile (a cancelled recv_async's attach runs on in its thread): leave
-            self._leave()
-            raise self._closed_meanwhile()
 
-    def _join(self, limit: float, end_is_timeout: bool = False) -> None:
+    def _join(self, limit: float, end_is_timeout: bool = False, abandon: threading.Event | None = None) -> None:
         """Attach within ``limit`` seconds: the first time, or to a new producer after this one's died (counted in
         ``reattached``). None coming in time after a death is :class:`ProducerGone` (the stream's end), or with
         ``end_is_timeout`` (``poll``: "nothing now") :class:`LinkTimeout`, as always."""
         try:
-            self._attach(limit, polling=end_is_timeout)
+            installed = self._attach(limit, polling=end_is_timeout, abandon=abandon)
         except LinkTimeout as exc:
             if self._dead_generation and not end_is_timeout:
                 raise ProducerGone(
                     f"cudalink: producer of {self.name!r} is gone and no new one appeared within {limit}s"
                 ) from exc
             raise
-        if self._dead_generation:
+        if installed and self._dead_generation:
             self.reattached += 1
 
     def _gone(self, why: str) -> ProducerGone:
@@ -1143,7 +1170,7 @@ class Receiver:
         ``None``: no limit). Raises LinkTimeout or ProducerGone; LinkClosed where :meth:`close` is called
         meanwhile (on another thread)."""
         if self._busy:
-            raise self._second_waiter()
+            self._check_second_waiter()
         self._busy = True  # before the check: a close() on another thread sees this, or we see its _closed
         try:
             self._check_open()
@@ -1257,16 +1284,17 @@ class Receiver:
         """Await the next frame: the event loop watches the source's fd, no thread and no polling. ``timeout``
         as for :meth:`recv`."""
         if self._busy:
-            raise self._second_waiter()
+            self._check_second_waiter()
         import asyncio
 
         self._busy = True
-        self._busy_loop = asyncio.get_running_loop()
+        self._busy_loop = loop = asyncio.get_running_loop()
         try:
             return await self._recv_async(timeout)
         finally:
-            self._busy = False
-            self._busy_loop = None
+            if self._busy_loop is loop:  # not when a later waiter took over from this one (see below)
+                self._busy = False
+                self._busy_loop = None
             if self._closed:
                 self._leave()
 
@@ -1278,7 +1306,7 @@ class Receiver:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         if self._att is None:
-            await asyncio.wait_for(asyncio.to_thread(self._join, limit), limit + 1.0)
+            await self._join_async(limit)
         while True:
             frame = self.poll()
             if frame is not None:
@@ -1301,6 +1329,33 @@ class Receiver:
                 await att.wait_async(None if left == float("inf") else left)
             finally:
                 self._unwait(att)
+
+    async def _join_async(self, limit: float) -> None:
+        """``_join`` on a daemon thread of its own. Cancelled, the thread stops at its next try (in the loop's
+        default executor it went on trying, and ``asyncio.run`` waited for it at exit: forever with no
+        time limit), and an attachment it makes later never replaces one a newer call made."""
+        import asyncio
+        import concurrent.futures
+
+        abandon = threading.Event()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def join() -> None:
+            if not done.set_running_or_notify_cancel():  # cancelled before it began: nothing to do
+                return
+            try:
+                self._join(limit, abandon=abandon)
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=join, name=f"cudalink-attach-{self.name}", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(done), limit + 1.0)
+        except BaseException:
+            abandon.set()
+            raise
 
     def __aiter__(self) -> AsyncIterator[Frame]:
         return self._aiter()
@@ -1384,6 +1439,15 @@ class Receiver:
         if att is not None:
             self._drop(att)
 
+    def _check_second_waiter(self) -> None:
+        """Another waiter is under way: refused, unless it is a ``recv_async`` whose loop was closed while it
+        waited (never cancelled, it will never run again): the new one takes over."""
+        loop = self._busy_loop
+        if loop is not None and loop.is_closed():
+            self._busy_loop = None
+            return
+        raise self._second_waiter()
+
     def _second_waiter(self) -> LinkError:
         return LinkError(
             f"cudalink: a recv()/recv_async() is already waiting on Receiver {self.name!r}; one waiter at a time "
@@ -1413,6 +1477,13 @@ class Receiver:
                 self._reconnected += getattr(att, "resumes", 0)
         self._att = None
         att.detach()
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Refused clearly: its leases and mappings are this process's; the name is what travels."""
+        raise ArgumentTypeError(
+            f"cudalink: a Receiver can't be pickled or passed to another process; pass its name and make "
+            f"Receiver({self.name!r}) there"
+        )
 
     def __enter__(self) -> Receiver:
         return self

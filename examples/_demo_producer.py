@@ -18,7 +18,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -205,10 +205,28 @@ def example_args(who: str, doc: str | None, device: str = "cpu") -> argparse.Arg
 
 
 def finish_args(args: argparse.Namespace, who: str) -> argparse.Namespace:
-    h, w = (int(v) for v in args.size.lower().split("x"))
-    args.shape = (h, w, 3)
+    """The flags checked before any process starts: a bad one is one line and exit 2, as argparse's own."""
+
+    def bad(why: str) -> NoReturn:
+        print(f"{who}: {why}", file=sys.stderr)
+        sys.exit(2)
+
+    hw = args.size.lower().split("x")
+    if len(hw) != 2 or not all(v.isdigit() and int(v) > 0 for v in hw):
+        bad(f"--size must be HEIGHTxWIDTH in pixels, e.g. 240x320; got {args.size!r}")
+    args.shape = (int(hw[0]), int(hw[1]), 3)
+    if args.frames < 1:
+        bad(f"--frames must be at least 1; got {args.frames}")
+    if not args.fps >= 0:
+        bad(f"--fps must be 0 (flat out) or more; got {args.fps}")
+    if getattr(args, "consumers", 1) < 1:
+        bad(f"--consumers must be at least 1; got {args.consumers}")
     if args.name is None:  # unique per run, so parallel runs (and tests) never meet on one link
         args.name = f"{who}-{os.getpid()}" if args.role == "both" else f"{who}-demo"
+    try:
+        cudalink.Receiver(args.name, connect=False).close()  # the name's rules, before anything starts
+    except cudalink.LinkError as exc:
+        bad(f"--name: {exc}")
     return args
 
 

@@ -145,6 +145,45 @@ def gpu_consumer(args: argparse.Namespace) -> None:
             print(f"gone {time.monotonic():.3f}", flush=True)
 
 
+def lying_server(args: argparse.Namespace) -> None:
+    """A ucx:// server that knows the key and lies in ``args.lie``: ``credits`` (takes more than granted),
+    ``capacity`` (frames of 16 GiB), ``seq`` (a seq that goes back). Prints ``listening``."""
+    import asyncio
+    import os
+
+    from cudalink.frames.spec import FrameSpec
+    from cudalink.transport import ucx_engine, ucx_wire, wire
+
+    gen = 0x1234
+    spec = FrameSpec((4, 4, 4), "uint8")
+
+    def welcome(capacity: int, credits: int) -> bytes:
+        return ucx_wire.pack_welcome(ucx_wire.Welcome(gen, capacity, credits, wire.BACKEND_HOST, 0, False))
+
+    async def handler(ep: ucx_engine.Endpoint) -> None:
+        await ep.send(ucx_wire.pack_challenge(os.urandom(ucx_wire.NONCE_SIZE)))
+        hello = ucx_wire.unpack_hello(await ucx_engine.recv_msg(ep, bytearray(ucx_wire.MSG_SIZE), 5.0))
+        if args.lie == "credits":
+            await ep.send(welcome(64, hello.credits + 1))
+        elif args.lie == "capacity":
+            await ep.send(welcome(ucx_wire.CAPACITY_MAX, hello.credits))
+        else:
+            await ep.send(welcome(64, hello.credits))
+            for seq in (5, 3):
+                await ep.send(ucx_wire.pack_frame(gen, 0, seq, seq, spec, b"", inline=True) + bytes([seq]) * 64)
+        while True:
+            await ep.send(ucx_wire.pack_ping())
+            await asyncio.sleep(0.1)
+
+    async def serve() -> None:
+        listener = ucx_engine.core_here().listen(handler, args.port)
+        print("listening", flush=True)
+        await asyncio.sleep(60)
+        del listener
+
+    asyncio.run(serve())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -170,8 +209,12 @@ def main() -> None:
     q.add_argument("--until-gone", action="store_true")
     q.add_argument("--close", action="store_true", help="close the Receiver, then report its landing memory")
     q.add_argument("--stall", type=float, default=0.0, help="seconds to hold the GIL after the first frame")
+    q = sub.add_parser("lying-server")
+    q.add_argument("port", type=int)
+    q.add_argument("lie", choices=["credits", "capacity", "seq"])
     args = p.parse_args()
-    {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer}[args.cmd](args)
+    run = {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer, "lying-server": lying_server}
+    run[args.cmd](args)
     sys.exit(0)
 
 

@@ -218,3 +218,64 @@ def test_fileno_users_are_woken_for_every_frame(pair: PairFactory) -> None:
                     f.release()
                     break
         assert got == [1, 2, 3, 4, 5]
+
+
+def test_a_wait_cancelled_while_attaching_stops_trying_and_replaces_nothing(name: str) -> None:
+    """``connect=False`` and no producer yet: each cancelled ``recv_async`` left a thread in the loop's default
+    executor trying to attach until the Receiver's deadline: ``asyncio.run`` then waited for it at exit
+    (forever with ``timeout=None``), and each such thread, attaching later, replaced the attachment a newer
+    call was reading (``latest=False`` got frames twice and out of order)."""
+    import contextlib
+    import threading
+
+    rx = cudalink.Receiver(name, timeout=None, connect=False, latest=False)
+
+    async def cancel_five() -> None:
+        for _ in range(5):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(rx.recv_async(), 0.03)
+
+    runner = threading.Thread(target=asyncio.run, args=(cancel_five(),), daemon=True)
+    runner.start()
+    runner.join(5.0)
+    assert not runner.is_alive(), "asyncio.run did not return: a cancelled wait's attach kept it waiting"
+    end = time.monotonic() + 2.0
+    while any(t.name.startswith("cudalink-attach") for t in threading.enumerate()) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not any(t.name.startswith("cudalink-attach") for t in threading.enumerate())
+
+    async def read(tx: cudalink.Sender) -> list[int]:
+        seqs: list[int] = []
+        for i in range(1, 41):
+            tx.send(np.full(2, i, np.int32))
+            with await rx.recv_async(timeout=2) as frame:
+                seqs.append(int(np.from_dlpack(frame)[0]))
+        return seqs
+
+    with cudalink.Sender(name, shape=(2,), dtype="int32", slots=4, device="cpu") as tx, rx:
+        assert asyncio.run(read(tx)) == list(range(1, 41))
+
+
+def test_a_wait_left_on_a_closed_loop_does_not_lock_the_receiver_out(pair: PairFactory) -> None:
+    """A ``recv_async`` left pending on a loop that was then closed (never cancelled) will never run again: the
+    next waiter takes over instead of being told one is already waiting; the old one's end, when the
+    collector finally closes it, leaves the new waiter's claim alone."""
+    import threading
+
+    tx, rx = pair(shape=(2,), dtype="int32", slots=2)
+    with tx, rx:
+        loop = asyncio.new_event_loop()
+        stale = loop.create_task(rx.recv_async(timeout=None))
+        loop.run_until_complete(asyncio.sleep(0.05))
+        loop.close()
+        got: list[int] = []
+        waiter = threading.Thread(target=lambda: got.append(int(np.from_dlpack(rx.recv(timeout=5))[0])))
+        waiter.start()
+        time.sleep(0.1)
+        del stale
+        gc.collect()  # the stale coroutine's finally runs now
+        with pytest.raises(cudalink.LinkError, match="already waiting"):
+            rx.recv(timeout=0.1)  # the thread's recv() still holds the Receiver
+        tx.send(np.array([7, 7], np.int32))
+        waiter.join(5.0)
+        assert got == [7]

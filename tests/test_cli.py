@@ -546,3 +546,34 @@ def test_monitor_corrupt_cuda_link_segment_is_one_line() -> None:
         assert cw.MAGIC  # (the magic is intact: the slot count is what is wrong)
     finally:
         p.close()
+
+
+def test_monitor_of_a_name_that_can_never_be_valid_exits_at_once() -> None:
+    """Without ``--once`` it waited for a producer that no such name can have, twice a second, forever."""
+    proc = run_cli("monitor", "bad/name", timeout=20)
+    assert_one_line_error(proc)
+    assert "invalid link name" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--slots", "0"], "--slots"),
+        (["--name", "bad/name"], "invalid link name"),
+        (["--frames", "0"], "--frames"),
+        (["--seconds", "0"], "--seconds"),
+        (["--fps", "-5"], "--fps"),
+    ],
+)
+def test_demo_checks_every_flag_before_it_starts(args: list[str], needle: str) -> None:
+    """They were found only after the live table had drawn (or never: --fps -5 ran flat out)."""
+    proc = run_cli("demo", "--device", "cpu", *args, timeout=30)
+    assert_one_line_error(proc)
+    assert needle in proc.stderr and "consumers" not in proc.stdout
+
+
+def test_clean_of_a_live_link_names_it(pair: PairFactory) -> None:
+    tx, rx = pair(shape=(2,), dtype="uint8")
+    with tx, rx:
+        proc = run_cli("clean", tx.name, timeout=30)
+    assert proc.returncode == 0 and f"nothing to clean for {tx.name!r}" in proc.stdout, proc.stdout

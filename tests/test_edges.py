@@ -672,3 +672,15 @@ def test_close_ends_a_recv_that_waits_on_a_hung_producers_handshake(spawned: Spa
         assert ended[0] - closed_at < 2.0, ended[0] - closed_at
     finally:
         os.kill(producer.pid, signal.SIGCONT)
+
+
+def test_a_receiver_says_what_it_is_and_reserve_on_a_closed_sender_refuses_at_once(name: str) -> None:
+    rx = cudalink.Receiver(name, connect=False, latest=False)
+    assert repr(rx) == f"<cudalink.Receiver {name!r} in order not attached received=0>"
+    with cudalink.Sender(name, shape=(2,), dtype="uint8", device="cpu") as tx, rx:
+        tx.send(np.zeros(2, np.uint8))
+        rx.recv(timeout=2).release()
+        assert repr(rx) == f"<cudalink.Receiver {name!r} in order host cpu received=1>"
+    assert "closed" in repr(rx)
+    with pytest.raises(cudalink.LinkClosed):
+        tx.reserve()  # it returned a block that refused only when entered

@@ -124,3 +124,24 @@ def test_the_argument_errors_are_exported_and_pickle() -> None:
         again = pickle.loads(pickle.dumps(cls("cudalink: x")))
         assert type(again) is cls and str(again) == "cudalink: x"
     assert cudalink.Receiver("argtest-none", timeout=None, connect=False).timeout == float("inf")
+
+
+def test_links_and_frames_refuse_pickling_with_the_fix(tmp_path: object) -> None:
+    """``multiprocessing`` pickles what it hands a child: a link or a frame gets a cudalink error naming what to
+    pass instead, not numpy's or struct's 'cannot pickle' from deep inside."""
+    import multiprocessing
+
+    import numpy as np
+
+    name = f"pickle-{os.getpid()}"
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8", device="cpu") as tx, cudalink.Receiver(name) as rx:
+        tx.send(np.full((4, 4), 7, np.uint8))
+        with rx.recv(timeout=5) as frame:
+            for obj, words in ((tx, f"Sender({name!r}"), (rx, f"Receiver({name!r})"), (frame, "np.array(frame)")):
+                with pytest.raises(cudalink.ArgumentTypeError, match="can't be pickled") as info:
+                    pickle.dumps(obj)
+                assert words in str(info.value), str(info.value)
+            child = multiprocessing.get_context("spawn").Process(target=print, args=(rx,))
+            with pytest.raises(cudalink.ArgumentTypeError, match="pass its name"):
+                child.start()
+            assert int(np.asarray(frame).sum()) == 7 * 16  # the refusal touched nothing

@@ -225,3 +225,24 @@ def test_notebook_gpu(notebook: str, monkeypatch: pytest.MonkeyPatch) -> None:
         params["seconds"] = 1.5
     nb = run_notebook(NOTEBOOKS / notebook, monkeypatch, **params)
     assert "cuda:0" in _text(nb)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "needle"),
+    [
+        ("asyncio_consumer", ["--size", "10x"], "--size"),
+        ("asyncio_consumer", ["--size", "0x5"], "--size"),
+        ("asyncio_consumer", ["--frames", "0"], "--frames"),
+        ("asyncio_consumer", ["--fps", "-5"], "--fps"),
+        ("fanout", ["--name", "bad/x"], "invalid link name"),
+        ("fanout", ["--consumers", "0"], "--consumers"),
+        ("model_roundtrip", ["--role", "consumer", "--name", "bad/x"], "invalid link name"),
+    ],
+)
+def test_a_bad_flag_is_one_line_before_anything_starts(name: str, args: list[str], needle: str) -> None:
+    """They were tracebacks (in the children too), a 30 s wait, a run that never ended (--frames 0), or an OK
+    for zero consumers."""
+    proc = run_example(name, "--device", "cpu", *args, timeout=30)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], (proc.returncode, proc.stderr)
+    assert lines[0].startswith(f"{name}: ") and "Traceback" not in proc.stderr

@@ -265,3 +265,53 @@ def test_the_serve_command_on_a_port_in_use_is_refused_at_once() -> None:
         assert time.monotonic() - t0 < 8.0
         out = "".join(srv.log)
         assert f"port {port} is in use" in out and "UCX ERROR" not in out, out
+
+
+@pytest.mark.parametrize("lie", ["credits", "capacity", "seq"])
+def test_a_server_that_lies_is_refused_before_anything_is_allocated(lie: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A WELCOME taking more credits than granted, or frames too large for this machine, is refused before a
+    landing buffer is made (one of 64 x 16 GiB made a 1 TiB process); a seq that goes back ends the connection
+    instead of passing an old frame off as new."""
+    from cudalink import _platform
+
+    monkeypatch.setattr(_platform, "physical_memory", lambda: 8 << 30)
+    port = free_port()
+    srv = Proc(["-m", "tests._ucx_procs", "lying-server", str(port), lie])
+    try:
+        srv.expect("listening")
+        url = f"ucx://127.0.0.1:{port}/liar"
+        if lie == "seq":
+            with cudalink.Receiver(url, device="cpu", timeout=5.0) as rx:
+                assert rx.recv(timeout=5.0).seq == 5
+                with pytest.raises(cudalink.ProducerGone, match="seq 3 after seq 5"):
+                    rx.recv(timeout=5.0)
+            return
+        words = "took 4 credits; we granted 3" if lie == "credits" else "more than this machine's"
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.LinkError, match=words):  # at once: waiting would not change it
+            cudalink.Receiver(url, device="cpu", timeout=5.0)
+        assert time.monotonic() - t0 < 4.0
+    finally:
+        srv.stop()
+
+
+def test_a_close_landing_while_recv_drains_the_wakeup_pipe_is_not_lost() -> None:
+    """``alive()`` drains the attachment's wake-up pipe before recv sleeps on it: a ``close()`` (on another
+    thread) landing between the two lost its wake-up byte, and the recv slept to its timeout (forever with
+    none). Here the close lands exactly there."""
+    with served("closerace", "--frames", "1", "--linger", "30") as (_prod, _srv, url):
+        rx = cudalink.Receiver(url, device="cpu", timeout=10.0, latest=True)
+        rx.recv(timeout=10).release()
+        att = rx._att
+        assert att is not None
+        drain = att.alive
+
+        def alive_then_closed() -> bool:
+            rx.close()  # interrupt() writes its byte now...
+            return drain()  # ...and this drains it
+
+        att.alive = alive_then_closed  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.LinkClosed):
+            rx.recv(timeout=5.0)
+        assert time.monotonic() - t0 < 1.0

@@ -253,3 +253,9 @@ def test_ipv6_addresses_are_refused_with_the_reason(url: str) -> None:
     truncation error, once); it is refused at once instead."""
     with pytest.raises(cudalink.LinkError, match="IPv4 only"):
         uw.parse_address(url, need_name=not url.endswith(":7000"))
+
+
+@pytest.mark.parametrize("url", ["ucx://:99999/x", "ucx://:5/x", "ucx:///x"])
+def test_an_address_with_no_host_is_called_bad_not_ipv6(url: str) -> None:
+    with pytest.raises(cudalink.ProtocolError, match="bad ucx address"):
+        uw.parse_address(url, need_name=True)

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from numpy.typing import DTypeLike
 
 from ..cuda import arrays, driver  # downward only: the CUDA glue never imports frames (they describe themselves)
-from ..errors import FormatError, LinkClosed
+from ..errors import ArgumentTypeError, FormatError, LinkClosed
 from .spec import FrameSpec, PixelFormat, RowOrigin
 
 if TYPE_CHECKING:
@@ -309,6 +309,14 @@ class Frame:
     def __repr__(self) -> str:
         state = "released" if self.released else self.device
         return f"<cudalink.Frame seq={self._seq} {self._spec.label} {self.shape} {state}>"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Refused clearly: a frame lends memory mapped in this process only, and a copy must be asked for."""
+        raise ArgumentTypeError(
+            "cudalink: a Frame can't be pickled or passed to another process (its memory is lent to this one); "
+            "pass a copy (np.array(frame), torch.from_dlpack(frame).clone()) or have that process make its own "
+            "Receiver"
+        )
 
     # -- lifetime ---------------------------------------------------------------------------------------
 

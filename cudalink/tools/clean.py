@@ -16,6 +16,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for name, items in removed:
         print(f"{verb} {name!r}: its producer is dead; {len(items)} leftover(s): {', '.join(items)}")
-    if not removed:
+    if not removed and args.names:
+        for name in args.names:
+            print(f"nothing to clean for {name!r}: its producer is alive, or nothing of it is left")
+    elif not removed:
         print("nothing to clean: every link here has a live producer, or none is left")
     return 0

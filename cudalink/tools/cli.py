@@ -176,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = " ".join(str(exc).split()) or type(exc).__name__
         # the library's advice, in this command line's words (an option, not a keyword argument)
         text = text.replace("use device='cpu'", "use --device cpu")
+        text = text.replace("pick another port for serve=", "pick another port for --listen")
+        if args.command == "relay":  # the relay has no timeout to lengthen: what it waits for is the server
+            text = text.replace("start the Sender first, or pass a longer timeout", "start it, then the relay")
         if not text.startswith("cudalink:"):
             text = f"cudalink: {type(exc).__name__}: {text}" if not isinstance(exc, LinkError) else f"cudalink: {text}"
         print(text, file=sys.stderr)

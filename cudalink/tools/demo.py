@@ -25,7 +25,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import LinkError, LinkTimeout, ProducerGone
+from .. import _platform
+from ..errors import ArgumentError, LinkError, LinkTimeout, ProducerGone
 from ..frames.spec import FrameSpec
 from ..transport import wire
 from .measure import GpuLib, _child_init, _one_line, resolve_backend
@@ -383,7 +384,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     shape = _parse_shape(args.shape)
     spec = FrameSpec(shape, args.dtype)  # validates shape and dtype before any process starts
     if args.consumers < 1 or args.consumers > wire.MAX_CONSUMERS:
-        raise LinkError(f"cudalink: --consumers must be 1..{wire.MAX_CONSUMERS}")
+        raise ArgumentError(f"cudalink: --consumers must be 1..{wire.MAX_CONSUMERS}")
+    # every flag checked before any process starts (a bad one only showed after an empty table)
+    if not 1 <= args.slots <= wire.MAX_SLOTS:
+        raise ArgumentError(f"cudalink: --slots must be 1..{wire.MAX_SLOTS}, got {args.slots}")
+    if args.frames is not None and args.frames < 1:
+        raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}")
+    if args.seconds is not None and not args.seconds > 0:
+        raise ArgumentError(f"cudalink: --seconds must be more than 0, got {args.seconds}")
+    if not args.fps >= 0:
+        raise ArgumentError(f"cudalink: --fps must be 0 (as fast as possible) or more, got {args.fps}")
+    if args.name is not None:
+        _platform.check_name(args.name)
     backend = resolve_backend(args.device)
     if backend.note:
         console.print(Text(backend.note, style="yellow"))

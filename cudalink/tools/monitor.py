@@ -304,6 +304,8 @@ def _watch_live(
         while time.monotonic() < deadline:
             try:
                 snap = read(name)
+            except ArgumentError:  # a name that can never be valid: no producer will come
+                raise
             except LinkError as exc:
                 live.update(Text(f"{exc}\nwaiting for a producer… (Ctrl-C to stop)"), refresh=True)
                 prev = None
@@ -321,6 +323,8 @@ def _watch_plain(
     while time.monotonic() < deadline:
         try:
             snap = read(name)
+        except ArgumentError:  # a name that can never be valid: no producer will come
+            raise
         except LinkError as exc:
             line = f"{time.strftime('%H:%M:%S')} {' '.join(str(exc).split())}; waiting for a producer"
             prev = None

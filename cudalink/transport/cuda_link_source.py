@@ -510,6 +510,7 @@ class CudaLinkAttachment:
         self._seen = 0  # the write_idx last looked at: a frame taken, or 0 (nothing there)
         self._taken = 0  # the write_idx of the last frame taken (0: none yet), for seeing it wrap
         self._epoch = 0  # write_idx wraps at 2**32: seq keeps counting
+        self._shift = 0  # seq minus the writer's count, where its write_idx went back (see _take)
         self._restarted = False
         self._wall = _perf_to_wall_ns()
         self._last_arrival = 0.0
@@ -558,9 +559,13 @@ class CudaLinkAttachment:
                 f"({spec.nbytes} bytes) but its slots hold {self.capacity}; the producer must re-initialise the "
                 f"segment when its frame grows"
             )
-        if w < self._taken:  # past 2**32: the u32 wrapped
-            self._epoch += _WRAP
-        seq = self._epoch + w
+        if w <= self._taken:
+            if self._taken - w > _WRAP // 2:
+                self._epoch += _WRAP  # past 2**32: the u32 wrapped
+            else:  # a step back with the same version, against the layout (a writer counting anew, a glitch):
+                self._shift += self._taken - w + 1  # seq still grows by one; the slot follows the writer's count
+        count = self._epoch + w  # the writer's own count of frames: what picks the slot
+        seq = count + self._shift
         self._seen = self._taken = w
         now = time.monotonic()
         if self._last_arrival:
@@ -571,7 +576,7 @@ class CudaLinkAttachment:
         account(rx, seq)  # type: ignore[arg-type]
         ts_ns = int(ts * 1e9) + self._wall if 0 < ts < _TS_MAX_S else time.time_ns()
         # the slot from the unwrapped count: past 2**32 a writer keeps counting slots (N need not divide 2**32)
-        return self.mem.frame((seq - 1) % self.n, spec, seq, ts_ns, self.generation)
+        return self.mem.frame((count - 1) % self.n, spec, seq, ts_ns, self.generation)
 
     def _first(self, rx: object, w: int) -> bool:
         """The attachment's first frame: are the handles we imported still the segment's? Else the producer

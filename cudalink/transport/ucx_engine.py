@@ -40,7 +40,7 @@ from . import ucx_wire
 
 T = TypeVar("T")
 
-INSTALL_HINT = 'pip install "cudalink[ucx]" (Linux, Python 3.11+)'
+INSTALL_HINT = 'pip install "cudalink[ucx]" (Linux, Python 3.11+; in a checkout of cudalink: pip install ".[ucx]")'
 #: a peer silent this long is gone (each side sends a PING every PING_S while idle): a pulled cable sends no
 #: reset, and a consumer that vanished must give its leases back within a second. A consumer whose process
 #: holds the GIL that long (``import torch`` after connecting) sends no PING either: the server drops it

@@ -140,7 +140,7 @@ class UcxSource:
             if exc.reason.retryable:
                 raise NoProducer(str(exc)) from exc
             raise
-        except ProtocolError:
+        except LinkError:  # a protocol breach, or what we will not allocate: waiting changes neither
             raise
         except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError) as exc:
             raise NoProducer(f"no answer from {self.addr.host}:{self.addr.port}") from exc
@@ -197,6 +197,7 @@ class UcxSource:
             await ep.send(ucx_wire.pack_hello(hello))
             msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)
             welcome = ucx_wire.unpack_welcome(msg)
+            _check_welcome(welcome, hello, gpu)
         except BaseException:
             with contextlib.suppress(Exception):
                 ep.abort()
@@ -208,6 +209,21 @@ class UcxSource:
         pending, self._pending = self._pending, None
         if pending is not None:  # a background connection (poll's): close what it makes (it ends within
             pending.add_done_callback(_detach_made)  # HANDSHAKE_S; a cancel could lose one made meanwhile)
+
+
+def _check_welcome(welcome: ucx_wire.Welcome, hello: ucx_wire.Hello, gpu: bool) -> None:
+    """What a WELCOME makes us allocate, checked before anything is: no more landing buffers than we granted,
+    and no more host memory than this machine has (``capacity`` is the server's word for its frames' size)."""
+    if welcome.credits > hello.credits:
+        raise ProtocolError(f"cudalink: the ucx server took {welcome.credits} credits; we granted {hello.credits}")
+    host = welcome.capacity * (1 if gpu else welcome.credits)  # a GPU landing stages through one host buffer
+    have = _platform.physical_memory()
+    if have is not None and host > have:
+        raise LinkError(
+            f"cudalink: the remote link's frames are up to {welcome.capacity} bytes, and landing "
+            f"{'them' if gpu else f'{welcome.credits} of them'} needs {host} bytes of host memory, more than this "
+            f"machine's {have}; have its producer send smaller frames"
+        )
 
 
 def _detach_made(fut: concurrent.futures.Future[UcxAttachment]) -> None:
@@ -272,7 +288,7 @@ def _receive(rx: Counters, att: Any) -> Frame | None:
 
 def _sleep_receive(rx: Counters, att: Any, timeout: float, waiting: int, after: int) -> Frame | None:
     frame = _receive(rx, att)
-    if frame is not None:
+    if frame is not None or att.interrupted:
         return frame
     with contextlib.suppress(InterruptedError):
         select.select([att.rfd], [], [], max(0.0, timeout))
@@ -292,6 +308,7 @@ class UcxAttachment:
     #: guards the wake-up pipe's fds against a close on the other thread; each attachment gets its own in
     #: ``__init__`` (this one serves an attachment made without it)
     _pipe_lock = threading.Lock()
+    interrupted = False  #: set by close(): see interrupt()
 
     def __init__(
         self,
@@ -330,7 +347,7 @@ class UcxAttachment:
             self.buffers = []
             self.free = [-1] * n  # credits only; the pool picks the buffer
         else:
-            self.buffers = [np.empty(self.capacity, np.uint8) for _ in range(n)]
+            self.buffers = [np.zeros(self.capacity, np.uint8) for _ in range(n)]  # calloc: no stale process memory
             self.free = list(range(n))
         #: landed frames: (header, host buffer index or GPU ``Landed``)
         self.ready: collections.deque[tuple[ucx_wire.FrameHeader, Any]] = collections.deque()
@@ -343,6 +360,7 @@ class UcxAttachment:
         self.resuming = False  # between a drop for silence and the new connection's WELCOME
         self.resumes = 0
         self.fruitless = 0  # resumes since the last frame landed
+        self.last_seq = 0  # the last frame landed: the server's next must come after it
         self.owed = 0  # buffers given back while resuming: credits to send once connected again
         self._freed = asyncio.Event()
         self.rfd, self.wfd = os.pipe()
@@ -368,7 +386,11 @@ class UcxAttachment:
             if self.wfd >= 0:
                 os.write(self.wfd, b"\x01")
 
-    interrupt = _wake  # the Receiver is being closed: its waiting recv wakes, and leaves
+    def interrupt(self) -> None:
+        """The Receiver is being closed: its waiting recv wakes, and leaves. The flag stays: ``alive()``
+        drains the pipe, and a close landing between that drain and the sleep would lose its byte."""
+        self.interrupted = True
+        self._wake()
 
     def _end(self, why: str) -> None:
         if not self.dead:
@@ -408,6 +430,8 @@ class UcxAttachment:
                 head = ucx_wire.unpack_frame(msg, self.capacity, self.inline)
                 if head.generation != self.generation:
                     raise ProtocolError(f"cudalink: frame of generation {head.generation} on {self.generation}")
+                if head.seq <= self.last_seq:  # a producer's count only grows within its generation
+                    raise ProtocolError(f"cudalink: frame seq {head.seq} after seq {self.last_seq}")
                 if not self.free:
                     raise ProtocolError("cudalink: the ucx server sent a frame beyond its credits")
                 idx = slot = self.free.pop()
@@ -424,6 +448,7 @@ class UcxAttachment:
                     raise
                 self.heard = time.monotonic()
                 self.fruitless = 0
+                self.last_seq = head.seq
                 self.ready.append((head, idx))
                 self._wake()
         except asyncio.CancelledError:
@@ -631,7 +656,7 @@ class UcxAttachment:
         with contextlib.suppress(BlockingIOError, OSError):
             while os.read(self.rfd, 4096):
                 pass
-        return not self.dead or bool(self.ready)
+        return not self.interrupted and (not self.dead or bool(self.ready))
 
     def set_waiting(self, state: int) -> None:
         pass
@@ -643,6 +668,8 @@ class UcxAttachment:
         return self.rfd
 
     async def wait_async(self, timeout: float | None) -> None:
+        if self.interrupted:
+            return
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
 

@@ -399,8 +399,8 @@ def parse_address(url: str, *, need_name: bool) -> Address:
         host, _, tail = hostport[1:].partition("]")
         port_s = tail[1:] if tail.startswith(":") else ""
     else:
-        host, _, port_s = hostport.rpartition(":")
-        if not host:
+        host, colon, port_s = hostport.rpartition(":")
+        if not colon:  # no port: the default one
             host, port_s = hostport, ""
     try:
         port = int(port_s) if port_s else DEFAULT_PORT

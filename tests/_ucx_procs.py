@@ -147,7 +147,8 @@ def gpu_consumer(args: argparse.Namespace) -> None:
 
 def lying_server(args: argparse.Namespace) -> None:
     """A ucx:// server that knows the key and lies in ``args.lie``: ``credits`` (takes more than granted),
-    ``capacity`` (frames of 16 GiB), ``seq`` (a seq that goes back). Prints ``listening``."""
+    ``capacity`` (frames of 16 GiB), ``seq`` (a seq that goes back), ``short`` (fewer pixel bytes than its
+    header says). Prints ``listening``."""
     import asyncio
     import os
 
@@ -167,6 +168,11 @@ def lying_server(args: argparse.Namespace) -> None:
             await ep.send(welcome(64, hello.credits + 1))
         elif args.lie == "capacity":
             await ep.send(welcome(ucx_wire.CAPACITY_MAX, hello.credits))
+        elif args.lie == "short":
+            await ep.send(welcome(64, hello.credits))
+            for seq, n in ((1, 64), (2, 8)):  # frame 2's pixel message is 8 bytes where its header says 64
+                await ep.send(ucx_wire.pack_frame(gen, 0, seq, seq, spec, b"", inline=False))
+                await ep.send(bytes([seq]) * n)
         else:
             await ep.send(welcome(64, hello.credits))
             for seq in (5, 3):
@@ -211,7 +217,7 @@ def main() -> None:
     q.add_argument("--stall", type=float, default=0.0, help="seconds to hold the GIL after the first frame")
     q = sub.add_parser("lying-server")
     q.add_argument("port", type=int)
-    q.add_argument("lie", choices=["credits", "capacity", "seq"])
+    q.add_argument("lie", choices=["credits", "capacity", "seq", "short"])
     args = p.parse_args()
     run = {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer, "lying-server": lying_server}
     run[args.cmd](args)

@@ -267,11 +267,11 @@ def test_the_serve_command_on_a_port_in_use_is_refused_at_once() -> None:
         assert f"port {port} is in use" in out and "UCX ERROR" not in out, out
 
 
-@pytest.mark.parametrize("lie", ["credits", "capacity", "seq"])
+@pytest.mark.parametrize("lie", ["credits", "capacity", "seq", "short"])
 def test_a_server_that_lies_is_refused_before_anything_is_allocated(lie: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A WELCOME taking more credits than granted, or frames too large for this machine, is refused before a
-    landing buffer is made (one of 64 x 16 GiB made a 1 TiB process); a seq that goes back ends the connection
-    instead of passing an old frame off as new."""
+    landing buffer is made (one of 64 x 16 GiB made a 1 TiB process); a seq that goes back, or a pixel message
+    shorter than its header says, ends the connection instead of passing an old frame's bytes off as new."""
     from cudalink import _platform
 
     monkeypatch.setattr(_platform, "physical_memory", lambda: 8 << 30)
@@ -280,11 +280,12 @@ def test_a_server_that_lies_is_refused_before_anything_is_allocated(lie: str, mo
     try:
         srv.expect("listening")
         url = f"ucx://127.0.0.1:{port}/liar"
-        if lie == "seq":
-            with cudalink.Receiver(url, device="cpu", timeout=5.0) as rx:
-                assert rx.recv(timeout=5.0).seq == 5
-                with pytest.raises(cudalink.ProducerGone, match="seq 3 after seq 5"):
-                    rx.recv(timeout=5.0)
+        if lie in ("seq", "short"):
+            first, words = (5, "seq 3 after seq 5") if lie == "seq" else (1, "sent 8 bytes where 64 were due")
+            with cudalink.Receiver(url, device="cpu", timeout=5.0, latest=False) as rx:
+                assert rx.recv(timeout=5.0).seq == first
+                with pytest.raises(cudalink.ProducerGone, match=words):
+                    rx.recv(timeout=5.0)  # not a frame whose last 56 bytes are frame 1's
             return
         words = "took 4 credits; we granted 3" if lie == "credits" else "more than this machine's"
         t0 = time.monotonic()

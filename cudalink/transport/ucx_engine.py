@@ -362,6 +362,11 @@ class _Pending:
         self.delay = delay
 
 
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Core:
     """A UCX worker progressed by one asyncio loop, and the requests awaited on it.
 
@@ -384,6 +389,7 @@ class Core:
         self.worker.init_blocking_progress_mode()
         self.fd = int(self.worker.epoll_file_descriptor)
         self._pending: list[_Pending] = []
+        self._progressed: list[asyncio.Future[None]] = []  # woken by the next progress (Endpoint.recv_sized)
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._transports: set[str] | None = None
@@ -407,8 +413,22 @@ class Core:
                 self._complete()
             if w.arm():
                 break
+        if self._progressed:
+            woken, self._progressed = self._progressed, []
+            for fut in woken:
+                _settle(fut)
         if self._pending:
             self._look_again()
+
+    async def progressed(self, within: float) -> None:
+        """Until the worker has progressed again (an fd event: a message came, say), or ``within`` seconds."""
+        fut = self.loop.create_future()
+        self._progressed.append(fut)
+        timer = self.loop.call_later(within, _settle, fut)  # a safety net, as for requests (POLL_IDLE_S)
+        try:
+            await fut
+        finally:
+            timer.cancel()
 
     def _complete(self) -> None:
         left = []
@@ -547,6 +567,31 @@ class Endpoint:
         except Exception as exc:
             if "ancel" not in type(exc).__name__ or not await self._from_worker(arr, delay):
                 raise
+
+    async def recv_sized(self, buf: Any) -> None:
+        """One message into ``buf``, which it must fill exactly, else a :class:`ProtocolError` (a posted
+        receive completes short without saying so, and the rest of ``buf`` would pass for the message's).
+        So the message is probed for its length, then received by its handle: a frame's pixels, sent right
+        behind its header, mostly there already (a header's own probe cost more than this is worth: see
+        ``UcxAttachment._land_frames``)."""
+        core = self.core
+        arr = core.array(buf)
+        w = core.worker
+        while True:
+            probe = w.tag_probe(self._recv_tag, remove=True)
+            if probe.matched:
+                break
+            self._live().raise_on_error()  # after the probe: a message that came before a failure still counts
+            await core.progressed(POLL_IDLE_S)
+        done = core.wait(w.tag_recv_with_handle(arr, probe), arr, POLL_GPU_S if arr.cuda else POLL_SEND_S)
+        if probe.length == arr.nbytes:
+            await done
+            return
+        with contextlib.suppress(Exception):  # taken all the same (a longer one cut short), so UCX frees it
+            await done
+        from ..errors import ProtocolError
+
+        raise ProtocolError(f"cudalink: a ucx peer sent {probe.length} bytes where {arr.nbytes} were due")
 
     async def _from_worker(self, arr: Any, delay: float) -> bool:
         w = self.core.worker

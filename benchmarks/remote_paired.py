@@ -77,7 +77,10 @@ def consumer(shape: str, t0: float, off: float, period: float, n: int, wait: str
     args = [name, str(port), shape, repr(t0), repr(off), repr(period), str(n)]
     p = subprocess.Popen([sys.executable, __file__, "producer", *args], stdout=subprocess.PIPE, text=True)
     try:
-        assert p.stdout is not None and p.stdout.readline().startswith("ready")
+        assert p.stdout is not None
+        for line in p.stdout:  # its server's own lines may come first (it shares the producer's stdout)
+            if line.startswith("ready"):
+                break
         deadline = time.monotonic() + 30
         while True:
             try:

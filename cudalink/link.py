@@ -397,7 +397,13 @@ class Sender:
         self._pid = os.getpid()
         _register_open(self)
         #: ``serve=``: the UCX server for remote consumers, in a process of its own (its own GIL)
-        self._remote = ucx_engine.spawn_server(self.name, serve) if serve is not None else None
+        self._remote: Any = None
+        if serve is not None:
+            try:
+                self._remote = ucx_engine.spawn_server(self.name, serve)
+            except BaseException:
+                self.close()
+                raise
 
     # -- properties -----------------------------------------------------------------------------------
 

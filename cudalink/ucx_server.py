@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import sys
 import time
 from typing import Any
@@ -417,7 +418,7 @@ class Server:
                 self.listener = core.listen(accept, self.port)
                 break
             except Exception as exc:  # a port a moment ago in use (TIME_WAIT after a crash): UCXXBusyError
-                if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
+                if "Busy" not in type(exc).__name__ or time.monotonic() > deadline or _listened_on(self.port):
                     raise LinkError(
                         f"cudalink: serve cannot listen on port {self.port} ({exc}): another server holds it; "
                         "pick another port"
@@ -432,22 +433,37 @@ class Server:
                 return
 
 
-def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> int:
+def _listened_on(port: int) -> bool:
+    """A live listener holds ``port`` (it takes a connection), not a crashed predecessor's socket in TIME_WAIT:
+    waiting would not free it."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        return True
+    return False
+
+
+def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, ready_fd: int = -1) -> int:
     """``python -m cudalink serve NAME --listen ucx://HOST:PORT``: serve until interrupted (or ``parent`` dies)."""
     logging.basicConfig(
         level=(logging.DEBUG if os.environ.get("CUDALINK_DEBUG") else logging.INFO) if verbose else logging.WARNING,
         format="%(message)s",
     )
-    name = _platform.check_name(name)
-    addr = ucx_wire.parse_address(listen, need_name=False)
-    ucx_engine.check_port(addr.port)  # at once, not after UCX's 15 s of retries
-    ucx_engine.load()
-    key, created = ucx_engine.load_key(create=True)
+    try:
+        name = _platform.check_name(name)
+        addr = ucx_wire.parse_address(listen, need_name=False)
+        ucx_engine.check_port(addr.port)  # at once, not after UCX's 15 s of retries
+        ucx_engine.load()
+        key, created = ucx_engine.load_key(create=True)
+    except LinkError as exc:
+        if ready_fd >= 0:
+            ucx_engine.tell_ready(ready_fd, str(exc))
+        raise
     ucx_engine.announce_key(created)
     if addr.host not in ("127.0.0.1", "localhost"):
         print(f"cudalink: serving {name!r} beyond this host; frames are not encrypted (use a VPN).", flush=True)
 
     def ready(port: int) -> None:
+        if ready_fd >= 0:
+            ucx_engine.tell_ready(ready_fd, "ok")
         print(f"cudalink: serving {name!r} at ucx://{addr.host}:{port}/{name}", flush=True)
         # UCXX's listener takes a port, no address: say so, whatever host was asked for
         print(
@@ -457,8 +473,13 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False) -> 
         )
 
     server = Server(addr.port, key, name, parent)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(server.run(ready))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(server.run(ready))
+    except LinkError as exc:
+        if ready_fd >= 0:
+            ucx_engine.tell_ready(ready_fd, str(exc))
+        raise
     # Leave now: UCX's own threads (its "thread" progress mode) can keep an interpreter from exiting, and a
     # server whose producer process is gone must not linger. The OS returns the leases (the link sees EOF).
     sys.stdout.flush()

@@ -255,3 +255,31 @@ def test_an_engine_stops_its_thread_so_nothing_progresses_ucx_at_exit() -> None:
         eng.stop()  # twice is harmless
     finally:
         atexit.unregister(eng.stop)
+
+
+def test_connects_at_once_to_a_port_nobody_listens_on_all_fail_at_once_and_leave_nothing_polled() -> None:
+    """Two at once (two Receivers of one process before their server is up): one failed at once, the other
+    often waited its whole timeout although its endpoint was already in error, and its request stayed
+    polled every millisecond for the life of the process."""
+    port = ucx_engine.free_port()
+    eng = ucx_engine.engine()
+
+    async def one() -> float:
+        t0 = time.monotonic()
+        try:
+            await eng.core.connect("127.0.0.1", port, 3.0)
+        except Exception:  # UCX's own error types, whatever this UCX calls them
+            return time.monotonic() - t0
+        raise AssertionError("a connection to a port nobody listens on was made")
+
+    async def three() -> list[float]:
+        return list(await asyncio.gather(one(), one(), one()))
+
+    for _ in range(5):
+        took = eng.run(three(), 20)
+        assert max(took) < 1.0, took
+
+    async def polled() -> int:
+        return sum(not p.req.completed for p in eng.core._pending)
+
+    assert eng.run(polled(), 5) == 0

@@ -12,6 +12,7 @@ import struct
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import cudalink
@@ -316,3 +317,32 @@ def test_a_close_landing_while_recv_drains_the_wakeup_pipe_is_not_lost() -> None
         with pytest.raises(cudalink.LinkClosed):
             rx.recv(timeout=5.0)
         assert time.monotonic() - t0 < 1.0
+
+
+def test_serve_returns_once_its_server_listens_and_a_second_on_that_port_is_refused() -> None:
+    """``Sender(serve=)`` returned before its server listened: a second one on the same port passed the port
+    check too, and its server then gave up alone, 15 s later, while that Sender carried on unserved."""
+    port = free_port()
+    name = unique("twice")
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", device="cpu", serve=f"ucx://127.0.0.1:{port}") as tx:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            pass  # listening already
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.LinkError, match=f"port {port}"):
+            cudalink.Sender(name + "b", shape=(4,), dtype="uint8", device="cpu", serve=f"ucx://127.0.0.1:{port}")
+        assert time.monotonic() - t0 < 10.0
+        assert not os.path.exists(f"/dev/shm/{name}b")  # the refused Sender closed what it had made
+        with cudalink.Receiver(f"ucx://127.0.0.1:{port}/{name}", device="cpu", timeout=10.0) as rx:
+            tx.send(np.arange(4, dtype=np.uint8))
+            assert rx.recv(timeout=10.0).numpy().tolist() == [0, 1, 2, 3]
+
+
+def test_a_server_that_cannot_start_is_an_error_of_its_sender() -> None:
+    """The server's own failure (here: the port a live listener holds) reaches ``spawn_server`` through the
+    ready pipe, with its words."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(cudalink.LinkError, match=r"did not start.*in use"):
+            ucx_engine.spawn_server(unique("nostart"), f"ucx://127.0.0.1:{port}")

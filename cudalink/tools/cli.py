@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="the local link to serve")
     p.add_argument("--listen", default="ucx://127.0.0.1:13337", help="ucx://HOST:PORT (default 127.0.0.1:13337)")
     p.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="log consumers joining and leaving")
     p.set_defaults(func=cmd_serve)
 

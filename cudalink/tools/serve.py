@@ -8,4 +8,4 @@ import argparse
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..ucx_server import serve
 
-    return serve(args.name, args.listen, parent=args.parent, verbose=args.verbose)
+    return serve(args.name, args.listen, parent=args.parent, verbose=args.verbose, ready_fd=args.ready_fd)

@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import socket
 import struct
 import subprocess
@@ -239,10 +240,43 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: the longest a ``Sender(serve=)`` waits for its server to listen (it may wait out a crashed predecessor's
+#: port: ``ucx_server.BUSY_RETRY_S``); it is up in about a second
+SERVE_READY_S = 30.0
+
+
 def spawn_server(name: str, listen: str) -> subprocess.Popen[bytes]:
-    """``python -m cudalink serve NAME --listen ADDR`` as a child that exits when this process does."""
+    """``python -m cudalink serve NAME --listen ADDR`` as a child that exits when this process does, once it
+    listens: a server that cannot (its port taken meanwhile by another's, which a check made before it
+    started cannot see) is a LinkError here, not a child that exits alone while its Sender carries on."""
+    r, w = os.pipe()
     cmd = [sys.executable, "-m", "cudalink", "serve", name, "--listen", listen, "--parent", str(os.getpid())]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    try:
+        proc = subprocess.Popen([*cmd, "--ready-fd", str(w)], stdin=subprocess.DEVNULL, pass_fds=(w,))
+    finally:
+        os.close(w)
+    said: bytes | None = None  # None: nothing within the time; b"": it exited without a word
+    try:
+        with os.fdopen(r, "rb", buffering=0) as ready:
+            if select.select([ready], [], [], SERVE_READY_S)[0]:
+                said = ready.read(4096) or b""
+    finally:
+        if said is None or not said.startswith(b"ok"):
+            stop_server(proc)
+    if said is not None and said.startswith(b"ok"):
+        return proc
+    if said is None:
+        why = f"it did not listen within {SERVE_READY_S:.0f}s"
+    else:
+        why = said.decode(errors="replace").strip() or f"it exited ({proc.returncode}); its output above says why"
+    raise LinkError(f"cudalink: serve={listen!r}: the ucx server did not start: {why}")
+
+
+def tell_ready(fd: int, text: str) -> None:
+    """The server's word to the Sender that spawned it (``spawn_server``): ``ok``, or why not."""
+    with contextlib.suppress(OSError):
+        os.write(fd, text.encode()[:4096])
+        os.close(fd)
 
 
 def stop_server(proc: subprocess.Popen[bytes], timeout: float = 2.0) -> None:
@@ -353,13 +387,14 @@ def _hash64(*args: object) -> int:
 
 
 class _Pending:
-    __slots__ = ("delay", "fut", "keep", "req")
+    __slots__ = ("delay", "ep", "fut", "keep", "req")
 
-    def __init__(self, req: Any, fut: asyncio.Future[None], keep: object, delay: float) -> None:
+    def __init__(self, req: Any, fut: asyncio.Future[None], keep: object, delay: float, ep: Any = None) -> None:
         self.req = req
         self.fut = fut
         self.keep = keep  # the buffer's wrapper: alive until UCX is done with it, even if nobody awaits
         self.delay = delay
+        self.ep = ep  # a wire-up's endpoint: its failure ends the request's wait (see _complete)
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
@@ -390,6 +425,7 @@ class Core:
         self.fd = int(self.worker.epoll_file_descriptor)
         self._pending: list[_Pending] = []
         self._progressed: list[asyncio.Future[None]] = []  # woken by the next progress (Endpoint.recv_sized)
+        self._orphans: list[_Pending] = []  # requests of failed endpoints, never to complete (see _failed)
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._transports: set[str] | None = None
@@ -434,6 +470,8 @@ class Core:
         left = []
         for p in self._pending:
             if not p.req.completed:
+                if p.ep is not None and self._failed(p):
+                    continue
                 left.append(p)
             elif not p.fut.done():  # a cancelled waiter's request still ran to its end
                 try:
@@ -443,6 +481,19 @@ class Core:
                 else:
                     p.fut.set_result(None)
         self._pending = left
+
+    def _failed(self, p: _Pending) -> bool:
+        """A wire-up request whose endpoint failed: UCX may never complete it (two connects at once to a port
+        nobody listens on: one waited out its whole timeout, and its request was polled every millisecond
+        for the life of the process). Its waiter fails now; the request is kept, unpolled, with its buffer."""
+        try:
+            p.ep.raise_on_error()
+        except Exception as exc:
+            if not p.fut.done():
+                p.fut.set_exception(exc)
+            self._orphans.append(p)
+            return True
+        return False
 
     def _look_again(self) -> None:
         when = self.loop.time() + min(p.delay for p in self._pending)
@@ -456,13 +507,14 @@ class Core:
         self._timer = None
         self.progress()
 
-    async def wait(self, req: Any, keep: object, delay: float) -> None:
-        """Until ``req`` completes (raising what UCX reported); ``keep`` lives as long as the request."""
+    async def wait(self, req: Any, keep: object, delay: float, ep: Any = None) -> None:
+        """Until ``req`` completes (raising what UCX reported), or its endpoint ``ep`` fails; ``keep`` lives
+        as long as the request."""
         if req.completed:
             req.check_error()
             return
         fut = self.loop.create_future()
-        self._pending.append(_Pending(req, fut, keep, delay))
+        self._pending.append(_Pending(req, fut, keep, delay, ep))
         self.progress()
         await fut
 
@@ -477,7 +529,7 @@ class Core:
         got = self.Array(theirs)
         steps = [(ep.stream_send, out), (ep.stream_recv, got)]
         for post, arr in steps if listener else steps[::-1]:
-            await self.wait(post(arr), arr, POLL_SEND_S)
+            await self.wait(post(arr), arr, POLL_SEND_S, ep)
         tag, check = _PEER_INFO.unpack(theirs)
         if check != _hash64(tag):
             from ..errors import ProtocolError

@@ -11,6 +11,7 @@ import errno
 import functools
 import getpass
 import hashlib
+import math
 import mmap
 import os
 import platform
@@ -408,6 +409,33 @@ def no_delay(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def readable_waiter(fd: int) -> Callable[[float], bool]:
+    """``wait(timeout)``: whether ``fd`` became readable within ``timeout`` seconds. ``poll`` where the OS has
+    it: ``select`` refuses fds from 1024 on, which a busy process (a DCC, a server) reaches."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+
+        def wait(timeout: float) -> bool:
+            with contextlib.suppress(InterruptedError):
+                return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+            return False
+
+        return wait
+
+    def wait_select(timeout: float) -> bool:
+        with contextlib.suppress(InterruptedError):
+            return bool(select.select([fd], [], [], max(0.0, timeout))[0])
+        return False
+
+    return wait_select
+
+
+def wait_readable(fd: int, timeout: float) -> bool:
+    """One wait of :func:`readable_waiter`."""
+    return readable_waiter(fd)(timeout)
 
 
 def hangup_poller(sock: socket.socket, pid: int = 0) -> Callable[[], bool]:

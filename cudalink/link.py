@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import functools
 import math
@@ -979,6 +980,7 @@ class Receiver:
         self._busy = False
         self._busy_loop: Any = None  # the loop of a recv_async() under way (None: a recv() on a thread)
         self._attach_lock = threading.Lock()  # one attachment wins where two calls attach at once
+        self._joining: tuple[concurrent.futures.Future[None], threading.Event] | None = None  # see _join_async
         self._floor = 0
         self._wait_avg = 0.0  # seconds recv() waited for recent frames (moving average)
         self.received = 0
@@ -1334,21 +1336,16 @@ class Receiver:
                     return frame
                 await att.wait_async(None if left == float("inf") else left)
             finally:
-                self._unwait(att)
+                if self._busy_loop is loop:  # not a stale waiter's end (see _check_second_waiter)
+                    self._unwait(att)
 
-    async def _join_async(self, limit: float) -> None:
-        """``_join`` on a daemon thread of its own. Cancelled, the thread stops at its next try (in the loop's
-        default executor it went on trying, and ``asyncio.run`` waited for it at exit: forever with no
-        time limit), and an attachment it makes later never replaces one a newer call made."""
-        import asyncio
-        import concurrent.futures
-
+    def _start_join(self, limit: float) -> tuple[concurrent.futures.Future[None], threading.Event]:
+        """``_join`` on a daemon thread of its own; (its end, the event that makes it stop at its next try)."""
         abandon = threading.Event()
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def join() -> None:
-            if not done.set_running_or_notify_cancel():  # cancelled before it began: nothing to do
-                return
+            done.set_running_or_notify_cancel()
             try:
                 self._join(limit, abandon=abandon)
             except BaseException as exc:
@@ -1357,11 +1354,35 @@ class Receiver:
                 done.set_result(None)
 
         threading.Thread(target=join, name=f"cudalink-attach-{self.name}", daemon=True).start()
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(done), limit + 1.0)
-        except BaseException:
-            abandon.set()
-            raise
+        return done, abandon
+
+    async def _join_async(self, limit: float) -> None:
+        """Attach off the loop, on one thread per Receiver at a time: a later call waits on the attach an
+        earlier (cancelled) one began instead of starting its own. Cancelled with no other waiter, that thread
+        stops at its next try. In the loop's default executor each cancelled call's attach went on trying
+        (``asyncio.run`` waited for it at exit: forever with no time limit) and replaced, when it came, the
+        attachment a newer call was reading."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        end = loop.time() + limit
+        while True:
+            job, mine = self._joining, False
+            if job is None or job[0].done():
+                job, mine = self._start_join(max(0.0, end - loop.time())), True
+                self._joining = job
+            done, abandon = job
+            abandon.clear()  # waited for again: it goes on
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), max(0.0, end - loop.time()) + 1.0)
+            except (LinkTimeout, ProducerGone):
+                if mine or self._closed or loop.time() >= end:
+                    raise
+                continue  # an earlier call's attach gave up at its own deadline (or was abandoned); ours is later
+            except BaseException:
+                abandon.set()
+                raise
+            return
 
     def __aiter__(self) -> AsyncIterator[Frame]:
         return self._aiter()

@@ -442,28 +442,22 @@ def _listened_on(port: int) -> bool:
 
 
 def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, ready_fd: int = -1) -> int:
-    """``python -m cudalink serve NAME --listen ucx://HOST:PORT``: serve until interrupted (or ``parent`` dies)."""
+    """``python -m cudalink serve NAME --listen ucx://HOST:PORT``: serve until interrupted (or ``parent`` dies).
+    ``ready_fd``: a pipe to the Sender that spawned this server, told ``ok`` once it listens, or why it cannot."""
     logging.basicConfig(
         level=(logging.DEBUG if os.environ.get("CUDALINK_DEBUG") else logging.INFO) if verbose else logging.WARNING,
         format="%(message)s",
     )
-    try:
-        name = _platform.check_name(name)
-        addr = ucx_wire.parse_address(listen, need_name=False)
-        ucx_engine.check_port(addr.port)  # at once, not after UCX's 15 s of retries
-        ucx_engine.load()
-        key, created = ucx_engine.load_key(create=True)
-    except LinkError as exc:
-        if ready_fd >= 0:
-            ucx_engine.tell_ready(ready_fd, str(exc))
-        raise
-    ucx_engine.announce_key(created)
-    if addr.host not in ("127.0.0.1", "localhost"):
-        print(f"cudalink: serving {name!r} beyond this host; frames are not encrypted (use a VPN).", flush=True)
+    told = ready_fd < 0
+
+    def tell(text: str) -> None:
+        nonlocal told
+        if not told:  # once: the fd is closed after, and its number may be another file's by then
+            told = True
+            ucx_engine.tell_ready(ready_fd, text)
 
     def ready(port: int) -> None:
-        if ready_fd >= 0:
-            ucx_engine.tell_ready(ready_fd, "ok")
+        tell("ok")
         print(f"cudalink: serving {name!r} at ucx://{addr.host}:{port}/{name}", flush=True)
         # UCXX's listener takes a port, no address: say so, whatever host was asked for
         print(
@@ -472,13 +466,20 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, rea
             flush=True,
         )
 
-    server = Server(addr.port, key, name, parent)
     try:
+        name = _platform.check_name(name)
+        addr = ucx_wire.parse_address(listen, need_name=False)
+        ucx_engine.check_port(addr.port)  # at once, not after UCX's 15 s of retries
+        ucx_engine.load()
+        key, created = ucx_engine.load_key(create=True)
+        ucx_engine.announce_key(created)
+        if addr.host not in ("127.0.0.1", "localhost"):
+            print(f"cudalink: serving {name!r} beyond this host; frames are not encrypted (use a VPN).", flush=True)
+        server = Server(addr.port, key, name, parent)
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(server.run(ready))
     except LinkError as exc:
-        if ready_fd >= 0:
-            ucx_engine.tell_ready(ready_fd, str(exc))
+        tell(str(exc))
         raise
     # Leave now: UCX's own threads (its "thread" progress mode) can keep an interpreter from exiting, and a
     # server whose producer process is gone must not linger. The OS returns the leases (the link sees EOF).

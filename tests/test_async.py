@@ -268,14 +268,21 @@ def test_a_wait_left_on_a_closed_loop_does_not_lock_the_receiver_out(pair: PairF
         stale = loop.create_task(rx.recv_async(timeout=None))
         loop.run_until_complete(asyncio.sleep(0.05))
         loop.close()
-        got: list[int] = []
-        waiter = threading.Thread(target=lambda: got.append(int(np.from_dlpack(rx.recv(timeout=5))[0])))
+        got: list[tuple[int, float]] = []
+
+        def wait() -> None:
+            frame = rx.recv(timeout=30)
+            got.append((int(np.from_dlpack(frame)[0]), time.monotonic()))
+
+        waiter = threading.Thread(target=wait)
         waiter.start()
         time.sleep(0.1)
         del stale
-        gc.collect()  # the stale coroutine's finally runs now
+        gc.collect()  # the stale coroutine's finally runs now: it must not turn the new waiter's wake-up off
         with pytest.raises(cudalink.LinkError, match="already waiting"):
             rx.recv(timeout=0.1)  # the thread's recv() still holds the Receiver
+        sent = time.monotonic()
         tx.send(np.array([7, 7], np.int32))
-        waiter.join(5.0)
-        assert got == [7]
+        waiter.join(30.0)
+        assert got and got[0][0] == 7
+        assert got[0][1] - sent < 2.0, f"woken {got[0][1] - sent:.2f}s after the frame (its wake-up was off)"

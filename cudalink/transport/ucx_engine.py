@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import binascii
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -25,7 +26,6 @@ import logging
 import os
 import re
 import secrets
-import select
 import socket
 import struct
 import subprocess
@@ -36,6 +36,7 @@ from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any, TypeVar
 
+from .. import _platform
 from ..errors import LinkError
 from . import ucx_wire
 
@@ -258,7 +259,7 @@ def spawn_server(name: str, listen: str) -> subprocess.Popen[bytes]:
     said: bytes | None = None  # None: nothing within the time; b"": it exited without a word
     try:
         with os.fdopen(r, "rb", buffering=0) as ready:
-            if select.select([ready], [], [], SERVE_READY_S)[0]:
+            if _platform.wait_readable(r, SERVE_READY_S):
                 said = ready.read(4096) or b""
     finally:
         if said is None or not said.startswith(b"ok"):
@@ -425,7 +426,9 @@ class Core:
         self.fd = int(self.worker.epoll_file_descriptor)
         self._pending: list[_Pending] = []
         self._progressed: list[asyncio.Future[None]] = []  # woken by the next progress (Endpoint.recv_sized)
-        self._orphans: list[_Pending] = []  # requests of failed endpoints, never to complete (see _failed)
+        #: requests of failed endpoints, which UCX may never complete (see _failed): the latest few kept with
+        #: their buffers, in case it does after all
+        self._orphans: collections.deque[_Pending] = collections.deque(maxlen=64)
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._transports: set[str] | None = None

@@ -27,7 +27,6 @@ import collections
 import concurrent.futures
 import contextlib
 import os
-import select
 import sys
 import threading
 import time
@@ -290,8 +289,7 @@ def _sleep_receive(rx: Counters, att: Any, timeout: float, waiting: int, after: 
     frame = _receive(rx, att)
     if frame is not None or att.interrupted:
         return frame
-    with contextlib.suppress(InterruptedError):
-        select.select([att.rfd], [], [], max(0.0, timeout))
+    _platform.wait_readable(att.rfd, timeout)  # poll, not select: an fd past 1024 is fine
     return _receive(rx, att)
 
 

@@ -50,20 +50,21 @@ def _sleep_to(t: float) -> None:
         time.sleep(d)
 
 
-def producer(name: str, port: int, shape: str, t0: float, off: float, period: float, n: int) -> None:
+def producer(name: str, port: int, shape: str, t0: float, off: str, period: float, n: int) -> None:
     import cudalink
     from cudalink.tools.remote_bench import STAMP
 
+    offs = [float(x) for x in off.split("/")]  # frame k at the k-th of these phases, in turn (see run)
     src = np.zeros(_shape(shape), np.uint8)
     with cudalink.Sender(name, shape=src.shape, slots=4, device="cpu", serve=f"ucx://127.0.0.1:{port}") as tx:
         print("ready", flush=True)
         for k in range(n):
-            _sleep_to(t0 + off + k * period)
+            _sleep_to(t0 + offs[k % len(offs)] + k * period)
             tx.send(src, meta=STAMP.pack(k, time.monotonic_ns()))
         time.sleep(2.0)
 
 
-def consumer(shape: str, t0: float, off: float, period: float, n: int, wait: str = "block") -> dict[int, float]:
+def consumer(shape: str, t0: float, off: str, period: float, n: int, wait: str = "block") -> dict[int, float]:
     """Spawn a producer of this tree and receive its ``n`` frames remotely: latency (µs) per frame number.
 
     It runs against other checkouts too (``--other``), so it uses only what every one of them has:
@@ -74,7 +75,7 @@ def consumer(shape: str, t0: float, off: float, period: float, n: int, wait: str
 
     port = ucx_engine.free_port()
     name = f"paired{os.getpid()}"
-    args = [name, str(port), shape, repr(t0), repr(off), repr(period), str(n)]
+    args = [name, str(port), shape, repr(t0), off, repr(period), str(n)]
     p = subprocess.Popen([sys.executable, __file__, "producer", *args], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
@@ -188,7 +189,13 @@ def run(
         tree = trees.get(name, HERE)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
         role = "consumer" if name in trees else "bare"
-        args = [role, shape, repr(t0), repr(period * i / len(names)), repr(period), str(n)]
+        if role == "consumer":  # the cudalink pipelines take their phases in turn, frame by frame: an A/A
+            # run (one tree as both) read "this" 15% slower than "other" with fixed phases (2-vCPU VM, 2026-11-26)
+            turns = [repr(period * ((i + k) % len(trees)) / len(names)) for k in range(len(trees))]
+            off = "/".join(turns)
+        else:
+            off = repr(period * i / len(names))
+        args = [role, shape, repr(t0), off, repr(period), str(n)]
         args += [wait] if role == "consumer" else ["core" if name == "bare" else "asyncio"]
         procs[name] = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), *args], cwd=tree, env=env, stdout=subprocess.PIPE, text=True
@@ -242,10 +249,12 @@ def main() -> None:
     role = sys.argv[1] if len(sys.argv) > 1 else ""
     a = sys.argv[2:]
     if role == "producer":
-        producer(a[0], int(a[1]), a[2], float(a[3]), float(a[4]), float(a[5]), int(a[6]))
-    elif role in ("consumer", "bare"):  # the sixth argument: a consumer's wait mode, or the floor's API
-        fn = consumer if role == "consumer" else bare
-        lat = fn(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]), *a[5:6])
+        producer(a[0], int(a[1]), a[2], float(a[3]), a[4], float(a[5]), int(a[6]))
+    elif role == "consumer":  # the sixth argument: its wait mode
+        lat = consumer(a[0], float(a[1]), a[2], float(a[3]), int(a[4]), *a[5:6])
+        print("RESULT " + json.dumps(lat), flush=True)
+    elif role == "bare":  # the sixth argument: the floor's API
+        lat = bare(a[0], float(a[1]), float(a[2]), float(a[3]), int(a[4]), *a[5:6])
         print("RESULT " + json.dumps(lat), flush=True)
     elif role == "bare-sender":
         bare_sender(int(a[0]), int(a[1]), float(a[2]), float(a[3]), float(a[4]), int(a[5]), a[6])

@@ -577,3 +577,13 @@ def test_clean_of_a_live_link_names_it(pair: PairFactory) -> None:
     with tx, rx:
         proc = run_cli("clean", tx.name, timeout=30)
     assert proc.returncode == 0 and f"nothing to clean for {tx.name!r}" in proc.stdout, proc.stdout
+
+
+def test_info_of_a_cudalink_link_name_points_to_monitor() -> None:
+    """``info NAME`` describes cuda-link segments; given a cudalink link's name it said only that no such
+    segment is here."""
+    with cudalink.Sender(f"info-{os.getpid()}", shape=(2,), dtype="uint8", device="cpu") as tx:
+        proc = run_cli("info", tx.name, timeout=60)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.replace("│", " ").split())  # the table's cells, wrapped lines joined
+    assert "is a cudalink link" in text and f"monitor {tx.name}" in text, text

@@ -270,6 +270,16 @@ def _cuda_link_segments() -> list[str]:
         return []
 
 
+def _is_cudalink_link(name: str) -> bool:
+    """A cudalink link of that name is here (``info`` describes cuda-link segments; ``monitor``, links)."""
+    from ..transport.shm import _exists
+
+    try:
+        return _exists(_platform.segment_name(_platform.check_name(name)))
+    except LinkError:
+        return False
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     console = _console()
     info = gather_info()
@@ -330,6 +340,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             line = cuda_link_view.summary(cuda_link_view.read_snapshot(name))
         except LinkError as exc:
             line = str(exc)
+            if not name.startswith(cuda_link_view.PREFIX) and _is_cudalink_link(name):
+                line += f"; {name!r} is a cudalink link: `python -m cudalink monitor {name}` shows it"
         table.add_row(cuda_link_view.PREFIX + cuda_link_view.strip_prefix(name), line)
     ucx = info.get("ucx", {})
     if ucx.get("usable"):

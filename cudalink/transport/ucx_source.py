@@ -440,7 +440,6 @@ class UcxAttachment:
                     if head.inline:  # the pixels came in this message (only a host landing asks for that)
                         n = head.nbytes
                         self.buffers[idx][:n] = np.frombuffer(buf, np.uint8, n, ucx_wire.MSG_SIZE)
-                        buf[ucx_wire.MSG_SIZE : ucx_wire.MSG_SIZE + n] = bytes(n)  # see the receive above
                     elif self.pool is not None:
                         idx = await self._land(head.nbytes)
                     else:
@@ -453,6 +452,8 @@ class UcxAttachment:
                 self.last_seq = head.seq
                 self.ready.append((head, idx))
                 self._wake()
+                if head.inline:  # zeroed for the next receive (see above), once the consumer is woken
+                    buf[ucx_wire.MSG_SIZE : ucx_wire.MSG_SIZE + head.nbytes] = bytes(head.nbytes)
         except asyncio.CancelledError:
             raise
         except ProtocolError as exc:

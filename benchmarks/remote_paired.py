@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -55,6 +56,7 @@ def producer(name: str, port: int, shape: str, t0: float, off: str, period: floa
     from cudalink.tools.remote_bench import STAMP
 
     offs = [float(x) for x in off.split("/")]  # frame k at the k-th of these phases, in turn (see run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped by its consumer: close the link on the way out
     src = np.zeros(_shape(shape), np.uint8)
     with cudalink.Sender(name, shape=src.shape, slots=4, device="cpu", serve=f"ucx://127.0.0.1:{port}") as tx:
         print("ready", flush=True)

@@ -28,7 +28,6 @@ import contextlib
 import logging
 import os
 import secrets
-import socket
 import sys
 import time
 from typing import Any
@@ -418,7 +417,7 @@ class Server:
                 self.listener = core.listen(accept, self.port)
                 break
             except Exception as exc:  # a port a moment ago in use (TIME_WAIT after a crash): UCXXBusyError
-                if "Busy" not in type(exc).__name__ or time.monotonic() > deadline or _listened_on(self.port):
+                if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
                     raise LinkError(
                         f"cudalink: serve cannot listen on port {self.port} ({exc}): another server holds it; "
                         "pick another port"
@@ -431,14 +430,6 @@ class Server:
             if self.parent and not _platform.pid_alive(self.parent):
                 log.info("cudalink serve: the producer process %d is gone; stopping", self.parent)
                 return
-
-
-def _listened_on(port: int) -> bool:
-    """A live listener holds ``port`` (it takes a connection), not a crashed predecessor's socket in TIME_WAIT:
-    waiting would not free it."""
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-        return True
-    return False
 
 
 def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, ready_fd: int = -1) -> int:

@@ -411,29 +411,25 @@ def no_delay(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def readable_waiter(fd: int) -> Callable[[float], bool]:
-    """``wait(timeout)``: whether ``fd`` became readable within ``timeout`` seconds. ``poll`` where the OS has
-    it: ``select`` refuses fds from 1024 on, which a busy process (a DCC, a server) reaches."""
+def readable_waiter(fd: int) -> Callable[[float | None], bool]:
+    """``wait(timeout)``: whether ``fd`` became readable within ``timeout`` seconds (None: no limit). ``poll``
+    where the OS has it: ``select`` refuses fds from 1024 on, which a busy process (a DCC, a server) reaches."""
     if hasattr(select, "poll"):
         poller = select.poll()
         poller.register(fd, select.POLLIN)
 
-        def wait(timeout: float) -> bool:
-            with contextlib.suppress(InterruptedError):
-                return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
-            return False
+        def wait(timeout: float | None) -> bool:
+            return bool(poller.poll(-1 if timeout is None else max(0, math.ceil(timeout * 1000))))
 
         return wait
 
-    def wait_select(timeout: float) -> bool:
-        with contextlib.suppress(InterruptedError):
-            return bool(select.select([fd], [], [], max(0.0, timeout))[0])
-        return False
+    def wait_select(timeout: float | None) -> bool:
+        return bool(select.select([fd], [], [], None if timeout is None else max(0.0, timeout))[0])
 
     return wait_select
 
 
-def wait_readable(fd: int, timeout: float) -> bool:
+def wait_readable(fd: int, timeout: float | None) -> bool:
     """One wait of :func:`readable_waiter`."""
     return readable_waiter(fd)(timeout)
 

@@ -16,7 +16,6 @@ import functools
 import logging
 import os
 import secrets
-import select
 import selectors
 import socket
 import threading
@@ -395,9 +394,7 @@ class ClientSocket:
         #: the producer's pid (its header says), for a hang-up check where the OS cannot see one behind queued
         #: bytes (see ``_platform.hangup_poller``); 0: unknown
         self.peer_pid = 0
-        self._poll = select.poll() if hasattr(select, "poll") else None
-        if self._poll is not None:
-            self._poll.register(sock, select.POLLIN)
+        self._readable = _platform.readable_waiter(sock.fileno())
 
     def _recv_exact(self, size: int) -> bytes:
         data = b""
@@ -475,10 +472,7 @@ class ClientSocket:
         try:
             if timeout is not None and timeout > _LONGEST_WAIT_S:  # no limit (inf), or beyond what poll takes
                 timeout = None
-            if self._poll is not None:
-                ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
-                return bool(self._poll.poll(ms))
-            return bool(select.select([self.sock], [], [], timeout)[0])
+            return self._readable(timeout)
         except (OSError, ValueError):
             self.gone = True
             return True

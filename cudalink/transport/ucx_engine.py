@@ -257,14 +257,16 @@ def spawn_server(name: str, listen: str) -> subprocess.Popen[bytes]:
     finally:
         os.close(w)
     said: bytes | None = None  # None: nothing within the time; b"": it exited without a word
+    listening = False
     try:
         with os.fdopen(r, "rb", buffering=0) as ready:
             if _platform.wait_readable(r, SERVE_READY_S):
                 said = ready.read(4096) or b""
+        listening = said is not None and said.startswith(b"ok")
     finally:
-        if said is None or not said.startswith(b"ok"):
+        if not listening:
             stop_server(proc)
-    if said is not None and said.startswith(b"ok"):
+    if listening:
         return proc
     if said is None:
         why = f"it did not listen within {SERVE_READY_S:.0f}s"

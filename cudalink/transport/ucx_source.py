@@ -417,8 +417,9 @@ class UcxAttachment:
         try:
             while True:
                 # a posted receive, which says nothing of the length: probing each header for it cost the
-                # 64x64x4 handoff ~45 us p50 (2-vCPU VM, paired, 2026-11-26). An inline FRAME shorter than its
-                # header says is not caught: its missing pixels read as zeros (below), never as an older frame's.
+                # 64x64x4 handoff ~65 us p50 (2-vCPU VM, paired with phases in turn, 2026-11-26). An inline FRAME
+                # shorter than its header says is not caught: its missing pixels read as zeros (below), never
+                # as an older frame's.
                 await ucx_engine.recv_msg(self.ep, buf, None)
                 self.heard = time.monotonic()
                 kind = ucx_wire.expect(msg, ucx_wire.FRAME, ucx_wire.PING, ucx_wire.BYE)

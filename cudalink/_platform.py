@@ -253,6 +253,28 @@ class ProcessLock:
         return self._fd >= 0
 
 
+# -- ports ---------------------------------------------------------------------------------------------------
+
+#: the ports an OS hands out for port 0 and outgoing connections where it does not say (IANA's, Windows' and
+#: macOS's default)
+DEFAULT_EPHEMERAL = (49152, 65535)
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The range the OS picks local ports from, for outgoing connections and binds to port 0 (UCX's own
+    listening sockets among them): a port chosen for a server later must come from outside it, or the
+    process that is to listen on it may take it first."""
+    if IS_LINUX:
+        try:
+            with open(path) as f:
+                low, high = (int(x) for x in f.read().split())
+            if 0 < low <= high <= 65535:
+                return low, high
+        except (OSError, ValueError):
+            pass
+    return DEFAULT_EPHEMERAL
+
+
 # -- shared-memory space -------------------------------------------------------------------------------------
 
 #: where Linux keeps POSIX shared memory: a tmpfs whose size bounds every host link (Docker: 64 MiB by default)

@@ -418,10 +418,7 @@ class Server:
                 break
             except Exception as exc:  # a port a moment ago in use (TIME_WAIT after a crash): UCXXBusyError
                 if "Busy" not in type(exc).__name__ or time.monotonic() > deadline:
-                    raise LinkError(
-                        f"cudalink: serve cannot listen on port {self.port} ({exc}): another server holds it; "
-                        "pick another port"
-                    ) from exc
+                    raise LinkError(busy_message(self.port, exc)) from exc
                 await asyncio.sleep(0.2)
         if ready is not None:
             ready(int(self.listener.port))
@@ -430,6 +427,18 @@ class Server:
             if self.parent and not _platform.pid_alive(self.parent):
                 log.info("cudalink serve: the producer process %d is gone; stopping", self.parent)
                 return
+
+
+def busy_message(port: int, exc: BaseException) -> str:
+    """Why a port stayed busy, with the likelier cause where the port is one the OS hands out itself."""
+    low, high = _platform.ephemeral_ports()
+    if low <= port <= high:
+        return (
+            f"cudalink: serve cannot listen on port {port} ({exc}): it lies in the OS's ephemeral range "
+            f"({low}-{high}), where outgoing connections and UCX's own sockets take ports, so it may be taken "
+            f"by this very server; pick a port outside it (below {low}, say)"
+        )
+    return f"cudalink: serve cannot listen on port {port} ({exc}): another server holds it; pick another port"
 
 
 def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, ready_fd: int = -1) -> int:

@@ -442,3 +442,34 @@ def test_on_macos_the_peer_uid_comes_from_local_peercred(monkeypatch: pytest.Mon
     other = MacSocket(struct.pack("=IIh", 0, 4242, 1) + bytes(66))
     assert _platform.peer_credentials(other) == (0, 4242)  # type: ignore[arg-type]
     assert other.asked == [(0, 1, 76)]  # SOL_LOCAL, LOCAL_PEERCRED, sizeof(struct xucred)
+
+
+# -- ports ----------------------------------------------------------------------------------------------
+
+
+def test_the_ephemeral_range_is_read_where_linux_keeps_it_and_defaults_elsewhere(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "range"
+    f.write_text("20000\t30000\n")
+    monkeypatch.setattr(_platform, "IS_LINUX", True)
+    assert _platform.ephemeral_ports(str(f)) == (20000, 30000)
+    f.write_text("garbage\n")
+    assert _platform.ephemeral_ports(str(f)) == _platform.DEFAULT_EPHEMERAL
+    assert _platform.ephemeral_ports(str(tmp_path / "missing")) == _platform.DEFAULT_EPHEMERAL
+    monkeypatch.setattr(_platform, "IS_LINUX", False)
+    f.write_text("20000 30000\n")
+    assert _platform.ephemeral_ports(str(f)) == _platform.DEFAULT_EPHEMERAL
+
+
+def test_a_port_picked_for_a_server_lies_outside_the_ephemeral_range_and_is_free_on_every_address() -> None:
+    """A port from the ephemeral range may be taken before the server binds it, by UCX's own port-0 sockets
+    in that very server (a CI run waited 15 s on such a port)."""
+    from cudalink.transport import ucx_engine
+
+    low, high = _platform.ephemeral_ports()
+    for _ in range(50):
+        port = ucx_engine.free_port()
+        assert not low <= port <= high
+        with socket.socket() as s:
+            s.bind(("", port))  # free on every interface

@@ -78,11 +78,22 @@ def test_serving_on_a_port_in_use_is_refused_at_once(name: str) -> None:
         pass
 
 
+def test_a_port_that_stays_busy_is_explained_by_where_it_lies() -> None:
+    from cudalink import ucx_server
+
+    low, high = _platform.ephemeral_ports()
+    exc = RuntimeError("UCXXBusyError")
+    inside = ucx_server.busy_message(low, exc)
+    assert f"ephemeral range ({low}-{high})" in inside and f"below {low}" in inside
+    outside = ucx_server.busy_message(free_port(), exc)
+    assert "another server holds it; pick another port" in outside and "ephemeral" not in outside
+
+
 def test_a_port_let_go_of_a_moment_later_is_taken() -> None:
     """A producer restarted right after a crash finds its old server still on the port for a moment (it sees
     its parent gone within 0.2 s): the new one waits for the port rather than fail."""
     taken = socket.socket()
-    taken.bind(("", 0))
+    taken.bind(("", free_port()))  # outside the ephemeral range, which the server's own UCX sockets draw on
     taken.listen(1)
     port = taken.getsockname()[1]
     threading.Timer(0.5, taken.close).start()

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import random
 import re
 import secrets
 import socket
@@ -233,10 +234,27 @@ def check_port(port: int) -> None:
 
 
 def free_port() -> int:
-    """A TCP port no socket of this host holds now, on any address: UCXX's listener binds every interface
-    whatever host it is given, so a port free on 127.0.0.1 alone may still be taken on another address
-    (by an outgoing connection's local port, say). For tests and benches that pick their own port."""
-    with socket.socket() as s:
+    """A TCP port no socket of this host holds now, on any address, and outside the OS's ephemeral range.
+
+    UCXX's listener binds every interface whatever host it is given, so the port is tried on all of them;
+    and a port from the ephemeral range (what binding port 0 returns) may be taken, before the server
+    listens, by any outgoing connection or by the TCP sockets UCX itself opens on port 0 in that very
+    server. For tests and benches that pick their own port."""
+    low, high = _platform.ephemeral_ports()
+    # the widest stretch of registered ports (1024 up) the ephemeral range leaves free
+    below, above = (1024, low - 1), (high + 1, 65535)
+    start, end = max(below, above, key=lambda r: r[1] - r[0])
+    rng = random.Random()
+    if end - start >= 1000:
+        for _ in range(200):
+            port = rng.randint(start, end)
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room outside the range (or all taken): the OS's choice is what is left
         s.bind(("", 0))
         return int(s.getsockname()[1])
 

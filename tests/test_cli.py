@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -406,6 +407,17 @@ def test_bench_json_that_is_a_directory_is_refused_before_the_run(tmp_path: Path
 
 
 @pytest.mark.parametrize(
+    "args",
+    [["--frames", "0"], ["--frames", "-5"], ["--fanout", "0"], ["--fanout", "65"], ["--remote", "--frames", "0"]],
+)
+def test_bench_counts_it_cannot_use_are_refused_before_the_run(args: list[str]) -> None:
+    """``--frames 0`` ran a full bench (raised to the warm-up plus ten, silently)."""
+    proc = run_cli("bench", "--quick", *args, timeout=30)
+    assert_one_line_error(proc)
+    assert args[-2] in proc.stderr and "pass e.g." in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["--interval", "0"], "--interval"),
@@ -428,6 +440,16 @@ def test_relay_checks_its_arguments_before_waiting_for_a_frame(args: list[str], 
     proc = run_cli("relay", "no-such-upstream", *args, "--seconds", "20", timeout=30)
     assert_one_line_error(proc)
     assert needle in proc.stderr
+
+
+@pytest.mark.parametrize("seconds", ["-1", "0", "nan", "inf"])
+def test_relay_refuses_a_duration_it_cannot_run_for_at_once(seconds: str) -> None:
+    """``--seconds -1`` waited 5 s for the upstream before anything was said."""
+    t0 = time.monotonic()
+    proc = run_cli("relay", "ucx://127.0.0.1:9/x", "--as", "ok", "--seconds", seconds, timeout=30)
+    assert_one_line_error(proc)
+    assert "--seconds must be a number of seconds more than 0" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 4.5
 
 
 def _stub_bench(

@@ -257,5 +257,11 @@ def test_ipv6_addresses_are_refused_with_the_reason(url: str) -> None:
 
 @pytest.mark.parametrize("url", ["ucx://:99999/x", "ucx://:5/x", "ucx:///x"])
 def test_an_address_with_no_host_is_called_bad_not_ipv6(url: str) -> None:
-    with pytest.raises(cudalink.ProtocolError, match="bad ucx address"):
+    with pytest.raises(cudalink.ProtocolError, match=r"bad ucx address .*\(no host\)"):
         uw.parse_address(url, need_name=True)
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "http", "-1"])
+def test_a_bad_port_is_named_in_the_error(port: str) -> None:
+    with pytest.raises(cudalink.ProtocolError, match=rf"port '{port}' is not a number from 1 to 65535"):
+        uw.parse_address(f"ucx://10.0.0.1:{port}/x", need_name=True)

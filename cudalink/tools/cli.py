@@ -21,7 +21,7 @@ from .demo import cmd_demo
 from .info import cmd_info
 from .monitor import cmd_monitor
 from .relay import cmd_relay
-from .report import cmd_bench
+from .report import check_bench_args, cmd_bench
 from .serve import cmd_serve
 
 
@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    check_bench_args(args)
     if getattr(args, "multi_gpu", False):
         from .multigpu_bench import cmd_multi_gpu
 

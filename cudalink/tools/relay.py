@@ -14,7 +14,7 @@ import argparse
 import time
 
 from .. import _platform
-from ..errors import LinkTimeout, ProducerGone
+from ..errors import ArgumentError, LinkTimeout, ProducerGone
 from ..frames.spec import FrameSpec
 from ..link import Receiver, Sender, _int_arg
 from ..transport import wire
@@ -33,6 +33,13 @@ def relay(
     """Republish ``url`` as ``local`` until ``seconds`` pass (None: forever); returns the frames relayed."""
     _platform.check_name(local)  # before waiting for a first frame: a bad --as or --slots fails now
     _int_arg(slots, "relay --slots", 1, wire.MAX_SLOTS, "--slots 4")
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e12
+    ):
+        raise ArgumentError(
+            f"cudalink: relay --seconds must be a number of seconds more than 0 (omit it: until stopped), got "
+            f"{seconds!r}; pass e.g. --seconds 60"
+        )
     stop = None if seconds is None else time.monotonic() + seconds
     relayed = 0
     with Receiver(url, device="cpu" if device == "cpu" else device, latest=latest, timeout=5.0) as rx:

@@ -284,6 +284,20 @@ def _only(text: str | None) -> frozenset[str] | None:
     return parts
 
 
+def check_bench_args(args: argparse.Namespace) -> None:
+    """Counts a run cannot use, refused before minutes of setup (fewer frames than the warm-up plus ten
+    are raised to that: ``bench.Bench``)."""
+    from ..errors import ArgumentError
+    from ..transport import wire
+
+    if args.frames is not None and args.frames < 1:
+        raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}; pass e.g. --frames 500")
+    if not 1 <= args.fanout <= wire.MAX_CONSUMERS:  # the consumers of one link
+        raise ArgumentError(
+            f"cudalink: --fanout must be 1..{wire.MAX_CONSUMERS}, got {args.fanout}; pass e.g. --fanout 8"
+        )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if getattr(args, "remote", False):  # across hosts: its own module (issue 33)
         from .remote_bench import cmd_remote_bench

@@ -407,7 +407,8 @@ def parse_address(url: str, *, need_name: bool) -> Address:
     except ValueError:
         port = -1
     if not host or not 0 < port < 65536:
-        raise ProtocolError(f"cudalink: bad ucx address {url!r}; use {form}", ProtocolReason.REFUSED)
+        why = "no host" if not host else f"port {port_s!r} is not a number from 1 to 65535"
+        raise ProtocolError(f"cudalink: bad ucx address {url!r} ({why}); use {form}", ProtocolReason.REFUSED)
     if ":" in host:  # UCXX 0.52's listener binds IPv4 only: an IPv6 server is never reached
         raise ProtocolError(
             f"cudalink: {url!r}: UCXX serves IPv4 only; use an IPv4 address or a host name", ProtocolReason.REFUSED

@@ -59,7 +59,8 @@ def producer(name: str, port: int, shape: str, t0: float, off: str, period: floa
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped by its consumer: close the link on the way out
     src = np.zeros(_shape(shape), np.uint8)
     with cudalink.Sender(name, shape=src.shape, slots=4, device="cpu", serve=f"ucx://127.0.0.1:{port}") as tx:
-        print("ready", flush=True)
+        sys.stdout.write("ready\n")  # one write: a server we spawned shares this stdout
+        sys.stdout.flush()
         for k in range(n):
             _sleep_to(t0 + offs[k % len(offs)] + k * period)
             tx.send(src, meta=STAMP.pack(k, time.monotonic_ns()))

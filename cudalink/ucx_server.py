@@ -30,6 +30,7 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -183,6 +184,9 @@ class _Consumer:
         """Log a failure of ours and say it to the consumer before the connection goes: its ProducerGone
         carries this text."""
         why = f"{what}: {type(exc).__name__}: {exc}"
+        if ucx_engine.peer_gone(exc):  # the consumer went away mid-send (it quit, or its cable went): no fault
+            self.why = f"went away ({why})"  # of ours, and said once it leaves (the line below run())
+            return
         log.warning("cudalink serve: %s", why, exc_info=exc)
         await self._bye(ucx_wire.R_SERVER_ERROR, why)
         self.why = f"was dropped ({why})"
@@ -441,6 +445,26 @@ def busy_message(port: int, exc: BaseException) -> str:
     return f"cudalink: serve cannot listen on port {port} ({exc}): another server holds it; pick another port"
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write: a producer that spawned this server shares the stream (print, with
+    PYTHONUNBUFFERED set, writes the line and its newline apart, and another writer's line came between)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def listening(name: str, host: str, port: int, tell: Callable[[str], None]) -> None:
+    """Say where the link is served, then ``tell`` the Sender waiting for this server: its own output, on
+    the same stdout, then follows these lines instead of cutting into one (the bench's children printed
+    "ready" inside "cudalink: serving ...", and were waited for in vain)."""
+    say(f"cudalink: serving {name!r} at ucx://{host}:{port}/{name}")
+    # UCXX's listener takes a port, no address: say so, whatever host was asked for
+    say(
+        f"cudalink: UCXX listens on port {port} of every IPv4 interface; only the key keeps others out "
+        f"(a firewall rule for the port helps)"
+    )
+    tell("ok")
+
+
 def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, ready_fd: int = -1) -> int:
     """``python -m cudalink serve NAME --listen ucx://HOST:PORT``: serve until interrupted (or ``parent`` dies).
     ``ready_fd``: a pipe to the Sender that spawned this server, told ``ok`` once it listens, or why it cannot."""
@@ -457,14 +481,7 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, rea
             ucx_engine.tell_ready(ready_fd, text)
 
     def ready(port: int) -> None:
-        tell("ok")
-        print(f"cudalink: serving {name!r} at ucx://{addr.host}:{port}/{name}", flush=True)
-        # UCXX's listener takes a port, no address: say so, whatever host was asked for
-        print(
-            f"cudalink: UCXX listens on port {port} of every IPv4 interface; only the key keeps others out "
-            f"(a firewall rule for the port helps)",
-            flush=True,
-        )
+        listening(name, addr.host, port, tell)
 
     try:
         name = _platform.check_name(name)
@@ -474,7 +491,7 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, rea
         key, created = ucx_engine.load_key(create=True)
         ucx_engine.announce_key(created)
         if addr.host not in ("127.0.0.1", "localhost"):
-            print(f"cudalink: serving {name!r} beyond this host; frames are not encrypted (use a VPN).", flush=True)
+            say(f"cudalink: serving {name!r} beyond this host; frames are not encrypted (use a VPN).")
         server = Server(addr.port, key, name, parent)
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(server.run(ready))

@@ -52,7 +52,8 @@ def producer(args: argparse.Namespace) -> None:
     )
     if device != "cpu":
         import torch
-    print("ready", flush=True)
+    sys.stdout.write("ready\n")  # one write (PYTHONUNBUFFERED splits a print in two)
+    sys.stdout.flush()
     worst = 0.0
     period = 1.0 / args.fps
     nxt = time.monotonic()

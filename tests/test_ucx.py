@@ -629,10 +629,31 @@ def test_consumer_sigkill_gives_its_leases_back_within_a_second() -> None:
         except AssertionError:
             raise AssertionError("".join(srv.log)) from None
         assert time.monotonic() - killed <= 1.0 + 0.1  # the producer reports every 50 ms
+        srv.expect("cudalink serve: a consumer", 5.0)
+        assert "Traceback" not in "".join(srv.log), "".join(srv.log)  # a consumer's death is no fault of ours
     finally:
         cons.kill()
         srv.stop()
         prod.stop()
+
+
+class UCXXConnectionResetError(Exception):  # named as UCXX names its own
+    pass
+
+
+class UCXXEndpointTimeoutError(Exception):
+    pass
+
+
+class UCXXNoMemoryError(Exception):
+    pass
+
+
+def test_errors_that_say_the_peer_went_away_are_told_from_our_own() -> None:
+    for gone in (UCXXConnectionResetError("reset"), UCXXEndpointTimeoutError("timeout"), ConnectionResetError()):
+        assert ucx_engine.peer_gone(gone)
+    for ours in (UCXXNoMemoryError("oom"), ValueError("x"), RuntimeError("Connection reset")):
+        assert not ucx_engine.peer_gone(ours)
 
 
 # -- security and hostile peers --------------------------------------------------------------------------------

@@ -351,6 +351,43 @@ def test_serve_returns_once_its_server_listens_and_a_second_on_that_port_is_refu
             assert rx.recv(timeout=10.0).numpy().tolist() == [0, 1, 2, 3]
 
 
+_SAYS_READY = """
+import sys, cudalink
+tx = cudalink.Sender(sys.argv[1], shape=(4,), dtype="uint8", device="cpu", serve=sys.argv[2])
+print("ready")
+tx.close()
+"""
+
+
+def test_a_server_says_where_it_serves_before_it_lets_its_sender_go_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """The server a Sender spawns shares the producer's stdout. It said its lines after telling the Sender,
+    so a producer's "ready" (two writes under PYTHONUNBUFFERED) landed inside one of them: the bench's
+    children were waited for in vain, in half the runs on a 2-vCPU VM."""
+    from cudalink import ucx_server
+
+    seen: list[str] = []
+    ucx_server.listening("lnk", "127.0.0.1", 4242, lambda word: seen.append(word + "|" + capsys.readouterr().out))
+    assert seen == [
+        "ok|cudalink: serving 'lnk' at ucx://127.0.0.1:4242/lnk\n"
+        "cudalink: UCXX listens on port 4242 of every IPv4 interface; only the key keeps others out "
+        "(a firewall rule for the port helps)\n"
+    ]
+
+
+def test_a_serving_senders_own_output_follows_its_servers_lines_whole() -> None:
+    """End to end: a producer printing right after ``Sender(serve=)`` returns."""
+    name, url = unique("say"), f"ucx://127.0.0.1:{free_port()}"
+    proc = Proc(["-c", _SAYS_READY, name, url], PYTHONUNBUFFERED="1")
+    assert proc.p.wait(60) == 0, "".join(proc.log)
+    time.sleep(0.2)  # the reader thread's last lines
+    lines = [ln.rstrip("\n") for ln in proc.log if ln.startswith(("cudalink: serving", "cudalink: UCXX", "ready"))]
+    assert lines == [
+        f"cudalink: serving {name!r} at {url}/{name}",
+        lines[1],
+        "ready",
+    ] and lines[1].startswith("cudalink: UCXX listens on port"), proc.log
+
+
 def test_a_server_that_cannot_start_is_an_error_of_its_sender() -> None:
     """The server's own failure (here: the port a live listener holds) reaches ``spawn_server`` through the
     ready pipe, with its words."""

@@ -92,7 +92,8 @@ def _producer(name: str, shape: str, port: int, period: float, seconds: float, d
     src = np.zeros(shp, np.uint8)
     dev: str | int = device if device == "cpu" else int(device)
     with cudalink.Sender(name, shape=shp, slots=4, device=dev, serve=f"ucx://127.0.0.1:{port}") as tx:
-        print("ready", flush=True)
+        sys.stdout.write("ready\n")  # one write: a server we spawned shares this stdout
+        sys.stdout.flush()
         end = time.monotonic() + seconds
         nxt = time.monotonic()
         while time.monotonic() < end:

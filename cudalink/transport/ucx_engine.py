@@ -605,6 +605,16 @@ class Core:
             log.warning("cudalink: a ucx connection's handler failed", exc_info=True)
 
 
+#: UCXX's errors that say the peer is gone (it closed, reset, or stopped answering), not that we failed
+_PEER_GONE = ("ConnectionResetError", "EndpointTimeoutError", "NotConnectedError", "UnreachableError", "CanceledError")
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` from a send or receive means the other side went away (by name: UCXX is imported
+    lazily, and our own closed endpoint raises the builtin ConnectionResetError)."""
+    return isinstance(exc, ConnectionResetError) or type(exc).__name__.endswith(_PEER_GONE)
+
+
 class Endpoint:
     """One connection: whole messages of our peer's tag out, of ours in (UCX keeps them in order)."""
 

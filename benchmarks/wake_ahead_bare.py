@@ -50,7 +50,9 @@ def consumer(kind: str, fd: int, name: str) -> None:
         if last < 0:
             break
         rows.append((seen - int(word[1]), woke - int(word[2]), cpu == int(word[3])))
-    a = np.array(rows[50:], dtype=float)
+    if not rows:
+        return
+    a = np.array(rows[min(50, len(rows) // 2) :], dtype=float)  # past the warm-up
     print(
         f"{kind:8s} handoff p50 {np.median(a[:, 0]) / 1e3:6.1f} µs (p90 {np.percentile(a[:, 0], 90) / 1e3:6.1f}) | "
         f"write -> consumer running {np.median(a[:, 1]) / 1e3:6.1f} µs | on the producer's core {a[:, 2].mean():.0%}"

@@ -68,7 +68,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=1500)
-    ap.add_argument("--ahead", action="store_true", help="the consumer asks to be woken ahead (the default)")
+    ap.add_argument("--ahead", action="store_true", help="the consumer asks to be woken ahead (Receiver's default)")
     args = ap.parse_args()
     n, ahead = args.frames, args.ahead
     warm = 50

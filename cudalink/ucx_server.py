@@ -185,7 +185,7 @@ class _Consumer:
         carries this text."""
         why = f"{what}: {type(exc).__name__}: {exc}"
         if ucx_engine.peer_gone(exc):  # the consumer went away mid-send (it quit, or its cable went): no fault
-            self.why = f"went away ({why})"  # of ours, and said once it leaves (the line below run())
+            self.why = f"went away ({why})"  # of ours, and said once it leaves (run()'s last line, with -v)
             return
         log.warning("cudalink serve: %s", why, exc_info=exc)
         await self._bye(ucx_wire.R_SERVER_ERROR, why)
@@ -437,19 +437,28 @@ def busy_message(port: int, exc: BaseException) -> str:
     """Why a port stayed busy, with the likelier cause where the port is one the OS hands out itself."""
     low, high = _platform.ephemeral_ports()
     if low <= port <= high:
+        sides = [f"below {low}"] if low > 1024 else []
+        sides += [f"above {high}"] if high < 65535 else []
+        where = " or ".join(sides) if sides else "none is left: narrow the range (ip_local_port_range on Linux)"
         return (
             f"cudalink: serve cannot listen on port {port} ({exc}): it lies in the OS's ephemeral range "
             f"({low}-{high}), where outgoing connections and UCX's own sockets take ports, so it may be taken "
-            f"by this very server; pick a port outside it (below {low}, say)"
+            f"by this very server; pick a port outside it ({where})"
         )
     return f"cudalink: serve cannot listen on port {port} ({exc}): another server holds it; pick another port"
 
 
 def say(line: str) -> None:
     """One line to stdout in one write: a producer that spawned this server shares the stream (print, with
-    PYTHONUNBUFFERED set, writes the line and its newline apart, and another writer's line came between)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    PYTHONUNBUFFERED set, writes the line and its newline apart, and another writer's line came between).
+    Lines that cannot be written (no stdout, a closed pipe) are dropped: they inform, and the server
+    serves without them."""
+    out = sys.stdout
+    if out is None:  # pythonw, or a daemon that closed it
+        return
+    with contextlib.suppress(OSError, ValueError):
+        out.write(line + "\n")
+        out.flush()
 
 
 def listening(name: str, host: str, port: int, tell: Callable[[str], None]) -> None:
@@ -500,7 +509,8 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, rea
         raise
     # Leave now: UCX's own threads (its "thread" progress mode) can keep an interpreter from exiting, and a
     # server whose producer process is gone must not linger. The OS returns the leases (the link sees EOF).
-    sys.stdout.flush()
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # no stdout, or a closed one
+        sys.stdout.flush()
     os._exit(0)
 
 

@@ -462,14 +462,34 @@ def test_the_ephemeral_range_is_read_where_linux_keeps_it_and_defaults_elsewhere
     assert _platform.ephemeral_ports(str(f)) == _platform.DEFAULT_EPHEMERAL
 
 
-def test_a_port_picked_for_a_server_lies_outside_the_ephemeral_range_and_is_free_on_every_address() -> None:
+@pytest.mark.parametrize("ephemeral", [None, (32768, 60999), (2000, 64600), (1024, 64000), (49152, 65535)])
+def test_a_port_picked_for_a_server_lies_outside_the_ephemeral_range_and_is_free_on_every_address(
+    ephemeral: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A port from the ephemeral range may be taken before the server binds it, by UCX's own port-0 sockets
-    in that very server (a CI run waited 15 s on such a port)."""
+    in that very server (a CI run waited 15 s on such a port). None: this host's own range. (2000, 64600)
+    leaves two short stretches, which together are room enough."""
     from cudalink.transport import ucx_engine
 
+    if ephemeral is not None:
+        monkeypatch.setattr(_platform, "ephemeral_ports", lambda: ephemeral)
     low, high = _platform.ephemeral_ports()
+    if not ucx_engine.outside_ephemeral():
+        pytest.skip(f"this host hands out every unprivileged port itself ({low}-{high})")
     for _ in range(50):
         port = ucx_engine.free_port()
-        assert not low <= port <= high
+        assert port >= 1024 and not low <= port <= high, port
         with socket.socket() as s:
             s.bind(("", port))  # free on every interface
+
+
+def test_with_no_room_outside_the_ephemeral_range_a_port_is_still_picked_and_the_risk_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cudalink.transport import ucx_engine
+
+    monkeypatch.setattr(_platform, "ephemeral_ports", lambda: (1024, 65535))
+    assert not ucx_engine.outside_ephemeral()
+    port = ucx_engine.free_port()
+    assert 1024 <= port <= 65535
+    assert "no free port outside the ephemeral range" in caplog.text

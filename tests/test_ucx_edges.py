@@ -78,15 +78,27 @@ def test_serving_on_a_port_in_use_is_refused_at_once(name: str) -> None:
         pass
 
 
-def test_a_port_that_stays_busy_is_explained_by_where_it_lies() -> None:
+@pytest.mark.parametrize(
+    ("ephemeral", "advice"),
+    [
+        ((32768, 60999), "(below 32768 or above 60999)"),
+        ((49152, 65535), "(below 49152)"),
+        ((1024, 65535), "(none is left: narrow the range"),
+    ],
+)
+def test_a_port_that_stays_busy_is_explained_by_where_it_lies(
+    ephemeral: tuple[int, int], advice: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from cudalink import ucx_server
 
-    low, high = _platform.ephemeral_ports()
+    monkeypatch.setattr(_platform, "ephemeral_ports", lambda: ephemeral)
+    low, high = ephemeral
     exc = RuntimeError("UCXXBusyError")
     inside = ucx_server.busy_message(low, exc)
-    assert f"ephemeral range ({low}-{high})" in inside and f"below {low}" in inside
-    outside = ucx_server.busy_message(free_port(), exc)
-    assert "another server holds it; pick another port" in outside and "ephemeral" not in outside
+    assert f"ephemeral range ({low}-{high})" in inside and advice in inside, inside
+    if low > 1024:
+        outside = ucx_server.busy_message(low - 1, exc)
+        assert "another server holds it; pick another port" in outside and "ephemeral" not in outside
 
 
 def test_a_port_let_go_of_a_moment_later_is_taken() -> None:
@@ -372,6 +384,24 @@ def test_a_server_says_where_it_serves_before_it_lets_its_sender_go_on(capsys: p
         "cudalink: UCXX listens on port 4242 of every IPv4 interface; only the key keeps others out "
         "(a firewall rule for the port helps)\n"
     ]
+
+
+def test_a_server_with_nowhere_to_say_its_lines_still_tells_its_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer started with its stdout closed (or a broken pipe) must still get its server: the lines
+    inform, the ready word is what the Sender waits on."""
+    import io
+    import sys
+
+    from cudalink import ucx_server
+
+    told: list[str] = []
+    closed = io.StringIO()
+    closed.close()  # writes raise ValueError
+    monkeypatch.setattr(sys, "stdout", closed)
+    ucx_server.listening("lnk", "127.0.0.1", 4242, told.append)
+    monkeypatch.setattr(sys, "stdout", None)
+    ucx_server.listening("lnk", "127.0.0.1", 4242, told.append)
+    assert told == ["ok", "ok"]
 
 
 def test_a_serving_senders_own_output_follows_its_servers_lines_whole() -> None:

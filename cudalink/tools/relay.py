@@ -11,6 +11,7 @@ Frames keep their timestamp and meta.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 from .. import _platform
@@ -34,11 +35,11 @@ def relay(
     _platform.check_name(local)  # before waiting for a first frame: a bad --as or --slots fails now
     _int_arg(slots, "relay --slots", 1, wire.MAX_SLOTS, "--slots 4")
     if seconds is not None and (
-        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e12
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf
     ):
         raise ArgumentError(
-            f"cudalink: relay --seconds must be a number of seconds more than 0 (omit it: until stopped), got "
-            f"{seconds!r}; pass e.g. --seconds 60"
+            f"cudalink: relay --seconds must be a finite number of seconds more than 0 (omit it: until "
+            f"stopped), got {seconds!r}; pass e.g. --seconds 60"
         )
     stop = None if seconds is None else time.monotonic() + seconds
     relayed = 0

@@ -240,23 +240,30 @@ def free_port() -> int:
     and a port from the ephemeral range (what binding port 0 returns) may be taken, before the server
     listens, by any outgoing connection or by the TCP sockets UCX itself opens on port 0 in that very
     server. For tests and benches that pick their own port."""
-    low, high = _platform.ephemeral_ports()
-    # the widest stretch of registered ports (1024 up) the ephemeral range leaves free
-    below, above = (1024, low - 1), (high + 1, 65535)
-    start, end = max(below, above, key=lambda r: r[1] - r[0])
+    ports = outside_ephemeral()
     rng = random.Random()
-    if end - start >= 1000:
-        for _ in range(200):
-            port = rng.randint(start, end)
-            with socket.socket() as s:
-                try:
-                    s.bind(("", port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:  # no room outside the range (or all taken): the OS's choice is what is left
+    for _ in range(200 if len(ports) >= 64 else 0):
+        port = ports[rng.randrange(len(ports))]
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    # no room outside the range (a range of 1024-65535, say), or all of it taken: the OS's choice is left
+    log.warning("cudalink: no free port outside the ephemeral range; a server may find the one picked busy")
+    with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def outside_ephemeral() -> range | list[int]:
+    """The unprivileged ports (1024 up) the OS does not hand out itself: below its ephemeral range and above."""
+    low, high = _platform.ephemeral_ports()
+    below, above = range(1024, max(1024, low)), range(max(1024, high + 1), 65536)
+    if not below or not above:
+        return above or below
+    return [*below, *above]
 
 
 #: the longest a ``Sender(serve=)`` waits for its server to listen (it may wait out a crashed predecessor's

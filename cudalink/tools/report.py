@@ -12,7 +12,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import LinkError
+from ..errors import ArgumentError, LinkError
 from .measure import resolve_backend
 from .peers.mpqueue import KEEP_UNTIL_EXIT
 from .ui import _console, _us
@@ -287,15 +287,12 @@ def _only(text: str | None) -> frozenset[str] | None:
 def check_bench_args(args: argparse.Namespace) -> None:
     """Counts a run cannot use, refused before minutes of setup (fewer frames than the warm-up plus ten
     are raised to that: ``bench.Bench``)."""
-    from ..errors import ArgumentError
+    from ..link import _int_arg
     from ..transport import wire
 
     if args.frames is not None and args.frames < 1:
         raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}; pass e.g. --frames 500")
-    if not 1 <= args.fanout <= wire.MAX_CONSUMERS:  # the consumers of one link
-        raise ArgumentError(
-            f"cudalink: --fanout must be 1..{wire.MAX_CONSUMERS}, got {args.fanout}; pass e.g. --fanout 8"
-        )
+    _int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -301,7 +301,7 @@ class Plan:
     fanout_turns: int = 4
 
 
-QUICK = Plan(latency_frames=200, small_seconds=0.5, fanout_frames=100, bw_iters=20, warm=10, fanout_turns=2)
+QUICK = Plan(latency_frames=200, small_seconds=0.5, fanout_frames=400, bw_iters=20, warm=10, fanout_turns=4)
 FULL = Plan(latency_frames=2000, small_seconds=3.0, fanout_frames=1000, bw_iters=200, warm=50)
 
 PEER_LABELS_CPU = {"shm": "SharedMemory copy + pipe"}

@@ -44,6 +44,7 @@ from .transport import ucx_engine, ucx_wire
 from .transport import wire as shm_wire
 from .transport.ring_source import RingSource
 from .transport.source import Copy
+from .transport.ucx_engine import say
 
 log = logging.getLogger("cudalink.ucx")
 
@@ -446,19 +447,6 @@ def busy_message(port: int, exc: BaseException) -> str:
             f"by this very server; pick a port outside it ({where})"
         )
     return f"cudalink: serve cannot listen on port {port} ({exc}): another server holds it; pick another port"
-
-
-def say(line: str) -> None:
-    """One line to stdout in one write: a producer that spawned this server shares the stream (print, with
-    PYTHONUNBUFFERED set, writes the line and its newline apart, and another writer's line came between).
-    Lines that cannot be written (no stdout, a closed pipe) are dropped: they inform, and the server
-    serves without them."""
-    out = sys.stdout
-    if out is None:  # pythonw, or a daemon that closed it
-        return
-    with contextlib.suppress(OSError, ValueError):
-        out.write(line + "\n")
-        out.flush()
 
 
 def listening(name: str, host: str, port: int, tell: Callable[[str], None]) -> None:

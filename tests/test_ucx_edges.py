@@ -404,6 +404,40 @@ def test_a_server_with_nowhere_to_say_its_lines_still_tells_its_sender(monkeypat
     assert told == ["ok", "ok"]
 
 
+def test_a_new_keys_announcement_is_one_line_written_once_and_never_fatal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first serve of a host makes a key and says how to copy it, before its server listens: with the
+    producer's stdout closed or gone it must serve all the same (print raised there), and the lines go out
+    in one write, as the server's others do, so a producer's own output cannot land inside them."""
+    import io
+    import sys
+
+    from cudalink.transport import ucx_engine
+
+    ucx_engine.announce_key("/tmp/k")
+    out = capsys.readouterr().out
+    assert out.startswith("cudalink: made a new key in /tmp/k. On each consumer's host run:\n"), out
+    assert out.endswith("or set CUDALINK_KEY to its contents there.\n") and out.count("scp ") == 1, out
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, s: str) -> int:
+            writes.append(s)
+            return len(s)
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    ucx_engine.announce_key("/tmp/k")
+    assert len(writes) == 1, writes
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr(sys, "stdout", closed)
+    ucx_engine.announce_key("/tmp/k")  # no ValueError
+    monkeypatch.setattr(sys, "stdout", None)
+    ucx_engine.announce_key("/tmp/k")  # no AttributeError
+    ucx_engine.announce_key(None)  # nothing made: nothing said
+
+
 def test_a_serving_senders_own_output_follows_its_servers_lines_whole() -> None:
     """End to end: a producer printing right after ``Sender(serve=)`` returns."""
     name, url = unique("say"), f"ucx://127.0.0.1:{free_port()}"

@@ -386,14 +386,26 @@ def load_key(create: bool = False) -> tuple[bytes, str | None]:
     return key, path
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write: a producer that spawned its server shares the stream (print, with
+    PYTHONUNBUFFERED set, writes the line and its newline apart, and another writer's line came between).
+    Lines that cannot be written (no stdout, a closed pipe) are dropped: they inform, and the server
+    serves without them."""
+    out = sys.stdout
+    if out is None:  # pythonw, or a daemon that closed it
+        return
+    with contextlib.suppress(OSError, ValueError):
+        out.write(line + "\n")
+        out.flush()
+
+
 def announce_key(created: str | None) -> None:
     """Say where a key just made lives and how to copy it to the consumers' hosts (nothing if none was made)."""
     if created:
-        print(
+        say(
             f"cudalink: made a new key in {created}. On each consumer's host run:\n"
             f"  mkdir -p ~/.config/cudalink && scp {os.uname().nodename}:{created} ~/.config/cudalink/ucx.key\n"
-            "or set CUDALINK_KEY to its contents there.",
-            flush=True,
+            "or set CUDALINK_KEY to its contents there."
         )
 
 

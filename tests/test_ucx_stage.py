@@ -89,3 +89,51 @@ def test_a_bad_stage_mode_is_refused_when_the_server_starts(monkeypatch: pytest.
         ucx_engine.stage_mode()  # what a consumer reads too
     with pytest.raises(cudalink.LinkError, match="CUDALINK_UCX_STAGE='pcie'; use auto, host or gpu"):
         cudalink.Receiver("ucx://127.0.0.1:9/x", timeout=0.1)  # when it is made, before it connects
+
+
+def test_a_pending_gpu_marker_is_looked_at_every_loop_turn_then_every_millisecond(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server's GPU frame (and a consumer's landing) waits for a few µs of GPU work: the wait must not sleep
+    asyncio's shortest real sleep, epoll's millisecond (``asyncio.sleep(0.0001)`` took 1.1 ms, on every GPU
+    frame). Loop turns while the wait is short, millisecond sleeps once it is long, and the marker is
+    forgotten either way. No GPU: the driver calls are stood in for."""
+    import asyncio
+
+    from cudalink.cuda import ucx as cuda_ucx
+
+    now = [0.0]
+    looks: list[float] = []
+    asked: list[float] = []
+    forgot: list[object] = []
+    real_sleep = asyncio.sleep
+
+    def done(marker: object) -> bool:
+        looks.append(now[0])
+        return len(looks) > 40
+
+    async def sleep(delay: float) -> None:
+        asked.append(delay)
+        now[0] += 0.0002  # each look costs a fifth of a millisecond of (fake) loop time
+        await real_sleep(0)
+
+    monkeypatch.setattr(cuda_ucx, "done", done)
+    monkeypatch.setattr(cuda_ucx, "forget", forgot.append)
+    monkeypatch.setattr(cuda_ucx.asyncio, "sleep", sleep)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        monkeypatch.setattr(loop, "time", lambda: now[0])
+        await cuda_ucx.passed(("marker", 1))
+
+    asyncio.run(main())
+    turns = next(i for i, d in enumerate(asked) if d != 0)  # loop turns before the first real sleep
+    assert abs(turns - cuda_ucx.SPIN_S / 0.0002) <= 1, asked  # for SPIN_S of loop time
+    assert set(asked[turns:]) == {cuda_ucx.POLL_S}, asked  # then sleeps (asked[turns] exists: see next())
+    assert cuda_ucx.POLL_S >= 0.001  # asyncio rounds shorter sleeps up to this anyway: say so in the code
+    assert forgot == [("marker", 1)]
+    looks.clear()
+    asked.clear()
+    monkeypatch.setattr(cuda_ucx, "done", lambda m: True)
+    asyncio.run(main())  # passed already: no sleep at all
+    assert asked == [] and forgot[-1] == ("marker", 1) and len(forgot) == 2

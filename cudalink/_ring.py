@@ -113,15 +113,16 @@ class PyProducerRing(_ProducerCold):
         return any(self._column(self.buf, self._column_off[slot]))
 
     def claim(self, seq: int) -> int | None:
-        """Take the oldest slot no consumer holds, marking it 'being written' for frame ``seq``."""
+        """Take the oldest slot no consumer holds and no open ``reserve()`` writes, marking it 'being written'
+        for frame ``seq``."""
         buf = self.buf
         stamps = self._stamps(buf, self.layout.stamps)
         tried = 0  # bit mask of slots that lost a race to a consumer this call
         while True:
             slot, oldest = -1, 0
-            for i in self._slots:  # the oldest unleased slot: a min over a few ints, no sort
-                st = stamps[i]
-                if (slot < 0 or st < oldest) and not (tried >> i) & 1 and not self._leased(i):
+            for i in self._slots:  # the oldest unleased slot not being written (an odd stamp: an open
+                st = stamps[i]  # reserve() of this producer's): a min over a few ints, no sort
+                if (slot < 0 or st < oldest) and not (st | tried >> i) & 1 and not self._leased(i):
                     slot, oldest = i, st
             if slot < 0:
                 return None

@@ -348,6 +348,7 @@ class Sender:
         self._released = threading.Event()
         #: send_async()'s cancel flags, by the thread that runs each send: a cancelled one stops waiting for a slot
         self._abandons: dict[int, threading.Event] = {}
+        self._reserved = 0  # open reserve() blocks: their slots are being written (odd stamps), never claimed
         #: per (consumer index, slot): that consumer's imported release event, with the token of the consumer
         #: it came from. Items are replaced whole (atomic under the GIL), so the control thread's leave never
         #: races a send iterating a dict.
@@ -473,9 +474,23 @@ class Sender:
 
     def _claim(self, timeout: float | None) -> int | None:
         slot = self._ring.claim(self._seq + 1)
+        if slot is None and self._reserved:
+            self._check_own_reservations()
         if slot is not None or self.policy == "drop":
             return slot
         return self._claim_waiting(timeout)
+
+    def _check_own_reservations(self) -> None:
+        """No slot was free and this thread's open ``reserve()`` blocks write some (the block holds the lock,
+        so only its own thread gets here): where they write every slot, no consumer can ever free one, and
+        waiting (or dropping frame after frame) would only hide the mistake."""
+        if self._reserved >= self._layout.nslots:
+            n = self._layout.nslots
+            raise LinkError(
+                f"cudalink: every slot of {self.name!r} ({n}) is being written by an open reserve() block of this "
+                f"Sender; a send() or reserve() inside it needs a free slot: make the link with slots={n + 1} "
+                "or more, or leave the block first"
+            )
 
     def _claim_waiting(self, timeout: float | None) -> int | None:
         """policy='block' with every slot held: wait (bounded) for a consumer to release one (``timeout`` was
@@ -580,6 +595,8 @@ class Sender:
             spec = self._spec
             checked = self._slots.source(spec, array, stream)
             slot = self._ring.claim(self._seq + 1)  # _claim(), its common case inlined
+            if slot is None and self._reserved:
+                self._check_own_reservations()
             if slot is None and self.policy == "block":
                 slot = self._claim_waiting(timeout)
             if slot is None:
@@ -710,6 +727,7 @@ class Sender:
         except BaseException:
             self._ring.abort(slot)
             raise
+        self._reserved += 1
         return slot, spec, frame
 
     def _commit(self, slot: int, spec: FrameSpec, frame: Frame, stream: object, meta: bytes) -> None:
@@ -874,7 +892,7 @@ class _Reservation:
     before any other send on the link.
     """
 
-    __slots__ = ("_meta", "_stream", "_taken", "_timeout", "_tx")
+    __slots__ = ("_done", "_meta", "_stream", "_taken", "_timeout", "_tx")
 
     def __init__(self, tx: Sender, stream: object, meta: bytes, timeout: float | None) -> None:
         self._tx = tx
@@ -882,6 +900,7 @@ class _Reservation:
         self._meta = meta
         self._timeout = timeout
         self._taken: tuple[int, FrameSpec, Frame] | None = None
+        self._done = False
 
     def __enter__(self) -> Frame:
         if self._taken is not None:
@@ -897,8 +916,9 @@ class _Reservation:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         taken = self._taken
-        if taken is None:
+        if taken is None or self._done:  # never entered, or left already (a second exit publishes nothing)
             return
+        self._done = True
         tx = self._tx
         slot, spec, frame = taken
         try:
@@ -908,6 +928,7 @@ class _Reservation:
                 frame.release()
                 tx._ring.abort(slot)
         finally:
+            tx._reserved -= 1
             tx._lock.release()
 
 

@@ -142,6 +142,57 @@ def test_a_reserved_frame_is_stamped_when_published_not_when_reserved(pair: Pair
         assert f.timestamp_ns >= published_after, (f.timestamp_ns - published_after) / 1e6
 
 
+def test_a_send_inside_a_reserve_block_never_writes_the_reserved_slot(pair: PairFactory, transport: Transport) -> None:
+    """With one slot, a send() (or a second reserve()) inside an open block had the block's own slot: it wrote
+    over the frame being rendered, and one of the two frames was lost. It is refused, saying what to do; with
+    a slot to spare, both frames arrive whole and in order."""
+    tx, rx = pair(transport, shape=(4,), dtype="uint8", slots=1, rx={"latest": False})
+    with tx, rx:
+        with tx.reserve() as w:
+            view = np.from_dlpack(w)
+            view[...] = 7
+            with pytest.raises(cudalink.LinkError, match="slots=2"):
+                tx.send(np.full(4, 5, np.uint8))
+            with pytest.raises(cudalink.LinkError, match="open reserve"), tx.reserve():
+                pass
+            assert view.tolist() == [7] * 4
+            view[...] = 8
+            del view
+        f = rx.recv(1)
+        assert (f.seq, np.from_dlpack(f).tolist()) == (1, [8] * 4)
+        f.release()
+    tx, rx = pair(transport, shape=(4,), dtype="uint8", slots=3, rx={"latest": False})
+    with tx, rx:
+        with tx.reserve() as a, tx.reserve() as b:
+            va, vb = np.from_dlpack(a), np.from_dlpack(b)
+            assert not np.shares_memory(va, vb)
+            va[...], vb[...] = 1, 2
+            assert tx.send(np.full(4, 3, np.uint8)) is not None
+            assert (va.tolist(), vb.tolist()) == ([1] * 4, [2] * 4)
+            del va, vb
+        got = []
+        for _ in range(3):
+            f = rx.recv(1)
+            got.append(np.from_dlpack(f).tolist())
+            f.release()
+        assert got == [[3] * 4, [2] * 4, [1] * 4]  # published as each ended: the send, the inner, the outer
+
+
+def test_leaving_a_reserve_block_twice_publishes_once(pair: PairFactory, transport: Transport) -> None:
+    tx, rx = pair(transport, shape=(4,), dtype="uint8", rx={"latest": False})
+    with tx, rx:
+        block = tx.reserve()
+        np.from_dlpack(block.__enter__())[...] = 4
+        block.__exit__(None, None, None)
+        block.__exit__(None, None, None)  # a second exit: nothing published, no lock error
+        assert tx.send(np.full(4, 5, np.uint8)) == 2
+        seqs = []
+        while (f := rx.poll()) is not None:
+            seqs.append(f.seq)
+            f.release()
+        assert seqs == [1, 2]
+
+
 def test_a_reserve_block_gives_the_lock_back_however_it_ends(pair: PairFactory, transport: Transport) -> None:
     """The block holds the Sender's lock: after a clean end, a raise in the block, or a refused entry,
     another thread's send must go through; a block object is entered once."""

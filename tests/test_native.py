@@ -895,3 +895,24 @@ def test_oldest_first_never_passes_a_frame_a_torn_scan_missed() -> None:
         rx.release(got[0], got[1].seq, False)
         got = rx.take(got[1].seq, False)
         assert got is not None and got[1].seq == want
+
+
+@pytest.mark.parametrize("impl", ["python", "compiled"])
+def test_a_slot_being_written_is_never_claimed_again(impl: str) -> None:
+    """An open ``reserve()`` leaves its slot's stamp odd until the publish: a second claim (a ``send()`` inside
+    the block) must take another slot, or none, never the one being written (with one slot both wrote the
+    same memory and a frame was lost)."""
+    side = _side(impl)
+    first = side.tx.claim(1)
+    assert first is not None
+    others = set()
+    for seq in range(2, 2 + 8):
+        slot = side.tx.claim(seq)
+        if slot is None:
+            break
+        assert slot != first, (seq, slot)
+        others.add(slot)
+    assert len(others) <= 3 and first not in others  # every other slot, then none
+    assert side.tx.claim(99) is None
+    side.tx.publish(first, 1, 0, SPECS[0], b"")
+    assert side.tx.claim(100) == first  # published (even): oldest and free again

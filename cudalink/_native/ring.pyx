@@ -193,9 +193,9 @@ cdef class ProducerCore:
         try:
             while True:
                 slot = -1
-                for i in range(self.o.nslots):  # the oldest unleased slot
-                    st = cl_load64(base + self.o.stamps + 8 * i)
-                    if (slot < 0 or st < oldest) and not (tried >> i) & 1 and not self._leased(base, i):
+                for i in range(self.o.nslots):  # the oldest unleased slot not being written (an odd stamp:
+                    st = cl_load64(base + self.o.stamps + 8 * i)  # an open reserve() of this producer's)
+                    if (slot < 0 or st < oldest) and not (st | tried >> i) & 1 and not self._leased(base, i):
                         slot, oldest = i, st
                 if slot < 0:
                     return None

@@ -357,9 +357,12 @@ class CudaLinkSender:
 
     # -- teardown ------------------------------------------------------------------------------------------------
 
-    def close(self, timeout: float = GRACE_S) -> None:
-        """Shutdown = 1 and handles zeroed, ``timeout`` seconds (default 0.1) for readers to let go, then free the
-        slots and unlink the segment."""
+    def close(self, timeout: float | None = GRACE_S) -> None:
+        """Shutdown = 1 and handles zeroed, ``timeout`` seconds (default 0.1; at most 5, which ``None`` means) for
+        readers to let go, then free the slots and unlink the segment."""
+        from .link import _seconds_arg  # link imports this module lazily: no cycle at import time
+
+        timeout = min(_seconds_arg(timeout, "timeout", "close(timeout=0.1)", none_ok=True), 5.0)
         if self._closed:
             return
         with self._lock:
@@ -369,7 +372,7 @@ class CudaLinkSender:
                 _say_shutdown(buf, n)
                 if self._bell is not None:
                     self._bell.ring()  # cuda-link rings once more at shutdown: a sleeping reader lets go now
-                time.sleep(max(0.0, min(timeout, 5.0)))
+                time.sleep(timeout)
             finally:
                 self._buf = memoryview(b"")
                 with contextlib.suppress(Exception):

@@ -795,8 +795,10 @@ class Sender:
 
     # -- teardown ------------------------------------------------------------------------------------------
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule), then free everything."""
+    def close(self, timeout: float | None = 2.0) -> None:
+        """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule; ``None``: as long as they
+        take), then free everything."""
+        timeout = _seconds_arg(timeout, "timeout", "close(timeout=2.0)", none_ok=True)
         if self._closed:
             return
         _open_senders.discard(self)
@@ -982,6 +984,7 @@ class Receiver:
         wait = _choice_arg(wait, "wait", ("spin", "block", "hybrid"))  # type: ignore[assignment]
         latest = _bool_arg(latest, "latest")
         wake_ahead = _bool_arg(wake_ahead, "wake_ahead")
+        connect = _bool_arg(connect, "connect")
         self.timeout = _seconds_arg(timeout, "timeout", "timeout=5.0", none_ok=True)
         spin_s = _seconds_arg(spin_us, "spin_us", "spin_us=50", unit="microseconds") / 1e6
         self._source: Source = source or open_source(

@@ -45,6 +45,7 @@ SENDER_BAD = [
     ({"shape": "4x4"}, ValueError, "shape must be"),
     ({"dtype": ">f4"}, ValueError, "not supported"),
     ({"dtype": object()}, ValueError, "not a dtype"),
+    ({"dtype": None}, ValueError, "dtype None is not a dtype"),  # numpy would make it float64
     ({"slots": 0}, ValueError, "slots must be 1.."),
     ({"slots": 1000}, ValueError, "slots must be 1.."),
     ({"slots": "4"}, TypeError, "slots must be an integer"),
@@ -103,6 +104,7 @@ RECEIVER_BAD = [
     ({"latest": "no"}, TypeError, "latest must be True or False"),
     ({"latest": None}, TypeError, "latest must be True or False"),
     ({"wake_ahead": "off"}, TypeError, "wake_ahead must be True or False"),
+    ({"connect": "no"}, TypeError, "connect must be True or False"),  # a truthy word: it connected
 ]
 
 
@@ -116,6 +118,37 @@ def test_every_bad_receiver_argument_is_a_cudalink_error_python_users_can_catch(
         cudalink.Receiver(name, **args)  # type: ignore[arg-type]
     assert isinstance(info.value, kind), (type(info.value).__mro__, info.value)
     assert str(info.value).startswith("cudalink: ") and words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "kind", "words"),
+    [
+        ("x", TypeError, "timeout must be a number"),
+        (-1, ValueError, "timeout must be >= 0"),
+        (float("nan"), ValueError, ">= 0"),
+    ],
+)
+def test_a_bad_close_timeout_is_refused_and_none_waits_without_limit(timeout: object, kind: type, words: str) -> None:
+    """close(timeout=None) raised a raw TypeError (and closed all the same); -1 and NaN passed unseen."""
+    tx = cudalink.Sender(f"argtest-close-{os.getpid()}", device="cpu", **_OK_TX)  # type: ignore[arg-type]
+    with pytest.raises(cudalink.LinkError) as info:
+        tx.close(timeout=timeout)  # type: ignore[arg-type]
+    assert isinstance(info.value, kind) and str(info.value).startswith("cudalink: ") and words in str(info.value)
+    assert not tx.closed  # refused before anything was done
+    tx.close(timeout=None)  # no consumer: returns at once
+    assert tx.closed
+
+
+@pytest.mark.parametrize("thing", [None, b"\x00" * 16, "pixels", object()])
+def test_sending_what_is_not_an_array_says_so(thing: object) -> None:
+    """send(None) said "array is () object but the link carries (4, 4) uint8; call reconfigure(...)"."""
+    with cudalink.Sender(f"argtest-send-{os.getpid()}", device="cpu", **_OK_TX) as tx:  # type: ignore[arg-type]
+        with pytest.raises(
+            cudalink.FormatError, match=r"^cudalink: \w+ is not an array of pixels; pass a numpy"
+        ) as info:
+            tx.send(thing)
+        assert "reconfigure" not in str(info.value)
+        assert tx.stats()["published"] == 0
 
 
 def test_the_argument_errors_are_exported_and_pickle() -> None:

@@ -62,9 +62,15 @@ def describe_array(obj: object, stream_ptr: int = -1) -> ArrayInfo:
             return host_info(np.from_dlpack(obj))  # type: ignore[arg-type]  # it has __dlpack_device__
     elif not has_cai:
         try:
-            return host_info(np.asarray(obj))
+            arr = np.asarray(obj)
         except Exception as exc:
             raise FormatError(f"cudalink: cannot read {cls.__name__} as an array: {exc}") from exc
+        if arr.dtype.kind in "OSUV":  # None, bytes, str, an odd object: numpy wraps it, it holds no pixels
+            raise FormatError(
+                f"cudalink: {cls.__name__} is not an array of pixels; pass a numpy, torch, cupy or jax array, or any "
+                "object with DLPack or the CUDA array interface (raw bytes: np.frombuffer(data, np.uint8).reshape(...))"
+            )
+        return host_info(arr)
     smv = driver.view_class()
     try:
         if has_cai:

@@ -71,6 +71,8 @@ _DEPTH_SUFFIX = {
 
 def as_dtype(dtype: DTypeLike) -> np.dtype[np.generic]:
     """Normalise anything numpy understands (``"float32"``, ``np.float32``, a dtype) and check it is supported."""
+    if dtype is None:  # numpy reads None as float64: a link of another dtype than the caller meant
+        raise FormatError(f"cudalink: dtype None is not a dtype; use one of {', '.join(SUPPORTED_DTYPES)} (e.g. uint8)")
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:

@@ -185,7 +185,9 @@ def test_context_manager_releases() -> None:
 
 def test_cuda_frame_apis_refuse_cleanly_on_host() -> None:
     frame = Frame.from_array(np.zeros(3))
-    assert not hasattr(frame, "__cuda_array_interface__")
+    assert not hasattr(frame, "__cuda_array_interface__")  # an AttributeError: CAI probes must see none
+    with pytest.raises(AttributeError, match=r"^cudalink: .* only on CUDA frames; use np.from_dlpack"):
+        frame.__cuda_array_interface__  # noqa: B018
     assert np.array_equal(frame.to_numpy(), np.zeros(3))
     assert np.asarray(frame).shape == (3,)
 

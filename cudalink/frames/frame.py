@@ -426,7 +426,7 @@ class Frame:
     def __cuda_array_interface__(self) -> dict[str, object]:
         """CAI v3 fast path (torch.as_tensor, cupy.asarray). ``stream`` is one of ours on which data is ready."""
         if not self._is_cuda:
-            raise AttributeError("__cuda_array_interface__ exists only on CUDA frames")
+            raise AttributeError("cudalink: __cuda_array_interface__ exists only on CUDA frames; use np.from_dlpack")
         hold = self._live()
         # CAI consumers keep the *frame* alive, not our hold: so release() must not drop the hold now.
         self._cai_exported = True

@@ -112,17 +112,18 @@ class PyProducerRing(_ProducerCold):
     def _leased(self, slot: int) -> bool:
         return any(self._column(self.buf, self._column_off[slot]))
 
-    def claim(self, seq: int) -> int | None:
-        """Take the oldest slot no consumer holds and no open ``reserve()`` writes, marking it 'being written'
-        for frame ``seq``."""
+    def claim(self, seq: int, skip: int = 0) -> int | None:
+        """Take the oldest slot no consumer holds and not in ``skip`` (bit i: slot i, those an open ``reserve()``
+        writes), marking it 'being written' for frame ``seq``. A slot left odd by a claim that never published
+        (an exception between the two) is taken again like any other."""
         buf = self.buf
         stamps = self._stamps(buf, self.layout.stamps)
-        tried = 0  # bit mask of slots that lost a race to a consumer this call
+        tried = skip  # bit mask of slots not to take: skipped, or lost a race to a consumer this call
         while True:
             slot, oldest = -1, 0
-            for i in self._slots:  # the oldest unleased slot not being written (an odd stamp: an open
-                st = stamps[i]  # reserve() of this producer's): a min over a few ints, no sort
-                if (slot < 0 or st < oldest) and not (st | tried >> i) & 1 and not self._leased(i):
+            for i in self._slots:  # the oldest unleased slot: a min over a few ints, no sort
+                st = stamps[i]
+                if (slot < 0 or st < oldest) and not (tried >> i) & 1 and not self._leased(i):
                     slot, oldest = i, st
             if slot < 0:
                 return None
@@ -326,7 +327,7 @@ class ProducerRing(Protocol):
     buf: wire.Buf
     layout: Layout
 
-    def claim(self, seq: int) -> int | None: ...
+    def claim(self, seq: int, skip: int = 0) -> int | None: ...
     def abort(self, slot: int) -> None: ...
     def publish(self, slot: int, seq: int, timestamp_ns: int | None, spec: FrameSpec, meta: bytes) -> int: ...
     def count_drop(self) -> None: ...

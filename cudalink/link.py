@@ -348,7 +348,7 @@ class Sender:
         self._released = threading.Event()
         #: send_async()'s cancel flags, by the thread that runs each send: a cancelled one stops waiting for a slot
         self._abandons: dict[int, threading.Event] = {}
-        self._reserved = 0  # open reserve() blocks: their slots are being written (odd stamps), never claimed
+        self._reserved = 0  # slots open reserve() blocks write (bit i: slot i): never claimed until they end
         #: per (consumer index, slot): that consumer's imported release event, with the token of the consumer
         #: it came from. Items are replaced whole (atomic under the GIL), so the control thread's leave never
         #: races a send iterating a dict.
@@ -473,7 +473,7 @@ class Sender:
         return _meta_bytes(meta), _timestamp(timestamp_ns)
 
     def _claim(self, timeout: float | None) -> int | None:
-        slot = self._ring.claim(self._seq + 1)
+        slot = self._ring.claim(self._seq + 1, self._reserved)
         if slot is None and self._reserved:
             self._check_own_reservations()
         if slot is not None or self.policy == "drop":
@@ -484,8 +484,8 @@ class Sender:
         """No slot was free and this thread's open ``reserve()`` blocks write some (the block holds the lock,
         so only its own thread gets here): where they write every slot, no consumer can ever free one, and
         waiting (or dropping frame after frame) would only hide the mistake."""
-        if self._reserved >= self._layout.nslots:
-            n = self._layout.nslots
+        n = self._layout.nslots
+        if self._reserved == (1 << n) - 1:
             raise LinkError(
                 f"cudalink: every slot of {self.name!r} ({n}) is being written by an open reserve() block of this "
                 f"Sender; a send() or reserve() inside it needs a free slot: make the link with slots={n + 1} "
@@ -505,7 +505,7 @@ class Sender:
                     raise LinkClosed(f"cudalink: Sender {self.name!r} was closed while this send waited for a slot")
                 if self._abandons:
                     self._check_abandoned()
-                slot = self._ring.claim(self._seq + 1)
+                slot = self._ring.claim(self._seq + 1, self._reserved)
                 if slot is not None:
                     return slot
                 left = deadline - time.monotonic()
@@ -594,7 +594,7 @@ class Sender:
                 self._check_abandoned()
             spec = self._spec
             checked = self._slots.source(spec, array, stream)
-            slot = self._ring.claim(self._seq + 1)  # _claim(), its common case inlined
+            slot = self._ring.claim(self._seq + 1, self._reserved)  # _claim(), its common case inlined
             if slot is None and self._reserved:
                 self._check_own_reservations()
             if slot is None and self.policy == "block":
@@ -727,7 +727,7 @@ class Sender:
         except BaseException:
             self._ring.abort(slot)
             raise
-        self._reserved += 1
+        self._reserved |= 1 << slot
         return slot, spec, frame
 
     def _commit(self, slot: int, spec: FrameSpec, frame: Frame, stream: object, meta: bytes) -> None:
@@ -930,7 +930,7 @@ class _Reservation:
                 frame.release()
                 tx._ring.abort(slot)
         finally:
-            tx._reserved -= 1
+            tx._reserved &= ~(1 << slot)
             tx._lock.release()
 
 

@@ -183,19 +183,20 @@ cdef class ProducerCore:
     cdef inline bint _leased(self, const uint8_t *base, Py_ssize_t slot) noexcept nogil:
         return _column_set(base + self.o.leases + 8 * slot * self.o.ncons, self.o.ncons)
 
-    def claim(self, uint64_t seq):
-        """Take the oldest slot no consumer holds, marking it 'being written' for frame ``seq``."""
+    def claim(self, uint64_t seq, uint64_t skip=0):
+        """Take the oldest slot no consumer holds and not in ``skip`` (bit i: slot i, those an open ``reserve()``
+        writes), marking it 'being written' for frame ``seq``."""
         cdef Py_buffer v
         cdef uint8_t *base = _map(self.buf, &v, self.o.size)
-        cdef uint64_t tried = 0, oldest = 0, st
+        cdef uint64_t tried = skip, oldest = 0, st
         cdef Py_ssize_t i, slot
         cdef uint8_t *cell
         try:
             while True:
                 slot = -1
-                for i in range(self.o.nslots):  # the oldest unleased slot not being written (an odd stamp:
-                    st = cl_load64(base + self.o.stamps + 8 * i)  # an open reserve() of this producer's)
-                    if (slot < 0 or st < oldest) and not (st | tried >> i) & 1 and not self._leased(base, i):
+                for i in range(self.o.nslots):  # the oldest unleased slot
+                    st = cl_load64(base + self.o.stamps + 8 * i)
+                    if (slot < 0 or st < oldest) and not (tried >> i) & 1 and not self._leased(base, i):
                         slot, oldest = i, st
                 if slot < 0:
                     return None

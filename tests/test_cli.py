@@ -394,6 +394,23 @@ def test_bench_only_refuses_an_unknown_part() -> None:
     assert "copy-send" in proc.stderr  # names the parts it takes
 
 
+@pytest.mark.parametrize("only", ["", " , ,", ","])
+def test_bench_only_refuses_an_empty_list_at_once(only: str) -> None:
+    """``--only ""`` picked no part and ran the whole bench (killed under a timeout, it left segments behind)."""
+    t0 = time.monotonic()
+    proc = run_cli("bench", "--only", only, timeout=30)
+    assert_one_line_error(proc)
+    assert "--only takes a comma-separated list of" in proc.stderr and "gpu-clock" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 15
+
+
+def test_bench_only_error_is_the_only_line_on_stderr() -> None:
+    """``--only nosuch`` printed a blank line (the progress bar's teardown) and the backend note above it."""
+    proc = run_cli("bench", "--only", "nosuch", timeout=30)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("cudalink: --only takes") and proc.stderr.count("\n") == 1, repr(proc.stderr)
+
+
 def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
     proc = run_cli("bench", "--quick", "--json", str(tmp_path / "missing" / "x.json"))
     assert_one_line_error(proc)

@@ -275,17 +275,18 @@ def _only(text: str | None) -> frozenset[str] | None:
     """``--only a,b``: the parts to run, each one of ``bench.ONLY_CHOICES``."""
     from .bench import ONLY_CHOICES
 
-    if not text:
+    if text is None:  # no --only: every part (an empty --only picks none, and is refused below)
         return None
     parts = frozenset(p.strip() for p in text.split(",") if p.strip())
     unknown = sorted(parts - set(ONLY_CHOICES))
     if unknown or not parts:
-        raise LinkError(f"cudalink: --only takes a comma-separated list of {', '.join(ONLY_CHOICES)}; got {text!r}")
+        raise ArgumentError(f"cudalink: --only takes a comma-separated list of {', '.join(ONLY_CHOICES)}; got {text!r}")
     return parts
 
 
 def check_bench_args(args: argparse.Namespace) -> None:
-    """Counts a run cannot use, refused before minutes of setup (fewer frames than the warm-up plus ten
+    """Counts and parts a run cannot use, refused before minutes of setup (and before the progress
+    bar, whose teardown would print a blank line above the error; fewer frames than the warm-up plus ten
     are raised to that: ``bench.Bench``)."""
     from ..link import _int_arg
     from ..transport import wire
@@ -293,6 +294,7 @@ def check_bench_args(args: argparse.Namespace) -> None:
     if args.frames is not None and args.frames < 1:
         raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}; pass e.g. --frames 500")
     _int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
+    _only(getattr(args, "only", None))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

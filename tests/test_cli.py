@@ -411,6 +411,33 @@ def test_bench_only_error_is_the_only_line_on_stderr() -> None:
     assert proc.stderr.startswith("cudalink: --only takes") and proc.stderr.count("\n") == 1, repr(proc.stderr)
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--device", "cpu"], "this run uses the CPU backend"),
+        (["--quick"], "--quick runs on the CPU unless --device names a GPU"),
+        (["--quick", "--device", "cpu"], "this run uses the CPU backend"),
+        (["--remote"], "--remote has no GPU-clock rows"),
+        (["--remote", "--device", "0"], "--remote has no GPU-clock rows"),
+        (["--multi-gpu"], "--multi-gpu has no GPU-clock rows"),
+        (["--device", "0", "--breakdown"], "--breakdown has no GPU-clock rows"),
+        (["--device", "0", "--only", "floors,copy-send"], "--only leaves them out; add gpu-clock"),
+    ],
+)
+def test_bench_mps_where_it_would_change_nothing_is_refused_at_once(args: list[str], needle: str) -> None:
+    """``--mps`` only adds an MPS pass to the GPU-clock rows: with none to run it was accepted and ignored."""
+    proc = run_cli("bench", *args, "--mps", timeout=30)
+    assert_one_line_error(proc)
+    assert "--mps runs the GPU-clock rows under the MPS daemon" in proc.stderr and needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(gpu_usable(), reason="checks the no-GPU fallback of --device auto")
+def test_bench_mps_without_a_gpu_is_refused_at_once() -> None:
+    proc = run_cli("bench", "--mps", timeout=30)
+    assert_one_line_error(proc)
+    assert "would use the CPU backend: no GPU" in proc.stderr, proc.stderr
+
+
 def test_bench_bad_json_dir_is_one_line(tmp_path: Path) -> None:
     proc = run_cli("bench", "--quick", "--json", str(tmp_path / "missing" / "x.json"))
     assert_one_line_error(proc)

@@ -285,7 +285,7 @@ def _only(text: str | None) -> frozenset[str] | None:
 
 
 def check_bench_args(args: argparse.Namespace) -> None:
-    """Counts and parts a run cannot use, refused before minutes of setup (and before the progress
+    """Counts, parts and flags a run cannot use, refused before minutes of setup (and before the progress
     bar, whose teardown would print a blank line above the error; fewer frames than the warm-up plus ten
     are raised to that: ``bench.Bench``)."""
     from ..link import _int_arg
@@ -294,7 +294,28 @@ def check_bench_args(args: argparse.Namespace) -> None:
     if args.frames is not None and args.frames < 1:
         raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}; pass e.g. --frames 500")
     _int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
-    _only(getattr(args, "only", None))
+    only = _only(getattr(args, "only", None))
+    if getattr(args, "mps", False):
+        _check_mps(args, only)
+
+
+def _check_mps(args: argparse.Namespace, only: frozenset[str] | None) -> None:
+    """``--mps`` changes one thing: the GPU-clock rows run a second pass under the MPS daemon. Where those
+    rows do not run it would be ignored in silence: a report without the MPS figures, and no word why."""
+    why = ""
+    if getattr(args, "remote", False):
+        why = "--remote has no GPU-clock rows"
+    elif getattr(args, "multi_gpu", False):
+        why = "--multi-gpu has no GPU-clock rows"
+    elif str(args.device or ("cpu" if args.quick else "auto")).strip().lower() == "cpu":
+        implied = "" if args.device else " (--quick runs on the CPU unless --device names a GPU)"
+        why = f"this run uses the CPU backend{implied}; pass --device 0 to run it on a GPU"
+    elif args.breakdown:
+        why = "--breakdown has no GPU-clock rows"
+    elif only is not None and "gpu-clock" not in only:
+        why = "--only leaves them out; add gpu-clock to it"
+    if why:
+        raise ArgumentError(f"cudalink: --mps runs the GPU-clock rows under the MPS daemon, but {why}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -310,6 +331,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console, err = _console(stderr=to_stdout), _console(stderr=True)
     device = args.device or ("cpu" if args.quick else "auto")
     backend = resolve_backend(device)
+    if args.mps and not backend.is_cuda:  # --device auto found no GPU: no GPU-clock rows for --mps to run
+        why = backend.note.replace(": using the CPU backend", "") or "no GPU"
+        raise ArgumentError(
+            f"cudalink: --mps runs the GPU-clock rows under the MPS daemon, but this run would use the CPU "
+            f"backend: {why}"
+        )
     if backend.note:
         err.print(Text(backend.note, style="yellow"))
     if args.json and not to_stdout:  # before a run of minutes, not after it

@@ -291,6 +291,60 @@ def test_monitor_tells_a_starting_producer_from_a_foreign_segment(magic: bytes) 
         seg.unlink()
 
 
+def test_monitor_of_a_link_nobody_publishes_says_so_once_and_fails_at_the_end() -> None:
+    """It printed the same "no link named" line every interval (twice in one second) and exited 0."""
+    name = f"nosuchlink-{os.getpid()}"
+    t0 = time.monotonic()
+    proc = run_cli("monitor", name, "--seconds", "1", "--interval", "0.1", timeout=30)
+    assert time.monotonic() - t0 >= 1.0  # it kept watching until --seconds
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and "no link named" in lines[0] and "waiting for a producer" in lines[0], proc.stdout
+    assert_one_line_error(proc)
+    assert f"no producer published {name!r} here within --seconds 1" in proc.stderr, proc.stderr
+
+
+def test_monitor_prints_each_change_of_state_once() -> None:
+    """Piped: a line a sample while the link is up, and each change to "cannot read it" once, not per sample."""
+    from cudalink.tools import monitor
+
+    name = "some-link"
+    gone = cudalink.LinkError(f"cudalink: no link named {name!r} here")
+    starting = cudalink.LinkError(f"cudalink: link {name!r} is starting")
+    live = object()  # a snapshot, as far as the loop cares
+    script: list[object] = [gone, gone, gone, starting, starting, live, live, gone, gone]
+    looks = iter(script)
+
+    def read(_name: str) -> object:
+        got = next(looks, gone)  # then gone for good, however many looks the deadline leaves
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        seen = monitor._watch_plain(name, 0.001, time.monotonic() + 0.5, read, lambda s, p: "00:00:00 snapshot")
+    lines = [ln.split(" ", 1)[1] for ln in out.getvalue().splitlines()]
+    assert [ln.split(";")[0] for ln in lines] == [
+        str(gone),
+        str(starting),
+        "snapshot",
+        "snapshot",
+        str(gone),
+    ], lines
+    assert seen  # it read the link once at least: the command exits 0
+
+    def never(_name: str) -> object:
+        raise gone
+
+    from rich.console import Console
+
+    quiet = Console(file=io.StringIO(), force_terminal=True)
+    assert monitor._watch_live(name, 0.01, time.monotonic() + 0.05, quiet, never, lambda s, p: None) is False
+
+
 def test_monitor_bad_name_is_one_line() -> None:
     assert_one_line_error(run_cli("monitor", "../etc", "--once"))
 

@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="link name, as given to Sender, or cuda-link:NAME for a cuda-link segment")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between samples (default 0.5)")
-    p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="stop after this long (default: until Ctrl-C); exit status 1 if the link was never there to read",
+    )
     p.set_defaults(func=cmd_monitor)
 
     p = sub.add_parser(

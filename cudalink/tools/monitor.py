@@ -280,14 +280,16 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
     try:
         if console.is_terminal:
-            _watch_live(args.name, interval, deadline, console, read, render)
+            seen = _watch_live(args.name, interval, deadline, console, read, render)
         else:
-            _watch_plain(args.name, interval, deadline, read, line)
+            seen = _watch_plain(args.name, interval, deadline, read, line)
     except (KeyboardInterrupt, _Stop):
-        pass
+        return 0  # stopped by the user (or a service manager): whatever was watched, that is a success
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+    if not seen:  # --seconds ran out and no producer ever published: as --once would, fail (a script can tell)
+        raise LinkError(f"cudalink: no producer published {args.name!r} here within --seconds {args.seconds:g}")
     return 0
 
 
@@ -298,10 +300,14 @@ def _watch_live(
     console: Console,
     read: Callable[[str], Any],
     render: Callable[[Any, Any], Group],
-) -> None:
+) -> bool:
+    """Redraw the view each interval until ``deadline``; whether the link was ever read."""
     prev: Any = None
+    seen = False
     with Live(Text(f"attaching to {name!r} (read-only)…"), console=console, auto_refresh=False) as live:
-        while time.monotonic() < deadline:
+        first = True  # one look even at --seconds 0
+        while first or time.monotonic() < deadline:
+            first = False
             try:
                 snap = read(name)
             except ArgumentError:  # a name that can never be valid: no producer will come
@@ -311,25 +317,35 @@ def _watch_live(
                 prev = None
             else:
                 live.update(render(snap, prev), refresh=True)
-                prev = snap
+                prev, seen = snap, True
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+    return seen
 
 
 def _watch_plain(
     name: str, interval: float, deadline: float, read: Callable[[str], Any], line_of: Callable[[Any, Any], str]
-) -> None:
-    """Not a terminal (piped, a log, ``timeout``): a live view would print nothing until the end."""
+) -> bool:
+    """Not a terminal (piped, a log, ``timeout``): a live view would print nothing until the end. A line a
+    sample while the link can be read; why it cannot (no producer yet, one starting, gone again) once, when
+    that changes, not every interval. Returns whether the link was ever read."""
     prev: Any = None
-    while time.monotonic() < deadline:
+    told = ""  # the reason last printed for not reading the link
+    seen = False
+    first = True  # one look even at --seconds 0
+    while first or time.monotonic() < deadline:
+        first = False
         try:
             snap = read(name)
         except ArgumentError:  # a name that can never be valid: no producer will come
             raise
         except LinkError as exc:
-            line = f"{time.strftime('%H:%M:%S')} {' '.join(str(exc).split())}; waiting for a producer"
             prev = None
+            why = " ".join(str(exc).split())
+            if why != told:
+                print(f"{time.strftime('%H:%M:%S')} {why}; waiting for a producer", flush=True)
+                told = why
         else:
-            line = line_of(snap, prev)
-            prev = snap
-        print(line, flush=True)
+            print(line_of(snap, prev), flush=True)
+            prev, told, seen = snap, "", True
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+    return seen

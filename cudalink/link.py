@@ -146,6 +146,11 @@ def _seconds_arg(value: object, what: str, example: str, none_ok: bool = False, 
     return float(value)
 
 
+def _secs(value: float) -> str:
+    """A duration for a message: ``0.3s``, not ``0.2999986300001183s`` (what is left of a deadline)."""
+    return f"{value:.3g}s" if value < 100 else f"{value:.0f}s"
+
+
 class _Default:
     """``timeout=`` not given to ``recv``/``recv_async``: the Receiver's own (``None`` given: no limit, as the
     README and Python's own blocking calls have it)."""
@@ -511,7 +516,7 @@ class Sender:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LinkTimeout(
-                        f"cudalink: every slot of {self.name!r} stayed held by consumers for {limit}s "
+                        f"cudalink: every slot of {self.name!r} stayed held by consumers for {_secs(limit)} "
                         "(policy='block'); release frames sooner, add slots, or use policy='drop'"
                     )
                 self._released.wait(min(left, 0.01))
@@ -1112,7 +1117,7 @@ class Receiver:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LinkTimeout(
-                    f"cudalink: no producer published {self.name!r} within {timeout}s ({last_error}); "
+                    f"cudalink: no producer published {self.name!r} within {_secs(timeout)} ({last_error}); "
                     "start the Sender first, or pass a longer timeout"
                 )
             time.sleep(min(delay, left))
@@ -1153,7 +1158,7 @@ class Receiver:
         except LinkTimeout as exc:
             if self._dead_generation and not end_is_timeout:
                 raise ProducerGone(
-                    f"cudalink: producer of {self.name!r} is gone and no new one appeared within {limit}s"
+                    f"cudalink: producer of {self.name!r} is gone and no new one appeared within {_secs(limit)}"
                 ) from exc
             raise
         if installed and self._dead_generation:
@@ -1245,7 +1250,7 @@ class Receiver:
                     if now >= deadline:
                         if not att.alive():
                             return self._final(att, "closed or died")
-                        raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
+                        raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {_secs(limit)}")
                     if now < spin_until:
                         for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
                             frame = take(att)
@@ -1349,7 +1354,7 @@ class Receiver:
                 return self._final(att, "closed the link")
             left = deadline - loop.time()
             if left <= 0:
-                raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {limit}s")
+                raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {_secs(limit)}")
             att.set_waiting(wire.WAIT_ON)
             try:
                 try:

@@ -256,6 +256,33 @@ def test_a_wait_cancelled_while_attaching_stops_trying_and_replaces_nothing(name
         assert asyncio.run(read(tx)) == list(range(1, 41))
 
 
+def test_a_timeout_says_its_duration_readably(name: str) -> None:
+    """``await recv_async(timeout=0.3)`` with no producer said "within 0.2999986300001183s" (what was left of
+    its deadline when the attach began); ``recv(timeout=0.1 + 0.2)`` said "within 0.30000000000000004s"."""
+    with cudalink.Receiver(name, connect=False) as rx:
+        with pytest.raises(cudalink.LinkTimeout) as err:
+            asyncio.run(rx.recv_async(timeout=0.3))
+        assert f"no producer published {name!r} within 0.3s (" in str(err.value), err.value
+        with pytest.raises(cudalink.LinkTimeout) as err:
+            rx.recv(timeout=0.1 + 0.2)
+        assert "within 0.3s (" in str(err.value), err.value
+    with cudalink.Sender(name, shape=(2,), dtype="uint8", device="cpu") as tx, cudalink.Receiver(name) as rx:
+        tx.send(np.zeros(2, np.uint8))
+        rx.recv(timeout=5).release()
+        with pytest.raises(cudalink.LinkTimeout) as err:
+            asyncio.run(rx.recv_async(timeout=0.1 + 0.2))
+        assert str(err.value).endswith("within 0.3s"), err.value
+        with pytest.raises(cudalink.LinkTimeout) as err:
+            rx.recv(timeout=0.1 + 0.2)
+        assert str(err.value).endswith("within 0.3s"), err.value
+    blocking = cudalink.Sender(name, shape=(2,), dtype="uint8", device="cpu", slots=1, policy="block")
+    with blocking as tx, cudalink.Receiver(name) as rx:
+        tx.send(np.zeros(2, np.uint8))
+        with rx.recv(timeout=5), pytest.raises(cudalink.LinkTimeout) as err:  # its slot held: send waits
+            tx.send(np.zeros(2, np.uint8), timeout=0.1 + 0.2)
+    assert "stayed held by consumers for 0.3s (" in str(err.value), err.value
+
+
 def test_a_wait_left_on_a_closed_loop_does_not_lock_the_receiver_out(pair: PairFactory) -> None:
     """A ``recv_async`` left pending on a loop that was then closed (never cancelled) will never run again: the
     next waiter takes over instead of being told one is already waiting; the old one's end, when the

@@ -40,7 +40,7 @@ from .errors import LinkError, LinkTimeout, ProducerGone, ProtocolError, Protoco
 from .frames.frame import Frame
 from .frames.spec import FrameSpec
 from .link import Receiver, default_transport
-from .transport import ucx_engine, ucx_wire
+from .transport import shm, ucx_engine, ucx_wire
 from .transport import wire as shm_wire
 from .transport.ring_source import RingSource
 from .transport.source import Copy
@@ -479,10 +479,19 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, rea
 
     def ready(port: int) -> None:
         listening(name, addr.host, port, tell)
+        if not shm.published(name):  # served all the same: a producer may start later
+            say(
+                f"cudalink: no producer publishes {name!r} on this host yet; remote Receivers are refused (and keep "
+                "trying within their timeout) until one does"
+            )
 
     try:
         name = _platform.check_name(name)
         addr = ucx_wire.parse_address(listen, need_name=False)
+        # a host that never resolves is refused, not printed as where the link is served; one whose DNS does not
+        # answer yet is not (the host is only said: UCXX listens on every interface)
+        with contextlib.suppress(ucx_engine.Unresolved):
+            ucx_engine.resolve(addr.host)
         ucx_engine.check_port(addr.port)  # at once, not after UCX's 15 s of retries
         ucx_engine.load()
         key, created = ucx_engine.load_key(create=True)

@@ -424,6 +424,23 @@ def test_producer_death_and_restart_are_visible_and_followed() -> None:
         prod.stop()
 
 
+def test_a_remote_producer_gone_says_what_to_do_once() -> None:
+    """The server's goodbye quoted its own Receiver's ProducerGone whole: "... closed or died (producer gone:
+    cudalink: producer of 'x' closed or died; recv() again to wait for a new one); recv() again to ..."."""
+    with (
+        served("g", "--frames", "1000000", "--fps", "100") as (prod, _, url),
+        cudalink.Receiver(url, timeout=10.0, device="cpu") as rx,
+    ):
+        rx.recv(timeout=5.0).release()
+        prod.kill()
+        with pytest.raises(cudalink.ProducerGone) as gone:
+            while True:
+                rx.recv(timeout=5.0).release()
+    said = str(gone.value)
+    assert said.count("cudalink:") == 1 and said.count("recv() again to wait for a new one") == 1, said
+    assert said.startswith(f"cudalink: producer of {url!r} ") and "(producer gone: " in said, said
+
+
 def test_server_sigkill_gives_producer_gone_within_a_second() -> None:
     name = unique("k")
     prod = producer(name, "--frames", "1000000", "--fps", "100")
@@ -694,6 +711,30 @@ def test_a_wrong_key_is_refused_and_says_so(stream: tuple[Proc, Proc, str], monk
         cudalink.Receiver(url, timeout=10.0)
     assert time.monotonic() - t0 < 5.0
     srv.expect("cudalink serve: refused a connection with the wrong key", 5.0)
+
+
+def test_a_server_refusing_a_name_is_quoted_without_its_own_prefix(stream: tuple[Proc, Proc, str]) -> None:
+    """A name this Receiver would refuse itself, sent by hand: the server's refusal read "cudalink: the ucx
+    server refused (invalid name): cudalink: invalid link name ..."."""
+    _, _, url = stream
+    addr = ucx_wire.parse_address(url, need_name=True)
+
+    async def hello(name: str) -> None:
+        ep = await ucx_engine.engine().core.connect(addr.host, addr.port, 5.0)
+        buf = bytearray(ucx_wire.MSG_SIZE)
+        try:
+            nonce = ucx_wire.unpack_challenge(await ucx_engine.recv_msg(ep, buf, 5.0))
+            proof = ucx_wire.proof(bytes.fromhex(KEY), nonce)
+            await ep.send(ucx_wire.pack_hello(ucx_wire.Hello(proof, True, False, 1, name)))
+            ucx_wire.unpack_welcome(await ucx_engine.recv_msg(ep, buf, 5.0))
+        finally:
+            ep.abort()
+
+    with pytest.raises(ucx_wire.Refused) as refused:
+        ucx_engine.engine().run(hello("bad name"), 15.0)
+    said = str(refused.value)
+    assert said.startswith("cudalink: the ucx server refused (invalid name): invalid link name 'bad name'"), said
+    assert said.count("cudalink:") == 1, said
 
 
 def test_a_missing_key_names_the_way_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

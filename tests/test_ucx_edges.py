@@ -269,13 +269,82 @@ def test_waiting_for_a_server_that_is_down_is_quiet_and_says_what_to_check() -> 
     child = Proc(["-c", script])
     line = child.expect("timeout:", 30.0)
     assert child.p.wait(20) == 0
-    assert f"nothing answered at 127.0.0.1:{port}" in line and "cudalink serve" in line, line
+    # in plain words, not only UCX's ("UCXXMessageTruncatedError: length mismatch: 0 (got) != 16 (expected)")
+    assert f"no cudalink server answered at 127.0.0.1:{port}" in line and "cudalink serve" in line, line
+    assert "length mismatch" not in line or "the connection was refused or closed" in line, line
     noise = [ln for ln in child.log if "UCXX ERROR" in ln]
     assert not noise, "".join(child.log)
     loud = Proc(["-c", script], UCXX_LOG_LEVEL="ERROR")  # the user's setting wins
     loud.expect("timeout:", 30.0)
     assert loud.p.wait(20) == 0
     assert any("UCXX ERROR" in ln for ln in loud.log), "".join(loud.log)
+
+
+@pytest.mark.parametrize("host", ["no.such.host.invalid", "999.1.1.1", "user@127.0.0.1"])
+def test_a_host_that_never_resolves_is_refused_at_once_naming_it(host: str) -> None:
+    """UCX said "Invalid IP address or hostname" on every attempt, and the Receiver waited out its timeout
+    and ended in LinkTimeout; the host is resolved once, up front."""
+    try:
+        socket.getaddrinfo(host, None, socket.AF_INET)
+    except socket.gaierror as exc:
+        if exc.errno not in ucx_engine._NO_SUCH_HOST:
+            pytest.skip(f"this machine's resolver does not answer for {host!r} ({exc.strerror})")
+    else:
+        pytest.skip(f"{host!r} resolves here")
+    ucx_engine.engine()  # started: its start is not what is timed
+    t0 = time.monotonic()
+    with pytest.raises(cudalink.ProtocolError, match=rf"^cudalink: the host {host!r} .*does not resolve to an IPv4"):
+        cudalink.Receiver(f"ucx://{host}:{free_port()}/x", timeout=10.0, device="cpu")
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_a_host_the_resolver_cannot_answer_for_now_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DNS server that does not answer (EAI_AGAIN) is no proof the host is wrong: the Receiver tries again
+    within its timeout, as it does for a server not up yet, and says why it gave up."""
+    asked: list[str] = []
+
+    def no_answer(host: str, *args: object, **kwargs: object) -> object:
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    ucx_engine.engine()
+    monkeypatch.setattr(socket, "getaddrinfo", no_answer)
+    t0 = time.monotonic()
+    with pytest.raises(cudalink.LinkTimeout, match=r"cannot resolve the host 'cam.lan' now \(Temporary"):
+        cudalink.Receiver(f"ucx://cam.lan:{free_port()}/x", timeout=1.0, device="cpu")
+    assert time.monotonic() - t0 >= 1.0 and len(asked) > 1
+
+
+def test_the_serve_command_refuses_a_listen_host_that_never_resolves() -> None:
+    """It printed "serving 'NAME' at ucx://nosuch.invalid:PORT" and ran."""
+    srv = Proc(["-m", "cudalink", "serve", unique("r"), "--listen", f"ucx://nosuch.invalid:{free_port()}"])
+    try:
+        assert srv.p.wait(20) == 1, "".join(srv.log)
+    finally:
+        srv.stop()
+    time.sleep(0.1)  # the reader thread's last lines
+    out = "".join(srv.log)
+    assert "'nosuch.invalid'" in out and "does not resolve" in out and "serving" not in out, out
+
+
+def test_serving_a_name_no_producer_publishes_says_so_and_serves_on() -> None:
+    """Consumers are refused (they try again within their timeout) until a producer starts: the server says
+    so once, instead of serving without a word. A producer already there gets no such line."""
+    name = unique("none")
+    srv, url = server(name)
+    try:
+        line = srv.expect("cudalink: no producer publishes", 10.0)
+        assert f"{name!r} on this host yet" in line and "refused" in line, line
+        with pytest.raises(cudalink.LinkTimeout, match="no producer publishes"):
+            cudalink.Receiver(url, timeout=1.0, device="cpu")
+        assert srv.p.poll() is None
+    finally:
+        srv.stop()
+    with served("some", "--frames", "1000000", "--fps", "10") as (_, srv, url):
+        srv.expect("cudalink: UCXX listens on port", 10.0)
+        with cudalink.Receiver(url, timeout=10.0, device="cpu") as rx:  # the server has said its lines by now
+            rx.recv(timeout=5.0).release()
+        assert not any("no producer publishes" in ln for ln in srv.log), "".join(srv.log)
 
 
 def test_the_serve_command_on_a_port_in_use_is_refused_at_once() -> None:

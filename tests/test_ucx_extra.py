@@ -223,3 +223,29 @@ def test_closing_gives_every_landing_buffer_back_once_no_frame_holds_it() -> Non
     assert not ops.closed  # a buffer is still held: the pool keeps its streams
     held.give_back([201])  # the frame goes, after an export to stream 201
     assert pool.stats()["buffers"] == 0 and not ops.live and ops.closed
+
+
+@pytest.mark.parametrize("bad", ["bad name", "cam0/extra", "cam0?x=1", "..", "-cam"])
+def test_a_bad_link_name_in_an_address_is_refused_at_once_as_a_local_one_is(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name went to the server unchecked: with none there the Receiver waited out its timeout and blamed
+    the network. It is checked where the address is parsed (before UCXX is even needed)."""
+    monkeypatch.setattr(ucx_engine, "_ucxx", None)
+    monkeypatch.setitem(sys.modules, "ucxx", None)
+    t0 = time.monotonic()
+    with pytest.raises(cudalink.ArgumentError, match=r"^cudalink: invalid link name"):
+        cudalink.Receiver(f"ucx://127.0.0.1:5000/{bad}", timeout=5.0, device="cpu")
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(cudalink.ArgumentError, match=r"^cudalink: invalid link name"):
+        cudalink.Receiver(bad, timeout=5.0)  # the same error as the local name gets
+
+
+def test_a_peers_text_is_quoted_without_its_own_prefix_or_retry_hint() -> None:
+    from cudalink.transport import ucx_wire
+
+    said = "cudalink: invalid link name 'a b': use 1-48 letters"
+    refused = ucx_wire.refusal(ucx_wire.pack_reject(ucx_wire.R_NAME, said))
+    assert str(refused) == "cudalink: the ucx server refused (invalid name): invalid link name 'a b': use 1-48 letters"
+    gone = "cudalink: producer of 'cam9' closed or died; recv() again to wait for a new one"
+    assert ucx_wire.quoted(gone) == "producer of 'cam9' closed or died"

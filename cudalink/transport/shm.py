@@ -389,6 +389,11 @@ def _unrecorded(name: str) -> list[str]:
     return out
 
 
+def published(name: str) -> bool:
+    """Whether a live producer holds link ``name`` now (it may be starting or closing)."""
+    return _held(name)
+
+
 def _held(name: str) -> bool:
     """Is link ``name`` held by a live producer (its lock taken)? A lock file made by this look is removed."""
     try:

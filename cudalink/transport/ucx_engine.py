@@ -38,7 +38,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from .. import _platform
-from ..errors import LinkError
+from ..errors import LinkError, ProtocolError, ProtocolReason
 from . import ucx_wire
 
 T = TypeVar("T")
@@ -210,7 +210,44 @@ def check_listen(listen: str) -> None:
     addr = ucx_wire.parse_address(listen, need_name=False)
     if importlib.util.find_spec("ucxx") is None:
         raise LinkError(f"cudalink: serve={listen!r} needs UCXX, which is not installed; {INSTALL_HINT}")
+    with contextlib.suppress(Unresolved):  # its DNS may answer later (see ucx_server.serve)
+        resolve(addr.host)
     check_port(addr.port)
+
+
+#: getaddrinfo's answers that say a name has no IPv4 address, now or ever (not a DNS server that failed to
+#: answer): waiting for a server there is in vain
+_NO_SUCH_HOST = {
+    getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA", "EAI_ADDRFAMILY") if hasattr(socket, name)
+}
+
+
+class Unresolved(LinkError):
+    """The host did not resolve this time (its DNS server did not answer): trying again may succeed."""
+
+
+def resolve(host: str) -> str:
+    """``host``'s IPv4 address (UCXX connects and listens over IPv4 only). A host that has none (no such
+    name, an address like ``999.1.1.1`` or ``user@host``) is a :class:`ProtocolError` naming it; UCX
+    only says "Invalid IP address or hostname", on every attempt until a Receiver's timeout. Raises
+    :class:`Unresolved` where the resolver failed for now (``EAI_AGAIN``)."""
+    try:
+        found = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno not in _NO_SUCH_HOST:
+            raise Unresolved(f"cudalink: cannot resolve the host {host!r} now ({exc.strerror})") from exc
+        raise ProtocolError(
+            f"cudalink: the host {host!r} of a ucx:// address does not resolve to an IPv4 address "
+            f"({exc.strerror}); give the server's IPv4 address, or a host name this machine resolves",
+            ProtocolReason.REFUSED,
+        ) from None
+    except UnicodeError as exc:  # a label over 63 characters, say
+        raise ProtocolError(
+            f"cudalink: the host {host!r} of a ucx:// address is not a valid host name ({exc}); give the server's "
+            "IPv4 address, or a host name this machine resolves",
+            ProtocolReason.REFUSED,
+        ) from None
+    return str(found[0][4][0])
 
 
 def check_port(port: int) -> None:
@@ -574,8 +611,6 @@ class Core:
             await self.wait(post(arr), arr, POLL_SEND_S, ep)
         tag, check = _PEER_INFO.unpack(theirs)
         if check != _hash64(tag):
-            from ..errors import ProtocolError
-
             raise ProtocolError("cudalink: a ucx peer's endpoint wire-up failed its checksum")
         return tag, mine
 
@@ -693,8 +728,6 @@ class Endpoint:
             return
         with contextlib.suppress(Exception):  # taken all the same (a longer one cut short), so UCX frees it
             await done
-        from ..errors import ProtocolError
-
         raise ProtocolError(f"cudalink: a ucx peer sent {probe.length} bytes where {arr.nbytes} were due")
 
     async def _from_worker(self, arr: Any, delay: float) -> bool:
@@ -847,8 +880,6 @@ async def recv_msg(ep: Any, buf: bytearray, timeout: float | None) -> bytearray:
             await asyncio.wait_for(ep.recv(buf), timeout)
     except Exception as exc:
         if "runcat" in type(exc).__name__ or "runcat" in str(exc):  # UCXXMessageTruncatedError
-            from ..errors import ProtocolError
-
             raise ProtocolError(f"cudalink: a ucx peer sent a message of the wrong size ({exc})") from exc
         raise
     return buf

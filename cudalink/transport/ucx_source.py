@@ -92,6 +92,9 @@ class UcxSource:
         ucx_engine.load()  # the clear error naming the extra, now rather than at the first recv
         self.key, _ = ucx_engine.load_key()
         self.name = url
+        #: the host's IPv4 address, resolved at the first connection (on the UCX loop's executor: a poll()
+        #: never waits for it); a host that has none is refused there, at once
+        self._ip: str | None = None
         self.latest = latest
         self._device_arg = device
         self._device: int | None = None
@@ -136,17 +139,22 @@ class UcxSource:
                     f"{ucx_engine.key_path()} or set CUDALINK_KEY",
                     exc.reason,
                 ) from exc
-            if exc.reason.retryable:
-                raise NoProducer(str(exc)) from exc
+            if exc.reason.retryable:  # quoted inside the Receiver's LinkTimeout, which says "cudalink:"
+                raise NoProducer(ucx_wire.quoted(str(exc))) from exc
             raise
-        except LinkError:  # a protocol breach, or what we will not allocate: waiting changes neither
-            raise
+        except ucx_engine.Unresolved as exc:  # the resolver failed for now: it may answer next time
+            raise NoProducer(ucx_wire.quoted(str(exc))) from exc
+        except LinkError:  # a protocol breach, a host that never resolves, what we will not allocate: waiting
+            raise  # changes none of them
         except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError) as exc:
             raise NoProducer(f"no answer from {self.addr.host}:{self.addr.port}") from exc
         except Exception as exc:  # UCX's connection errors (refused, reset, unreachable)
+            ucx = f"{type(exc).__name__}: {exc}"
+            if "runcat" in ucx:  # the wire-up's first read found the connection closed: nobody listens there
+                ucx = f"the connection was refused or closed; UCX: {ucx}"
             raise NoProducer(
-                f"nothing answered at {self.addr.host}:{self.addr.port}: is `python -m cudalink serve` (or a Sender "
-                f"with serve=) running there, and the port reachable? (UCX: {type(exc).__name__}: {exc})"
+                f"no cudalink server answered at {self.addr.host}:{self.addr.port}: is `python -m cudalink serve` "
+                f"(or a Sender with serve=) running there, and the port reachable? ({ucx})"
             ) from exc
         # ``dead_generation`` is the producer this Receiver saw die; a lost connection (the server died or
         # the network went) says nothing about the producer, which may still be the same one
@@ -177,7 +185,10 @@ class UcxSource:
         """Connect, prove the key and ask for the link, granting ``credits()`` (read as the HELLO is made):
         at attach, and again when a server dropped a stalled consumer (:meth:`UcxAttachment._resume`).
         Raises ``Refused`` on a REJECT."""
-        ep = await asyncio.wait_for(eng.core.connect(self.addr.host, self.addr.port, timeout), timeout + 0.5)
+        if self._ip is None:
+            loop = asyncio.get_running_loop()
+            self._ip = await asyncio.wait_for(loop.run_in_executor(None, ucx_engine.resolve, self.addr.host), timeout)
+        ep = await asyncio.wait_for(eng.core.connect(self._ip, self.addr.port, timeout), timeout + 0.5)
         try:
             buf = bytearray(ucx_wire.MSG_SIZE)
             msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)
@@ -428,7 +439,8 @@ class UcxAttachment:
                 if kind == ucx_wire.BYE:
                     reason, text = ucx_wire.unpack_text(msg)
                     self.producer_gone = reason == ucx_wire.R_PRODUCER_GONE
-                    return f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {text}", reason == ucx_wire.R_SILENT
+                    said = ucx_wire.quoted(text)  # the Receiver's ProducerGone says "cudalink:" and what to do
+                    return f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {said}", reason == ucx_wire.R_SILENT
                 head = ucx_wire.unpack_frame(msg, self.capacity, self.inline)
                 if head.generation != self.generation:
                     raise ProtocolError(f"cudalink: frame of generation {head.generation} on {self.generation}")

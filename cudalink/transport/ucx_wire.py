@@ -45,6 +45,7 @@ import hmac
 import struct
 from dataclasses import dataclass
 
+from .. import _platform
 from ..errors import ProtocolError, ProtocolReason
 from ..frames.spec import FrameSpec
 from . import wire
@@ -305,10 +306,21 @@ class Refused(ProtocolError):
         return type(self), (str(self), self.code)
 
 
+#: what a ProducerGone message ends with: a peer's, quoted inside one of ours, says it twice
+_RETRY_HINT = "; recv() again to wait for a new one"
+
+
+def quoted(text: str) -> str:
+    """A peer's text as one of our messages quotes it: without its own ``cudalink: `` prefix, nor the retry
+    hint of a ProducerGone (ours says it once)."""
+    text = text.removeprefix("cudalink: ")
+    return text.removesuffix(_RETRY_HINT)
+
+
 def refusal(msg: bytes | bytearray | memoryview) -> Refused:
     reason, text = unpack_text(msg)
     what = REASON_TEXT.get(reason, f"reason {reason}")
-    return Refused(f"cudalink: the ucx server refused ({what}): {text}", reason)
+    return Refused(f"cudalink: the ucx server refused ({what}): {quoted(text)}", reason)
 
 
 # -- per frame ------------------------------------------------------------------------------------------------
@@ -389,7 +401,8 @@ class Address:
 
 def parse_address(url: str, *, need_name: bool) -> Address:
     """``ucx://HOST:PORT[/NAME]``; a bad address names the expected form (IPv6 hosts, in brackets, are
-    refused: UCXX listens on IPv4 only)."""
+    refused: UCXX listens on IPv4 only), and a bad NAME is refused as a local one is (``check_name``): a
+    server would only refuse it, while the Receiver waited out its timeout."""
     form = "ucx://HOST:PORT/NAME" if need_name else "ucx://HOST:PORT"
     if not isinstance(url, str) or not url.startswith("ucx://"):
         raise ProtocolError(f"cudalink: {url!r} is not a ucx address; use {form}", ProtocolReason.REFUSED)
@@ -417,4 +430,6 @@ def parse_address(url: str, *, need_name: bool) -> Address:
         raise ProtocolError(f"cudalink: {url!r} names no link; use {form}", ProtocolReason.REFUSED)
     if not need_name and name:
         raise ProtocolError(f"cudalink: {url!r}: a listen address names no link; use {form}", ProtocolReason.REFUSED)
+    if name:
+        _platform.check_name(name)
     return Address(host, port, name or None)

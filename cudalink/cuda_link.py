@@ -31,7 +31,7 @@ from numpy.typing import DTypeLike
 
 from . import _backends, _platform
 from .cuda import devices
-from .errors import ArgumentError, ArgumentTypeError, FormatError, LinkClosed, LinkError
+from .errors import ArgumentError, ArgumentTypeError, FormatError, LinkClosed, LinkError, seconds_arg
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import cuda_link_wire as cw
@@ -360,9 +360,7 @@ class CudaLinkSender:
     def close(self, timeout: float | None = GRACE_S) -> None:
         """Shutdown = 1 and handles zeroed, ``timeout`` seconds (default 0.1; at most 5, which ``None`` means) for
         readers to let go, then free the slots and unlink the segment."""
-        from .link import _seconds_arg  # link imports this module lazily: no cycle at import time
-
-        timeout = min(_seconds_arg(timeout, "timeout", "close(timeout=0.1)", none_ok=True), 5.0)
+        timeout = min(seconds_arg(timeout, "timeout", "close(timeout=0.1)", none_ok=True), 5.0)
         if self._closed:
             return
         with self._lock:

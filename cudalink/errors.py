@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+import math
+
+import numpy as np
 
 __all__ = [
     "ArgumentError",
@@ -42,6 +45,21 @@ class ArgumentError(LinkError, ValueError):
 
 class ArgumentTypeError(LinkError, TypeError):
     """An argument is missing or of the wrong type (``slots="4"``, no ``shape=``)."""
+
+
+def seconds_arg(value: object, what: str, example: str, none_ok: bool = False, unit: str = "seconds") -> float:
+    """A duration argument, >= 0 (``None`` = no limit, ``math.inf``, where ``none_ok``): the one check every
+    public timeout goes through, here at the bottom layer so any module may call it."""
+    if value is None and none_ok:
+        return math.inf
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be a number of {unit}{' or None (no limit)' if none_ok else ''}, "
+            f"got {type(value).__name__} {value!r}; pass e.g. {example}"
+        )
+    if math.isnan(value) or value < 0:
+        raise ArgumentError(f"cudalink: {what} must be >= 0 {unit}, got {value!r}; pass e.g. {example}")
+    return float(value)
 
 
 class ProtocolReason(enum.Enum):

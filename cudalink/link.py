@@ -6,7 +6,6 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
-import math
 import operator
 import os
 import secrets
@@ -32,6 +31,7 @@ from .errors import (
     ProducerGone,
     ProtocolError,
 )
+from .errors import seconds_arg as _seconds_arg
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import ring_source, ucx_engine, wire
@@ -130,20 +130,6 @@ def _int_arg(value: object, what: str, lo: int, hi: int, example: str) -> int:
     if not lo <= int(value) <= hi:
         raise ArgumentError(f"cudalink: {what} must be {lo}..{hi}, got {value!r}; pass e.g. {example}")
     return int(value)
-
-
-def _seconds_arg(value: object, what: str, example: str, none_ok: bool = False, unit: str = "seconds") -> float:
-    """A duration, >= 0 (``None`` = no limit where ``none_ok``)."""
-    if value is None and none_ok:
-        return math.inf
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ArgumentTypeError(
-            f"cudalink: {what} must be a number of {unit}{' or None (no limit)' if none_ok else ''}, "
-            f"got {type(value).__name__} {value!r}; pass e.g. {example}"
-        )
-    if math.isnan(value) or value < 0:
-        raise ArgumentError(f"cudalink: {what} must be >= 0 {unit}, got {value!r}; pass e.g. {example}")
-    return float(value)
 
 
 def _secs(value: float) -> str:

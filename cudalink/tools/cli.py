@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("relay", parents=[common], help="republish a remote ucx:// stream as a local link")
-    p.add_argument("url", help="ucx://HOST:PORT/NAME")
+    p.add_argument("url", help="ucx://HOST:PORT/NAME (a local link's name works too)")
     p.add_argument("--as", dest="local", required=True, help="the local link name to publish")
     p.add_argument("--device", default="cpu", help="cpu | 0 | cuda:N: where the local link's slots live")
     p.add_argument("--slots", type=int, default=4, help="local ring slots (default 4)")

@@ -918,3 +918,23 @@ def test_a_claim_skips_the_slots_it_is_told_to_and_takes_back_a_slot_left_half_c
     assert side.tx.claim(100, 1 << first) is not None  # the others, half claimed: taken again
     side.tx.publish(first, 1, 0, SPECS[0], b"")
     assert side.tx.claim(101, 0) is not None
+
+
+def test_a_compiled_module_older_than_its_source_is_left_unused_and_says_rebuild(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An editable install pulled past a change of the ring's calls but not rebuilt kept its old ring.so:
+    ``claim(seq)`` took no skip mask, and every send raised TypeError while ``info`` said "compiled"."""
+    import importlib
+    import types
+
+    stale = types.ModuleType("cudalink._native.ring")  # a build from before ABI 2: no ABI attribute
+    monkeypatch.setattr(importlib, "import_module", lambda name: stale)
+    monkeypatch.setattr(_native, "PURE", False)
+    monkeypatch.setattr(_native, "missing", {})
+    assert _native._load("ring") is None
+    assert _native.missing["ring"].startswith("stale build") and "build_ext --inplace" in _native.missing["ring"]
+    stale.ABI = _native.ABI["ring"]  # type: ignore[attr-defined]
+    assert _native._load("ring") is stale
+    if _native.ring is not None:  # the build in use here is the source's
+        assert _native.ABI["ring"] == _native.ring.ABI

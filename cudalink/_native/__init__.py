@@ -19,6 +19,12 @@ PURE = os.environ.get("CUDALINK_PURE_PYTHON", "") not in ("", "0")
 missing: dict[str, str] = {}
 
 
+#: each compiled module's interface version (its ``ABI``; 1 where it has none). A build older than its source
+#: (an editable install after a ``git pull``, not rebuilt) is left unused, not called with arguments it lacks:
+#: ring 2 is ``claim(seq, skip)``, and ring 1's ``claim(seq)`` raised TypeError on every send
+ABI = {"ring": 2, "exchange": 1, "dlpack": 1, "driver": 1}
+
+
 def _load(name: str) -> ModuleType | None:
     if PURE:
         missing[name] = "CUDALINK_PURE_PYTHON is set"
@@ -26,10 +32,18 @@ def _load(name: str) -> ModuleType | None:
     try:
         import importlib
 
-        return importlib.import_module(f"{__name__}.{name}")
+        mod = importlib.import_module(f"{__name__}.{name}")
     except ImportError as exc:  # not built here, or built against another cuda-bindings
         missing[name] = str(exc)
         return None
+    built = getattr(mod, "ABI", 1)
+    if built != ABI[name]:
+        missing[name] = (
+            f"stale build: its interface is {built}, this source's {ABI[name]}; rebuild it "
+            "(`pip install -e .` or `python setup.py build_ext --inplace`)"
+        )
+        return None
+    return mod
 
 
 ring = _load("ring")

@@ -24,6 +24,9 @@ from cudalink import _trace
 from cudalink.errors import ProtocolError
 from cudalink.transport import wire
 
+#: this module's interface version, which ``cudalink._native`` checks (2: ``claim(seq, skip)``)
+ABI = 2
+
 cdef extern from "atomics.h":
     uint64_t cl_load64(const void *p) nogil
     uint32_t cl_load32(const void *p) nogil

@@ -25,9 +25,13 @@ from . import devices, driver
 #: a loop looks at a pending GPU marker at every turn (it never blocks on one) for up to ``SPIN_S``, then
 #: every ``POLL_S``. asyncio cannot sleep less than epoll's millisecond: ``asyncio.sleep(0.0001)`` took
 #: 1.1 ms (p50, Linux), longer than the GPU work a frame waits for here (a copy of it, or its staging), and
-#: it was paid on every GPU frame a server sent and many a consumer landed.
+#: it was paid on every GPU frame a server sent and many a consumer landed. Those turns keep a core busy,
+#: so a process whose waits have lately run longer than ``SPIN_S`` (a consumer whose own kernels hold
+#: its landing buffers, a GPU shared with long work) sleeps from the start: a millisecond is then a small
+#: share of the wait, and a spin a large one.
 SPIN_S = 0.005
 POLL_S = 0.001
+_recent_s = 0.0  # how long this process's waits took lately (moving average, 1/8)
 
 
 class DeviceBytes:
@@ -68,14 +72,17 @@ def forget(marker: tuple[Any, Any]) -> None:
 
 async def passed(marker: tuple[Any, Any]) -> None:
     """Return once ``marker`` (from :func:`mark`) has passed, polling (the loop keeps running); then forget it."""
+    global _recent_s
     try:
         if done(marker):
             return
         loop = asyncio.get_running_loop()
-        spin_until = loop.time() + SPIN_S
+        start = loop.time()
+        spin_until = start + SPIN_S if _recent_s < SPIN_S else start
         while not done(marker):
             # a turn of the loop (its other work runs), not a sleep, while the wait is as short as a copy
             await asyncio.sleep(0 if loop.time() < spin_until else POLL_S)
+        _recent_s += (loop.time() - start - _recent_s) * 0.125
     finally:
         forget(marker)
 

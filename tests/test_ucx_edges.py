@@ -315,6 +315,38 @@ def test_a_host_the_resolver_cannot_answer_for_now_is_waited_for(monkeypatch: py
     assert time.monotonic() - t0 >= 1.0 and len(asked) > 1
 
 
+def test_a_host_is_looked_up_again_after_a_failed_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first answer was kept for the Receiver's life: a server that moved to another address was never
+    followed. Here no server listens, so every connection fails and each try looks the host up anew."""
+    asked: list[str] = []
+    real = ucx_engine.resolve
+
+    def counted(host: str) -> str:
+        asked.append(host)
+        return real("127.0.0.1")
+
+    ucx_engine.engine()
+    monkeypatch.setattr(ucx_engine, "resolve", counted)
+    with pytest.raises(cudalink.LinkTimeout, match="no cudalink server answered"):
+        cudalink.Receiver(f"ucx://camhost:{free_port()}/x", timeout=1.5, device="cpu")
+    assert len(asked) > 1 and set(asked) == {"camhost"}, asked
+
+
+def test_a_resolver_slower_than_the_timeout_is_named_not_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup that outlasted the Receiver's timeout was reported as "no answer from HOST:PORT", a server
+    that never answered."""
+
+    def slow(host: str) -> str:
+        time.sleep(3.0)
+        return "127.0.0.1"
+
+    ucx_engine.engine()
+    monkeypatch.setattr(ucx_engine, "resolve", slow)
+    with pytest.raises(cudalink.LinkTimeout, match=r"the host 'slowhost' did not resolve within") as info:
+        cudalink.Receiver(f"ucx://slowhost:{free_port()}/x", timeout=1.0, device="cpu")
+    assert "no answer from" not in str(info.value), info.value
+
+
 def test_the_serve_command_refuses_a_listen_host_that_never_resolves() -> None:
     """It printed "serving 'NAME' at ucx://nosuch.invalid:PORT" and ran."""
     srv = Proc(["-m", "cudalink", "serve", unique("r"), "--listen", f"ucx://nosuch.invalid:{free_port()}"])

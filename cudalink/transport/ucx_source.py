@@ -92,8 +92,8 @@ class UcxSource:
         ucx_engine.load()  # the clear error naming the extra, now rather than at the first recv
         self.key, _ = ucx_engine.load_key()
         self.name = url
-        #: the host's IPv4 address, resolved at the first connection (on the UCX loop's executor: a poll()
-        #: never waits for it); a host that has none is refused there, at once
+        #: the host's IPv4 address, looked up for a connection and kept while connecting to it works (on the
+        #: UCX loop's executor: a poll() never waits for it); a host that has none is refused there, at once
         self._ip: str | None = None
         self.latest = latest
         self._device_arg = device
@@ -185,10 +185,20 @@ class UcxSource:
         """Connect, prove the key and ask for the link, granting ``credits()`` (read as the HELLO is made):
         at attach, and again when a server dropped a stalled consumer (:meth:`UcxAttachment._resume`).
         Raises ``Refused`` on a REJECT."""
+        host = self.addr.host
         if self._ip is None:
-            loop = asyncio.get_running_loop()
-            self._ip = await asyncio.wait_for(loop.run_in_executor(None, ucx_engine.resolve, self.addr.host), timeout)
-        ep = await asyncio.wait_for(eng.core.connect(self._ip, self.addr.port, timeout), timeout + 0.5)
+            lookup = asyncio.get_running_loop().run_in_executor(None, ucx_engine.resolve, host)
+            try:
+                self._ip = await asyncio.wait_for(lookup, timeout)
+            except (TimeoutError, asyncio.TimeoutError):  # the resolver, not the server, kept us waiting
+                raise ucx_engine.Unresolved(
+                    f"cudalink: the host {host!r} did not resolve within {timeout:g}s"
+                ) from None
+        try:
+            ep = await asyncio.wait_for(eng.core.connect(self._ip, self.addr.port, timeout), timeout + 0.5)
+        except BaseException:
+            self._ip = None  # looked up again next time: the server may have moved to another address
+            raise
         try:
             buf = bytearray(ucx_wire.MSG_SIZE)
             msg = await asyncio.wait_for(ucx_engine.recv_msg(ep, buf, None), timeout)

@@ -911,8 +911,14 @@ class _Reservation:
         taken = self._taken
         if taken is None or self._done:  # never entered, or left already (a second exit publishes nothing)
             return
-        self._done = True
         tx = self._tx
+        owned = getattr(tx._lock, "_is_owned", None)  # CPython's RLock says whether this thread holds it
+        if owned is not None and not owned():
+            raise LinkError(
+                "cudalink: a reserve() block is left on the thread that entered it (that thread holds the Sender's "
+                "lock until then); leave it there"
+            )
+        self._done = True
         slot, spec, frame = taken
         try:
             if exc_type is None:

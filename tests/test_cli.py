@@ -458,6 +458,14 @@ def test_bench_only_refuses_an_empty_list_at_once(only: str) -> None:
     assert time.monotonic() - t0 < 15
 
 
+@pytest.mark.parametrize("mode", ["--remote", "--multi-gpu"])
+def test_bench_only_with_a_bench_of_its_own_rows_is_refused(mode: str) -> None:
+    """``--remote --only floors`` ran the whole remote bench, ignoring --only without a word."""
+    proc = run_cli("bench", mode, "--only", "floors", timeout=30)
+    assert_one_line_error(proc)
+    assert f"{mode} runs its own rows: drop --only" in proc.stderr, proc.stderr
+
+
 def test_bench_only_error_is_the_only_line_on_stderr() -> None:
     """``--only nosuch`` printed a blank line (the progress bar's teardown) and the backend note above it."""
     proc = run_cli("bench", "--only", "nosuch", timeout=30)

@@ -191,6 +191,27 @@ def test_leaving_a_reserve_block_twice_publishes_once(pair: PairFactory, transpo
             seqs.append(f.seq)
             f.release()
         assert seqs == [1, 2]
+        block = tx.reserve()
+        np.from_dlpack(block.__enter__())[...] = 6
+        errors: list[BaseException] = []
+
+        def leave() -> None:
+            try:
+                block.__exit__(None, None, None)
+            except BaseException as exc:  # looked at below
+                errors.append(exc)
+
+        t = threading.Thread(target=leave)
+        t.start()
+        t.join(5)
+        # left on another thread: refused before anything is done, so the owner can still leave it
+        assert len(errors) == 1 and isinstance(errors[0], cudalink.LinkError), errors
+        assert "thread that entered it" in str(errors[0])
+        block.__exit__(None, None, None)
+        f = rx.recv(1)
+        assert (f.seq, np.from_dlpack(f).tolist()) == (3, [6] * 4)
+        f.release()
+        assert tx.send(np.full(4, 7, np.uint8)) == 4  # the lock went back
 
 
 def test_a_reserve_block_gives_the_lock_back_however_it_ends(pair: PairFactory, transport: Transport) -> None:

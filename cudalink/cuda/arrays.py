@@ -55,7 +55,7 @@ def describe_array(obj: object, stream_ptr: int = -1) -> ArrayInfo:
             raise FormatError(f"cudalink: cannot read {cls.__name__} through cuda.core: {exc}") from exc
     has_cai = hasattr(cls, "__cuda_array_interface__")  # on the type: never evaluate a property here
     if cls is np.ndarray or (not has_cai and hasattr(cls, "__array_interface__")):
-        return host_info(np.asarray(obj))
+        return host_info(_pixels(np.asarray(obj), cls))
     dl_dev = getattr(obj, "__dlpack_device__", None)
     if dl_dev is not None:
         if int(dl_dev()[0]) in (1, 3):  # CPU or pinned host memory (a torch CPU tensor, say)
@@ -65,12 +65,7 @@ def describe_array(obj: object, stream_ptr: int = -1) -> ArrayInfo:
             arr = np.asarray(obj)
         except Exception as exc:
             raise FormatError(f"cudalink: cannot read {cls.__name__} as an array: {exc}") from exc
-        if arr.dtype.kind in "OSUV":  # None, bytes, str, an odd object: numpy wraps it, it holds no pixels
-            raise FormatError(
-                f"cudalink: {cls.__name__} is not an array of pixels; pass a numpy, torch, cupy or jax array, or any "
-                "object with DLPack or the CUDA array interface (raw bytes: np.frombuffer(data, np.uint8).reshape(...))"
-            )
-        return host_info(arr)
+        return host_info(_pixels(arr, cls))
     smv = driver.view_class()
     try:
         if has_cai:
@@ -82,6 +77,18 @@ def describe_array(obj: object, stream_ptr: int = -1) -> ArrayInfo:
     except Exception as exc:
         raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from exc
     return _device_info(obj, view)
+
+
+def _pixels(arr: npt.NDArray[np.generic], cls: type) -> npt.NDArray[np.generic]:
+    """``arr``, unless it holds no pixels: None, bytes, a str or another object (which numpy wraps in an array
+    of objects, strings or void), or an array of those; "call reconfigure" could never fix them."""
+    if arr.dtype.kind in "OSUV":
+        what = cls.__name__ if cls is not np.ndarray else f"a numpy array of {arr.dtype.name}"
+        raise FormatError(
+            f"cudalink: {what} is not an array of pixels; pass a numpy, torch, cupy or jax array of numbers, or "
+            "any object with DLPack or the CUDA array interface (raw bytes: np.frombuffer(data, np.uint8).reshape(...))"
+        )
+    return arr
 
 
 class TorchTensor(Protocol):

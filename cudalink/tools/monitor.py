@@ -289,7 +289,10 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         if main:
             signal.signal(signal.SIGTERM, previous)
     if not seen:  # --seconds ran out and no producer ever published: as --once would, fail (a script can tell)
-        raise LinkError(f"cudalink: no producer published {args.name!r} here within --seconds {args.seconds:g}")
+        raise LinkError(
+            f"cudalink: no producer published {args.name!r} here within --seconds {args.seconds:g}; start its "
+            "producer (or check the name: python -m cudalink info lists the links here), or pass a longer --seconds"
+        )
     return 0
 
 

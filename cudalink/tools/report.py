@@ -295,6 +295,11 @@ def check_bench_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}; pass e.g. --frames 500")
     _int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
     only = _only(getattr(args, "only", None))
+    for flag, what in (("remote", "--remote"), ("multi_gpu", "--multi-gpu")):
+        if only is not None and getattr(args, flag, False):  # it would be ignored there without a word
+            raise ArgumentError(
+                f"cudalink: --only picks parts of the local bench; {what} runs its own rows: drop --only"
+            )
     if getattr(args, "mps", False):
         _check_mps(args, only)
 
@@ -315,7 +320,8 @@ def _check_mps(args: argparse.Namespace, only: frozenset[str] | None) -> None:
     elif only is not None and "gpu-clock" not in only:
         why = "--only leaves them out; add gpu-clock to it"
     if why:
-        raise ArgumentError(f"cudalink: --mps runs the GPU-clock rows under the MPS daemon, but {why}")
+        fix = "" if "pass --device" in why or "add gpu-clock" in why else "; drop --mps"
+        raise ArgumentError(f"cudalink: --mps runs the GPU-clock rows under the MPS daemon, but {why}{fix}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -335,7 +341,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         why = backend.note.replace(": using the CPU backend", "") or "no GPU"
         raise ArgumentError(
             f"cudalink: --mps runs the GPU-clock rows under the MPS daemon, but this run would use the CPU "
-            f"backend: {why}"
+            f"backend: {why}; drop --mps, or run it where a GPU is usable"
         )
     if backend.note:
         err.print(Text(backend.note, style="yellow"))

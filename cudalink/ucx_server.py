@@ -488,11 +488,7 @@ def serve(name: str, listen: str, *, parent: int = 0, verbose: bool = False, rea
     try:
         name = _platform.check_name(name)
         addr = ucx_wire.parse_address(listen, need_name=False)
-        # a host that never resolves is refused, not printed as where the link is served; one whose DNS does not
-        # answer yet is not (the host is only said: UCXX listens on every interface)
-        with contextlib.suppress(ucx_engine.Unresolved):
-            ucx_engine.resolve(addr.host)
-        ucx_engine.check_port(addr.port)  # at once, not after UCX's 15 s of retries
+        ucx_engine.check_listen_host(addr)
         ucx_engine.load()
         key, created = ucx_engine.load_key(create=True)
         ucx_engine.announce_key(created)

@@ -309,19 +309,23 @@ def _check_mps(args: argparse.Namespace, only: frozenset[str] | None) -> None:
     rows do not run it would be ignored in silence: a report without the MPS figures, and no word why."""
     why = ""
     if getattr(args, "remote", False):
-        why = "--remote has no GPU-clock rows"
+        why = "--remote has no GPU-clock rows; drop --mps"
     elif getattr(args, "multi_gpu", False):
-        why = "--multi-gpu has no GPU-clock rows"
-    elif str(args.device or ("cpu" if args.quick else "auto")).strip().lower() == "cpu":
+        why = "--multi-gpu has no GPU-clock rows; drop --mps"
+    elif str(_device(args)).strip().lower() == "cpu":
         implied = "" if args.device else " (--quick runs on the CPU unless --device names a GPU)"
         why = f"this run uses the CPU backend{implied}; pass --device 0 to run it on a GPU"
     elif args.breakdown:
-        why = "--breakdown has no GPU-clock rows"
+        why = "--breakdown has no GPU-clock rows; drop --mps"
     elif only is not None and "gpu-clock" not in only:
         why = "--only leaves them out; add gpu-clock to it"
     if why:
-        fix = "" if "pass --device" in why or "add gpu-clock" in why else "; drop --mps"
-        raise ArgumentError(f"cudalink: --mps runs the GPU-clock rows under the MPS daemon, but {why}{fix}")
+        raise ArgumentError(f"cudalink: --mps runs the GPU-clock rows under the MPS daemon, but {why}")
+
+
+def _device(args: argparse.Namespace) -> str:
+    """The bench's device: --device, else the CPU for --quick and the first usable GPU otherwise."""
+    return str(args.device or ("cpu" if args.quick else "auto"))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -335,7 +339,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     to_stdout = args.json == "-"  # stdout is then the JSON alone (for a pipe); the tables go to stderr
     console, err = _console(stderr=to_stdout), _console(stderr=True)
-    device = args.device or ("cpu" if args.quick else "auto")
+    device = _device(args)
     backend = resolve_backend(device)
     if args.mps and not backend.is_cuda:  # --device auto found no GPU: no GPU-clock rows for --mps to run
         why = backend.note.replace(": using the CPU backend", "") or "no GPU"

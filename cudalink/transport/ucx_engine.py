@@ -210,7 +210,15 @@ def check_listen(listen: str) -> None:
     addr = ucx_wire.parse_address(listen, need_name=False)
     if importlib.util.find_spec("ucxx") is None:
         raise LinkError(f"cudalink: serve={listen!r} needs UCXX, which is not installed; {INSTALL_HINT}")
-    with contextlib.suppress(Unresolved):  # its DNS may answer later (see ucx_server.serve)
+    check_listen_host(addr)
+
+
+def check_listen_host(addr: ucx_wire.Address) -> None:
+    """A listen address's host and port, checked before a server starts: a host that never resolves is refused
+    (not printed as where the link is served; one whose DNS does not answer yet is let through: the host is
+    only said, UCXX listens on every interface), and a port a live listener holds is refused at once, not
+    after UCX's 15 s of retries."""
+    with contextlib.suppress(Unresolved):
         resolve(addr.host)
     check_port(addr.port)
 
@@ -663,6 +671,12 @@ class Core:
 _PEER_GONE = ("ConnectionResetError", "EndpointTimeoutError", "NotConnectedError", "UnreachableError", "CanceledError")
 
 
+def truncated(exc: BaseException) -> bool:
+    """Whether ``exc`` is UCX's report of a message of another size than the buffer (UCXXMessageTruncatedError,
+    known by name and text: UCXX is imported lazily)."""
+    return "runcat" in type(exc).__name__ or "runcat" in str(exc)
+
+
 def peer_gone(exc: BaseException) -> bool:
     """Whether ``exc`` from a send or receive means the other side went away (by name: UCXX is imported
     lazily, and our own closed endpoint raises the builtin ConnectionResetError)."""
@@ -879,7 +893,7 @@ async def recv_msg(ep: Any, buf: bytearray, timeout: float | None) -> bytearray:
         else:
             await asyncio.wait_for(ep.recv(buf), timeout)
     except Exception as exc:
-        if "runcat" in type(exc).__name__ or "runcat" in str(exc):  # UCXXMessageTruncatedError
+        if truncated(exc):
             raise ProtocolError(f"cudalink: a ucx peer sent a message of the wrong size ({exc})") from exc
         raise
     return buf

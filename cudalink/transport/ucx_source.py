@@ -150,7 +150,7 @@ class UcxSource:
             raise NoProducer(f"no answer from {self.addr.host}:{self.addr.port}") from exc
         except Exception as exc:  # UCX's connection errors (refused, reset, unreachable)
             ucx = f"{type(exc).__name__}: {exc}"
-            if "runcat" in ucx:  # the wire-up's first read found the connection closed: nobody listens there
+            if ucx_engine.truncated(exc):  # the wire-up's first read found the connection closed: nobody listens there
                 ucx = f"the connection was refused or closed; UCX: {ucx}"
             raise NoProducer(
                 f"no cudalink server answered at {self.addr.host}:{self.addr.port}: is `python -m cudalink serve` "

@@ -69,7 +69,8 @@ class Proc:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         assert self.p.stdout is not None

@@ -257,6 +257,45 @@ def test_an_engine_stops_its_thread_so_nothing_progresses_ucx_at_exit() -> None:
         atexit.unregister(eng.stop)
 
 
+def test_an_engine_at_exit_lets_go_of_its_worker_on_its_own_thread_and_aborts_open_endpoints() -> None:
+    """UCX frees its CUDA events in the calling thread's current context: freed by the interpreter's teardown
+    on the main thread (none current there), a GPU consumer printed a UCX warning per event as it exited.
+    ``Engine.stop`` frees the worker on the engine's thread, aborting a connection still open (a Receiver
+    never closed), so nothing in the process holds the worker after it."""
+    import atexit
+    import gc
+
+    port, served = _serve(lambda ep: ep.recv(bytearray(8)))  # the engine's listener: waits for 8 bytes
+    eng = ucx_engine.Engine()
+    try:
+
+        async def connect() -> ucx_engine.Endpoint:
+            return await eng.core.connect("127.0.0.1", port, 10.0)
+
+        ep = eng.run(connect(), 10.0)  # kept open, as by a Receiver nobody closed
+        core = eng.core
+        worker = core.worker  # (UCXX's objects take no weak references)
+        where: list[str] = []
+        shutdown = core.shutdown
+
+        def spy() -> None:
+            where.append(threading.current_thread().name)
+            shutdown()
+
+        core.shutdown = spy  # type: ignore[method-assign]
+        eng.stop()
+        assert where == [eng.thread.name], where
+        assert core.worker is None and ep._ep is None
+        gc.collect()
+        assert sys.getrefcount(worker) == 2, gc.get_referrers(worker)  # held by `worker` alone
+        shutdown()  # twice is harmless
+        with pytest.raises(ConnectionResetError):
+            ep._live()
+    finally:
+        atexit.unregister(eng.stop)
+        served.cancel()
+
+
 def test_connects_at_once_to_a_port_nobody_listens_on_all_fail_at_once_and_leave_nothing_polled() -> None:
     """Two at once (two Receivers of one process before their server is up): one failed at once, the other
     often waited its whole timeout although its endpoint was already in error, and its request stayed

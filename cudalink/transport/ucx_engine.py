@@ -21,6 +21,7 @@ import binascii
 import collections
 import concurrent.futures
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any, TypeVar
@@ -516,8 +518,33 @@ class Core:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._transports: set[str] | None = None
+        self._endpoints: weakref.WeakSet[Endpoint] = weakref.WeakSet()  # aborted by shutdown()
         loop.add_reader(self.fd, self.progress)
         self.progress()
+
+    def shutdown(self) -> None:
+        """Let go of the UCX worker and context now (on this loop's thread, while CUDA lives): UCX frees the
+        CUDA events and streams of its CUDA transports in the calling thread's current context. Left to the
+        garbage at interpreter exit, the main thread (no context current) freed them, and every GPU consumer
+        printed 129 lines of ``cuEventDestroy_v2(...) failed: context is destroyed`` as it exited (H200,
+        2026-11-27; none when freed here). Endpoints still open are aborted: each holds the worker."""
+        if self.worker is None:
+            return
+        for ep in list(self._endpoints):
+            ep.abort()
+        self.loop.remove_reader(self.fd)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._pending.clear()
+        self._orphans.clear()
+        woken, self._progressed = self._progressed, []
+        for fut in woken:
+            _settle(fut)
+        self.worker = self.context = None
+        if getattr(self.loop, "_cudalink_ucx_core", None) is self:
+            del self.loop._cudalink_ucx_core  # type: ignore[attr-defined]
+        gc.collect()  # a cycle (a task's frame, a traceback) may hold UCXX objects: freed here, not later
 
     def transports(self) -> set[str]:
         """UCX's active transports, as ``ucxx.get_active_transports`` reads them from the context's info
@@ -689,6 +716,7 @@ class Endpoint:
     def __init__(self, core: Core, ep: Any, send_tag: int, recv_tag: int) -> None:
         self.core = core
         self._ep: Any = ep
+        core._endpoints.add(self)
         self._send_tag = core.api.UCXXTag(send_tag)
         self._recv_tag = core.api.UCXXTag(recv_tag)
 
@@ -801,8 +829,13 @@ class Engine:
                 if self.closing:
                     await asyncio.wait(list(self.closing), timeout=timeout)
 
+            async def shutdown() -> None:
+                self.core.shutdown()
+
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(closed(), self.loop).result(timeout + 0.5)
+            with contextlib.suppress(Exception):  # UCX's CUDA resources go on this thread: see Core.shutdown
+                asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout + 2.0)
             with contextlib.suppress(RuntimeError):  # the loop is already closed
                 self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout)

@@ -675,6 +675,85 @@ def test_execute_dat_reports_a_missing_top_once(sender_dat: Any) -> None:
     assert me.script_errors == []
 
 
+def test_editing_the_execute_dat_hands_its_link_to_the_new_load(live_mem: Any) -> None:
+    """TD recompiles an edited DAT into a new module; the old one, with the TDSender that still publishes
+    LINK_NAME, is garbage that only Python's cycle collector frees, maybe minutes later. The new load's export
+    must take the name over at its first frame, not fail (and stall TD's thread a quarter second) every frame."""
+    name = link_name()
+    top = FakeTOP(texture(6, 5, 4, np.uint8, seed=21), name="null_out")
+    me = fakes.FakeDAT(ops={"null_out": top})
+    enabled = gc.isenabled()
+    gc.disable()  # as in a TD process whose old objects are rarely collected: no collection by chance here
+    try:
+        first = fakes.load_td_script(fakes.TD_DIR / "sender_execute_dat.py", me=me)
+        first.LINK_NAME, first.DEVICE = name, "cpu"
+        first.onFrameEnd(1)
+        old = weakref.ref(first._state["sender"])
+        del first  # TD lets go of the old module: only its cycles keep it
+        again = fakes.load_td_script(fakes.TD_DIR / "sender_execute_dat.py", me=me)
+        again.LINK_NAME, again.DEVICE = name, "cpu"
+        with cudalink.Receiver(name, connect=False) as rx:
+            t0 = time.monotonic()
+            again.onFrameEnd(2)
+            assert me.script_errors == [] and again._state["sender"].sent == 1
+            assert time.monotonic() - t0 < 1.0
+            assert old() is None
+            top.texture = texture(6, 5, 4, np.uint8, seed=22)
+            again.onFrameEnd(3)
+            np.testing.assert_array_equal(rx.recv(timeout=2).numpy(), top.texture)
+        again.onExit()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_two_exports_of_one_name_in_one_process_say_so() -> None:
+    top = FakeTOP(texture(4, 4, 4, np.uint8, seed=24))
+    name = link_name()
+    with ctd.TDSender(name, device="cpu") as first, ctd.TDSender(name, device="cpu") as second:
+        assert first.send_top(top) == 1
+        t0 = time.monotonic()
+        with pytest.raises(LinkError, match="another TDSender of this process publishes"):
+            second.send_top(top)
+        assert time.monotonic() - t0 < 0.2
+        assert first.send_top(top) == 2  # the first keeps its link
+
+
+def test_a_name_taken_by_another_process_fails_fast_and_recovers(spawned: Any) -> None:
+    """Each attempt to publish a taken name looks for its holder a quarter second, on TD's thread: an
+    Execute DAT that retried every frame ran TD at 4 fps. Attempts come at most once a second meanwhile, and
+    the export starts by itself once the other producer is gone."""
+    try:
+        from ._procs import host_producer_forever
+    except ImportError:
+        from _procs import host_producer_forever  # type: ignore[no-redef]
+
+    name = link_name()
+    holder = spawned.ready(host_producer_forever, name, (4, 4, 4), "uint8", forever=True)
+    top = FakeTOP(texture(4, 4, 4, np.uint8, seed=23))
+    with ctd.TDSender(name, device="cpu") as tx:
+        with pytest.raises(LinkError, match="already published"):
+            tx.send_top(top)
+        slow = 0
+        t_end = time.monotonic() + 0.8
+        while time.monotonic() < t_end:  # TD's next frames, while the other producer is still there
+            t0 = time.monotonic()
+            with pytest.raises(LinkError, match="already published"):
+                tx.send_top(top)
+            slow += time.monotonic() - t0 > 0.1
+            time.sleep(0.016)
+        assert slow == 0, f"{slow} frames waited for the name's holder"
+        spawned.kill(holder)
+        sent = None
+        t_end = time.monotonic() + 5
+        while sent is None and time.monotonic() < t_end:
+            try:
+                sent = tx.send_top(top)
+            except LinkError:
+                time.sleep(0.016)
+        assert sent == 1
+
+
 def test_td_to_td_through_both_dats(sender_dat: Any, receiver_dat: Any) -> None:
     op = script_top(receiver_dat, sender_dat.LINK_NAME)
     sender_dat.onFrameEnd(1)

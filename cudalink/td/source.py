@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -74,6 +77,12 @@ def _op_name(op: object) -> str:
 
 #: how long a send waits, on TD's thread, for a link too small for the TOP to close before it drops the frame
 _RETIRE_WAIT_S = 0.005
+#: after the link could not be made (its name taken, say), sends fail at once with that error for this long: each
+#: attempt waits up to a quarter second on TD's thread for the name's holder to let go
+_CREATE_RETRY_S = 1.0
+
+#: every TDSender of this process, to tell a name taken by one of them (a reloaded DAT's) from another process's
+_tdsenders: weakref.WeakSet[TDSender] = weakref.WeakSet()
 
 
 class TDSender:
@@ -115,6 +124,9 @@ class TDSender:
         #: a link too small for the TOP, closing on a thread of its own: a consumer in this very process (a
         #: Script TOP) lets its frame go only once TD's thread runs again, so a close here would freeze TD
         self._retiring: threading.Thread | None = None
+        #: the last failure to make the link, and when to try again
+        self._failed: tuple[float, LinkError] | None = None
+        _tdsenders.add(self)
 
     @property
     def stream(self) -> int | None:
@@ -185,7 +197,34 @@ class TDSender:
             if retiring.is_alive():
                 return None
             self._retiring = None
-        self._sender = Sender(
+        failed = self._failed
+        if failed is not None and time.monotonic() < failed[0]:
+            raise copy.copy(failed[1])  # the same cause, without another wait on TD's thread
+        try:
+            self._sender = self._new_sender(spec)
+        except LinkError as exc:
+            self._failed = (time.monotonic() + _CREATE_RETRY_S, copy.copy(exc))  # no traceback: it holds TD's memory
+            raise
+        self._failed = None
+        return self._sender
+
+    def _new_sender(self, spec: FrameSpec) -> Sender:
+        # TD recompiles an edited DAT into a new module: the old one's TDSender, garbage that only the cycle
+        # collector frees (maybe minutes later), still publishes the name. Collect it, then take the name.
+        others = [
+            weakref.ref(tx) for tx in _tdsenders if tx is not self and tx.name == self.name and tx._sender is not None
+        ]
+        if others:
+            gc.collect()
+            if any(ref() is not None for ref in others):
+                raise LinkError(
+                    f"cudalink: another TDSender of this process publishes {self.name!r} (two Execute DATs with one "
+                    "LINK_NAME?); give each export its own link name, or close the other"
+                )
+        return self._make_sender(spec)
+
+    def _make_sender(self, spec: FrameSpec) -> Sender:
+        return Sender(
             self.name,
             shape=spec.shape,
             dtype=spec.dtype,
@@ -199,7 +238,6 @@ class TDSender:
             handles=self.handles,
             transport=self.transport,
         )
-        return self._sender
 
     def close(self) -> None:
         """Close the link (consumers get ProducerGone); the stream goes with this object."""

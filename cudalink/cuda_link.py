@@ -31,10 +31,11 @@ from numpy.typing import DTypeLike
 
 from . import _backends, _platform
 from .cuda import devices
-from .errors import ArgumentError, ArgumentTypeError, FormatError, LinkClosed, LinkError, seconds_arg
+from .errors import ArgumentError, ArgumentTypeError, FormatError, LinkClosed, LinkError, int_arg, seconds_arg
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import cuda_link_wire as cw
+from .transport import wire
 from .transport.cuda_link_source import strip_prefix
 from .transport.shm import EmptySegment, _open_segment, _unlink_segment
 
@@ -85,10 +86,16 @@ class CudaLinkSender:
                 "cudalink: cuda-link's layout shares GPU memory only (cudaIpcMemHandle); pass device=0 (or "
                 "'cuda:N'), or use protocol='cudalink' for a CPU link"
             )
-        if not isinstance(slots, int) or not cw.MIN_SLOTS <= slots <= cw.MAX_SLOTS:
-            raise (ArgumentTypeError if not isinstance(slots, int) else ArgumentError)(
+        if isinstance(slots, bool) or not isinstance(slots, int) or not cw.MIN_SLOTS <= slots <= cw.MAX_SLOTS:
+            raise (ArgumentTypeError if isinstance(slots, bool) or not isinstance(slots, int) else ArgumentError)(
                 f"cudalink: cuda-link segments have 1..10 slots, got slots={slots!r}"
             )
+        timeout = seconds_arg(timeout, "timeout", "timeout=1.0", none_ok=True)
+        int_arg(
+            max_consumers, "max_consumers", 1, wire.MAX_CONSUMERS, "max_consumers=16"
+        )  # no use here: checked as Sender does
+        if capacity is not None:
+            int_arg(capacity, "capacity", 0, 2**62, "capacity=None (one frame)")
         if policy != "drop":
             raise ArgumentError(
                 "cudalink: cuda-link readers take no leases, so a cuda-link Sender always overwrites the oldest slot; "
@@ -165,6 +172,11 @@ class CudaLinkSender:
             old = None
         except FileNotFoundError:
             old = None
+        except OSError as exc:  # a name the OS refuses (too long, '.'): said as ours, with the way out
+            raise LinkError(
+                f"cudalink: cannot use {self.name!r} as a cuda-link segment name ({exc}); choose another name, "
+                f"such as cuda-link's {cw.DEFAULT_NAMES[2]!r}"
+            ) from exc
         version = 0
         if old is not None:
             buf = old.buf

@@ -62,6 +62,18 @@ def seconds_arg(value: object, what: str, example: str, none_ok: bool = False, u
     return float(value)
 
 
+def int_arg(value: object, what: str, lo: int, hi: int, example: str) -> int:
+    """An integer argument in ``lo..hi``: a TypeError-kind error for another type, a ValueError-kind for range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        span = f" from {lo} to {hi}" if hi < 2**31 else ""
+        raise ArgumentTypeError(
+            f"cudalink: {what} must be an integer{span}, got {type(value).__name__} {value!r}; pass e.g. {example}"
+        )
+    if not lo <= int(value) <= hi:
+        raise ArgumentError(f"cudalink: {what} must be {lo}..{hi}, got {value!r}; pass e.g. {example}")
+    return int(value)
+
+
 class ProtocolReason(enum.Enum):
     """Why a :class:`ProtocolError` was raised. Code branches on this, never on the message."""
 

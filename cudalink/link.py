@@ -30,6 +30,7 @@ from .errors import (
     LinkTimeout,
     ProducerGone,
     ProtocolError,
+    int_arg,
 )
 from .errors import seconds_arg as _seconds_arg
 from .frames.frame import Frame
@@ -120,16 +121,7 @@ def _register_open(tx: Sender) -> None:
     _open_senders.add(tx)
 
 
-def _int_arg(value: object, what: str, lo: int, hi: int, example: str) -> int:
-    """An integer argument in ``lo..hi``: a TypeError-kind error for another type, a ValueError-kind for range."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        span = f" from {lo} to {hi}" if hi < 2**31 else ""
-        raise ArgumentTypeError(
-            f"cudalink: {what} must be an integer{span}, got {type(value).__name__} {value!r}; pass e.g. {example}"
-        )
-    if not lo <= int(value) <= hi:
-        raise ArgumentError(f"cudalink: {what} must be {lo}..{hi}, got {value!r}; pass e.g. {example}")
-    return int(value)
+_int_arg = int_arg  # the name the tools import
 
 
 def _secs(value: float) -> str:

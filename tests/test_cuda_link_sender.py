@@ -117,6 +117,38 @@ def test_argument_errors_name_the_fix() -> None:
         cudalink.Sender("x", shape=(4, 4, 4), protocol="ndi")
 
 
+def test_argument_types_and_names_the_os_refuses_are_cudalink_errors(
+    name: str, fake_slots: type[FakeCudaSlots]
+) -> None:
+    """Checked as a cudalink Sender checks them: no AttributeError/TypeError/ValueError/OSError from inside, no
+    slots=True taken for 1, no timeout='1' or max_consumers='x' let through."""
+    for bad_name in (None, b"cudalink_ipc_Python>>TD", 123):
+        with pytest.raises(cudalink.ArgumentTypeError, match="cuda-link segment name is a str"):
+            cudalink.Sender(bad_name, shape=(4, 4, 4), protocol="cuda-link")  # type: ignore[arg-type]
+    for kw, err, needle in (
+        ({"slots": True}, cudalink.ArgumentTypeError, "1..10 slots"),
+        ({"timeout": "1"}, cudalink.ArgumentTypeError, "timeout must be a number of seconds"),
+        ({"timeout": -1}, cudalink.ArgumentError, "timeout must be >= 0"),
+        ({"max_consumers": "x"}, cudalink.ArgumentTypeError, "max_consumers must be an integer"),
+        ({"capacity": "big"}, cudalink.ArgumentTypeError, "capacity must be an integer"),
+        ({"capacity": -5}, cudalink.ArgumentError, "capacity must be 0"),
+    ):
+        with pytest.raises(err, match=needle):
+            cudalink.Sender(name, shape=(4, 4, 4), protocol="cuda-link", **kw)  # type: ignore[arg-type]
+    for dots in (".", ".."):
+        with pytest.raises(cudalink.LinkError, match="not a cuda-link segment name"):
+            cudalink.Sender(dots, shape=(4, 4, 4), protocol="cuda-link")
+        with pytest.raises(cudalink.LinkError, match="not a cuda-link segment name"):
+            cudalink.Receiver("cuda-link:" + dots, connect=False)
+    with pytest.raises(cudalink.LinkError, match="choose another name") as err:
+        cudalink.Sender("a" * 300, shape=(4, 4, 4), protocol="cuda-link")  # longer than the OS's names
+    assert not isinstance(err.value, OSError)
+    with cudalink.Receiver("cuda-link:" + "a" * 300, connect=False) as rx, pytest.raises(cudalink.LinkError) as err:
+        rx.poll()
+    assert "check the name" in str(err.value)
+    assert all(s.closed for s in fake_slots.instances)  # nothing refused keeps its slots
+
+
 def test_no_gpu_says_cuda_link_needs_one_instead_of_suggesting_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """device='cpu' is refused for cuda-link, so the usual "use device='cpu'" advice would lead nowhere."""
     from cudalink.cuda import driver

@@ -43,7 +43,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from .. import _platform
-from ..errors import FormatError, LinkError, ProtocolError
+from ..errors import ArgumentTypeError, FormatError, LinkError, ProtocolError
 from ..frames.frame import Frame, _Hold
 from . import cuda_link_wire as cw
 from .base import NoProducer
@@ -78,8 +78,13 @@ LATE = 2e-3
 
 def strip_prefix(name: str) -> str:
     """``cuda-link:NAME`` -> ``NAME``, taken as given (cuda-link's names hold ``>`` and other characters)."""
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"cudalink: a cuda-link segment name is a str, got {type(name).__name__} {name!r}; write it as cuda-link "
+            f"shows it (e.g. 'cuda-link:{cw.DEFAULT_NAMES[1]}')"
+        )
     seg = name[len(PREFIX) :] if name.startswith(PREFIX) else name
-    if not seg or "/" in seg or "\0" in seg:
+    if not seg or "/" in seg or "\0" in seg or seg in (".", ".."):
         raise LinkError(
             f"cudalink: {name!r} is not a cuda-link segment name; write cuda-link:NAME with NAME as cuda-link "
             f"shows it (e.g. cuda-link:{cw.DEFAULT_NAMES[1]})"
@@ -389,7 +394,10 @@ class CudaLinkSource:
         except FileNotFoundError as exc:
             raise NoProducer(f"no cuda-link segment named {self.segment!r} (start the cuda-link producer)") from exc
         except OSError as exc:
-            raise LinkError(f"cudalink: cannot open cuda-link segment {self.segment!r}: {exc}") from exc
+            raise LinkError(
+                f"cudalink: cannot open cuda-link segment {self.segment!r}: {exc}; check the name (cuda-link's "
+                f"component shows it, e.g. {cw.DEFAULT_NAMES[1]!r})"
+            ) from exc
         seg = Segment(shm)
         buf = seg.buf
         try:

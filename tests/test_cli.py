@@ -6,6 +6,7 @@ errors, and because demo and bench spawn their own children.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -649,6 +650,37 @@ def test_monitor_and_info_read_a_cuda_link_segment() -> None:
         assert "closed (shutdown flag set)" in " ".join(proc.stdout.split())
     finally:
         p.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="info lists /dev/shm where it exists")
+def test_info_passes_over_what_anyone_may_put_in_dev_shm() -> None:
+    """/dev/shm is writable by every user: a FIFO there hung ``info`` (opened blocking, it waits for a writer),
+    and a large sparse file that starts with cuda-link's magic was copied whole (2 GiB: 4 GiB of memory, 10 s)."""
+    from cudalink.transport import cuda_link_wire as cw
+
+    fifo = f"/dev/shm/cudalink_test_fifo_{os.getpid()}"
+    big = f"cudalink_test_big_{os.getpid()}"
+    os.mkfifo(fifo)
+    try:
+        with open(f"/dev/shm/{big}", "wb") as f:
+            f.write(cw.MAGIC.to_bytes(4, "little"))
+            f.truncate(1 << 30)
+        proc = run_cli("info", timeout=60)
+        assert f"cuda-link:{big}" in proc.stdout, proc.stdout + proc.stderr
+        probe = (
+            "import resource; from cudalink.tools import cuda_link_view as v\n"
+            f"try: v.read_snapshot({big!r})\n"
+            "except Exception as e: print(type(e).__name__)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        )
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        error, rss_kib = out.stdout.split()
+        assert error == "ProtocolError" and int(rss_kib) < 300 << 10, out.stdout + out.stderr
+    finally:
+        os.unlink(fifo)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{big}")
 
 
 def test_monitor_missing_cuda_link_segment_is_one_line() -> None:

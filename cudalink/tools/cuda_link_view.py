@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass
 
@@ -30,27 +31,36 @@ class Snapshot:
     perf: float  # this machine's perf_counter when read: the producer's timestamps are on that clock
 
 
+#: bytes copied from a segment: more than any cuda-link layout reads (49 + 128·10; v0.6.6's 49 + 192·10), so a
+#: huge file that merely starts with its magic is not copied whole
+_READ_MAX = 4096
+
+
 def _read_bytes(name: str) -> bytes:
-    """The segment's bytes, through a read-only mapping where POSIX shm exists (else a copy through SharedMemory)."""
+    """The segment's first bytes, through a read-only mapping where POSIX shm exists (else through SharedMemory)."""
     try:
         mm = _platform.shm_map_readonly(name)
         if mm is None:
             from ..transport.shm import _open_segment
 
             shm = _open_segment(name)
-            data = bytes(shm.buf or b"")
+            data = bytes((shm.buf or b"")[:_READ_MAX])
             shm.close()
             return data
         if isinstance(mm, bytes):
-            return mm
+            return mm[:_READ_MAX]
         try:
-            return bytes(mm)
+            return mm[:_READ_MAX]
         finally:
             mm.close()
     except FileNotFoundError as exc:
         raise LinkError(
             f"cudalink: no cuda-link segment named {name!r} here; check the name cuda-link shows (its defaults: "
             f"{', '.join(cw.DEFAULT_NAMES)}) and that its producer runs on this machine"
+        ) from exc
+    except OSError as exc:  # another user's segment, or not a segment at all
+        raise LinkError(
+            f"cudalink: cannot read cuda-link segment {name!r} ({exc}); run this as the user whose producer made it"
         ) from exc
 
 
@@ -73,11 +83,7 @@ def find_segments() -> list[str]:
         except OSError:
             entries = []
         for entry in sorted(entries):
-            try:
-                with open(os.path.join(SHM_DIR, entry), "rb") as f:
-                    head = f.read(4)
-            except OSError:
-                continue
+            head = _head(os.path.join(SHM_DIR, entry))
             if len(head) == 4 and int.from_bytes(head, "little") in cw.MAGICS:
                 names.append(entry)
         return names
@@ -88,6 +94,23 @@ def find_segments() -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def _head(path: str) -> bytes:
+    """The first 4 bytes of a regular file; b"" for anything else. Anyone may put a FIFO in /dev/shm: opened
+    blocking, it hung ``info`` until a writer came."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return b""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        return os.read(fd, 4)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def summary(snap: Snapshot) -> str:

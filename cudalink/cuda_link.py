@@ -185,15 +185,15 @@ class CudaLinkSender:
                 header: cw.Header | None = cw.read_header(buf, self.name)
             except LinkError:  # another layout: start afresh
                 header = None
+            if _written_now(buf, None if header is None else header.num_slots):
+                old.close()
+                raise LinkError(
+                    f"cudalink: cuda-link segment {self.name!r} is being written by a live producer (a TD "
+                    "component or a cuda-link exporter: its frames keep coming); close it first, or choose "
+                    "another name"
+                )
             if header is not None:
                 version = header.version
-                if _written_now(buf, header.num_slots):
-                    old.close()
-                    raise LinkError(
-                        f"cudalink: cuda-link segment {self.name!r} is being written by a live producer (a TD "
-                        "component or a cuda-link exporter: its frames keep coming); close it first, or choose "
-                        "another name"
-                    )
                 if header.num_slots == self._n and len(buf) >= size:
                     self._version = header.version
                     return old
@@ -411,17 +411,25 @@ class CudaLinkSender:
 LIVE_LOOK_S = 0.1
 
 
-def _written_now(buf: memoryview, nslots: int) -> bool:
+def _written_now(buf: memoryview, nslots: int | None) -> bool:
     """Whether another writer publishes into ``buf`` now (write_idx or the timestamp moves within LIVE_LOOK_S):
     cuda-link's layout names no writer, so a live one (TD's Out TOP, an exporter) is told by its frames. One that
-    is idle or dead is taken over, as before; a closed one (shutdown) needs no look."""
-    if cw.read_shutdown(buf, nslots):
+    is idle or dead is taken over, as before; a closed one (shutdown) needs no look. ``nslots`` None: a header
+    we do not parse (cuda-link v0.6.6, a writer half-way through its initialisation), told by its first 20
+    bytes, which every cuda-link release lays out alike (write_idx, version, N)."""
+
+    def look() -> object:
+        if nslots is None:
+            return bytes(buf[: cw.HEADER_SIZE])
+        return (cw.read_write_idx(buf), cw.read_timestamp(buf, nslots))
+
+    if nslots is not None and cw.read_shutdown(buf, nslots):
         return False
-    first = (cw.read_write_idx(buf), cw.read_timestamp(buf, nslots))
+    first = look()
     end = time.monotonic() + LIVE_LOOK_S
     while time.monotonic() < end:
         time.sleep(0.005)
-        if (cw.read_write_idx(buf), cw.read_timestamp(buf, nslots)) != first:
+        if look() != first:
             return True
     return False
 

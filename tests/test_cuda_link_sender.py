@@ -4,10 +4,13 @@ back by cudalink's own cuda-link reader. The GPU path is in tests/test_cuda_link
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -311,38 +314,66 @@ def test_the_doorbell_rings_at_each_frame_a_format_change_and_close(
     assert rings == ["ring", "ring", "ring", "closed"]
 
 
-def test_a_live_foreign_writers_segment_is_refused_and_a_silent_one_taken_over(
-    name: str, fake_slots: type[FakeCudaSlots]
-) -> None:
-    """cuda-link's layout names no writer: a TD component or an exporter that is publishing is told by its
-    frames, and its segment is left alone; one whose frames stopped (dead, or idle) is taken over as before."""
-    import threading
-
-    from ._cuda_link_fake import FakeProducer
-
-    live = FakeProducer(name, slots=3)
+@contextlib.contextmanager
+def _publishing(publish: Callable[[], object]) -> Iterator[None]:
+    """A live foreign writer while the block runs: ``publish()`` every 5 ms on a thread of its own."""
     stop = threading.Event()
 
     def frames() -> None:
         while not stop.is_set():
-            live.publish(1)
+            publish()
             time.sleep(0.005)
 
     t = threading.Thread(target=frames)
     t.start()
     try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_a_live_foreign_writers_segment_is_refused_and_a_silent_one_taken_over(
+    name: str, fake_slots: type[FakeCudaSlots]
+) -> None:
+    """cuda-link's layout names no writer: a TD component or an exporter that is publishing is told by its
+    frames, and its segment is left alone; one whose frames stopped (dead, or idle) is taken over as before."""
+    from ._cuda_link_fake import FakeProducer
+
+    live = FakeProducer(name, slots=3)
+    with _publishing(lambda: live.publish(1)):
         with pytest.raises(cudalink.LinkError, match="being written by a live producer"):
             cudalink.Sender(name, shape=(4, 6, 4), slots=2, protocol="cuda-link")
         idx = cw.read_write_idx(live.buf)
         time.sleep(0.05)
         assert cw.read_write_idx(live.buf) > idx and not cw.read_shutdown(live.buf, 3)  # untouched, still going
         assert len(fake_slots.instances) == 1 and fake_slots.instances[0].closed  # nothing of ours left
-    finally:
-        stop.set()
-        t.join()
     with cudalink.Sender(name, shape=(4, 6, 4), slots=3, protocol="cuda-link") as tx:  # silent now: taken over
         assert tx.version == live.version + 1
     live.close()
+
+
+def test_a_live_writer_of_a_layout_we_cannot_read_keeps_its_segment(name: str, fake_slots: type[FakeCudaSlots]) -> None:
+    """A TD project still on cuda-link v0.6.6 (192-byte slots, a header we refuse to parse) publishing under the
+    name: its segment was unlinked and replaced, unlike a live current writer's. Its header's write_idx moving
+    tells it apart from leftovers, which are still taken over once quiet."""
+    from .test_cuda_link_wire import _v066_segment
+
+    old = _v066_segment(2)
+    seg = _open_segment(name, create=True, size=len(old))
+    buf = seg.buf
+    assert buf is not None
+    buf[: len(old)] = old
+    count = itertools.count(8)
+    with _publishing(lambda: cw.write_write_idx(buf, next(count))):  # its write_idx moves, as frames come
+        with pytest.raises(cudalink.LinkError, match="being written by a live producer"):
+            cudalink.Sender(name, shape=(4, 6, 4), slots=2, protocol="cuda-link")
+        still = _open_segment(name)  # not unlinked: the old writer's readers still find it
+        assert still.buf is not None and len(still.buf) == len(old) and bytes(still.buf[:4]) == old[:4]
+        still.close()
+    with cudalink.Sender(name, shape=(4, 6, 4), slots=2, protocol="cuda-link") as tx:  # quiet now: taken over
+        assert tx.version == 1
+    seg.close()
 
 
 def test_reconfigure_beyond_the_slots_is_refused(name: str, fake_slots: type[FakeCudaSlots]) -> None:

@@ -121,9 +121,6 @@ def _register_open(tx: Sender) -> None:
     _open_senders.add(tx)
 
 
-_int_arg = int_arg  # the name the tools import
-
-
 def _secs(value: float) -> str:
     """A duration for a message: ``0.3s``, not ``0.2999986300001183s`` (what is left of a deadline)."""
     return f"{value:.3g}s" if value < 100 else f"{value:.0f}s"
@@ -304,10 +301,10 @@ class Sender:
             ucx_engine.announce_key(ucx_engine.load_key(create=True)[1])
         self._spec = FrameSpec(shape, dtype, strides, pixel_format, origin)
         policy = _choice_arg(policy, "policy", ("drop", "block"))  # type: ignore[assignment]
-        slots = _int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
-        max_consumers = _int_arg(max_consumers, "max_consumers", 1, wire.MAX_CONSUMERS, "max_consumers=16")
+        slots = int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
+        max_consumers = int_arg(max_consumers, "max_consumers", 1, wire.MAX_CONSUMERS, "max_consumers=16")
         nbytes = self._spec.nbytes
-        cap = nbytes if capacity is None else _int_arg(capacity, "capacity", 0, 2**62, f"capacity={nbytes}")
+        cap = nbytes if capacity is None else int_arg(capacity, "capacity", 0, 2**62, f"capacity={nbytes}")
         if cap < nbytes:
             raise ArgumentError(
                 f"cudalink: capacity {cap} is smaller than one frame ({nbytes} bytes); pass capacity={nbytes} or more"

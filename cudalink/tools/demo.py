@@ -26,9 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import _platform
-from ..errors import ArgumentError, LinkError, LinkTimeout, ProducerGone
+from ..errors import ArgumentError, LinkError, LinkTimeout, ProducerGone, int_arg
 from ..frames.spec import FrameSpec
-from ..link import _int_arg
 from ..transport import wire
 from .measure import GpuLib, _child_init, _one_line, resolve_backend
 from .monitor import Snapshot, read_snapshot
@@ -385,8 +384,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     shape = _parse_shape(args.shape)
     spec = FrameSpec(shape, args.dtype)  # validates shape and dtype before any process starts
     # every flag checked before any process starts (a bad one only showed after an empty table)
-    _int_arg(args.consumers, "--consumers", 1, wire.MAX_CONSUMERS, "--consumers 2")
-    _int_arg(args.slots, "--slots", 1, wire.MAX_SLOTS, "--slots 4")
+    int_arg(args.consumers, "--consumers", 1, wire.MAX_CONSUMERS, "--consumers 2")
+    int_arg(args.slots, "--slots", 1, wire.MAX_SLOTS, "--slots 4")
     if args.frames is not None and args.frames < 1:
         raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}")
     if args.seconds is not None and not args.seconds > 0:

@@ -15,9 +15,9 @@ import math
 import time
 
 from .. import _platform
-from ..errors import ArgumentError, LinkTimeout, ProducerGone
+from ..errors import ArgumentError, LinkTimeout, ProducerGone, int_arg
 from ..frames.spec import FrameSpec
-from ..link import Receiver, Sender, _int_arg
+from ..link import Receiver, Sender
 from ..transport import wire
 
 
@@ -33,7 +33,7 @@ def relay(
 ) -> int:
     """Republish ``url`` as ``local`` until ``seconds`` pass (None: forever); returns the frames relayed."""
     _platform.check_name(local)  # before waiting for a first frame: a bad --as or --slots fails now
-    _int_arg(slots, "relay --slots", 1, wire.MAX_SLOTS, "--slots 4")
+    int_arg(slots, "relay --slots", 1, wire.MAX_SLOTS, "--slots 4")
     if seconds is not None and (
         isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf
     ):

@@ -288,12 +288,12 @@ def check_bench_args(args: argparse.Namespace) -> None:
     """Counts, parts and flags a run cannot use, refused before minutes of setup (and before the progress
     bar, whose teardown would print a blank line above the error; fewer frames than the warm-up plus ten
     are raised to that: ``bench.Bench``)."""
-    from ..link import _int_arg
+    from ..errors import int_arg
     from ..transport import wire
 
     if args.frames is not None and args.frames < 1:
         raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}; pass e.g. --frames 500")
-    _int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
+    int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
     only = _only(getattr(args, "only", None))
     for flag, what in (("remote", "--remote"), ("multi_gpu", "--multi-gpu")):
         if only is not None and getattr(args, flag, False):  # it would be ignored there without a word

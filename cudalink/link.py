@@ -1097,10 +1097,7 @@ class Receiver:
                 raise LinkTimeout(f"cudalink: recv_async() on {self.name!r} was cancelled before a producer came")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LinkTimeout(
-                    f"cudalink: no producer published {self.name!r} within {_secs(timeout)} ({last_error}); "
-                    "start the Sender first, or pass a longer timeout"
-                )
+                raise self._no_producer_within(timeout, last_error)
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.05)
         with self._attach_lock:
@@ -1112,6 +1109,17 @@ class Receiver:
             self._leave()
             raise self._closed_meanwhile()
         return True
+
+    def _no_producer_within(self, limit: float, why: str) -> LinkTimeout:
+        return LinkTimeout(
+            f"cudalink: no producer published {self.name!r} within {_secs(limit)} ({why}); "
+            "start the Sender first, or pass a longer timeout"
+        )
+
+    def _no_restart_within(self, limit: float) -> ProducerGone:
+        return ProducerGone(
+            f"cudalink: producer of {self.name!r} is gone and no new one appeared within {_secs(limit)}"
+        )
 
     def _install(self, att: Attachment) -> None:
         kind = type(att)
@@ -1138,9 +1146,7 @@ class Receiver:
             installed = self._attach(limit, polling=end_is_timeout, abandon=abandon)
         except LinkTimeout as exc:
             if self._dead_generation and not end_is_timeout:
-                raise ProducerGone(
-                    f"cudalink: producer of {self.name!r} is gone and no new one appeared within {_secs(limit)}"
-                ) from exc
+                raise self._no_restart_within(limit) from exc
             raise
         if installed and self._dead_generation:
             self.reattached += 1
@@ -1383,12 +1389,20 @@ class Receiver:
                 self._joining = job
             done, abandon = job
             abandon.clear()  # waited for again: it goes on
+            # our own attach ends with its clearer error at our deadline: a second more for it to say so
+            grace = 1.0 if mine else 0.0
             try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), max(0.0, end - loop.time()) + 1.0)
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), max(0.0, end - loop.time()) + grace)
             except (LinkTimeout, ProducerGone):
                 if mine or self._closed or loop.time() >= end:
                     raise
                 continue  # an earlier call's attach gave up at its own deadline (or was abandoned); ours is later
+            except asyncio.TimeoutError:  # our time is up; an earlier call's attach, with a later end, still tries
+                abandon.set()
+                timed_out = self._no_producer_within(limit, "no producer came")
+                if self._dead_generation:
+                    raise self._no_restart_within(limit) from timed_out
+                raise timed_out from None
             except BaseException:
                 abandon.set()
                 raise

@@ -313,3 +313,35 @@ def test_a_wait_left_on_a_closed_loop_does_not_lock_the_receiver_out(pair: PairF
         waiter.join(30.0)
         assert got and got[0][0] == 7
         assert got[0][1] - sent < 2.0, f"woken {got[0][1] - sent:.2f}s after the frame (its wake-up was off)"
+
+
+def test_a_wait_with_a_limit_after_a_cancelled_one_without_ends_on_time(name: str) -> None:
+    """A cancelled ``recv_async()`` with no limit left its attach running; a later ``recv_async(timeout=0.3)``
+    waited on that attach, then raised a bare ``TimeoutError('')`` after 1.3 s instead of LinkTimeout (or,
+    once a producer had gone, ProducerGone) after 0.3 s."""
+    import contextlib
+
+    async def cancel_then_wait(rx: cudalink.Receiver) -> float:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(rx.recv_async(timeout=None), 0.05)
+        t0 = time.monotonic()
+        await rx.recv_async(timeout=0.3)
+        return time.monotonic() - t0
+
+    t0 = time.monotonic()
+    with cudalink.Receiver(name, connect=False) as rx, pytest.raises(cudalink.LinkTimeout) as err:
+        asyncio.run(cancel_then_wait(rx))
+    assert f"no producer published {name!r} within 0.3s (" in str(err.value), err.value
+    assert time.monotonic() - t0 < 1.0
+
+    with cudalink.Sender(name, shape=(2,), dtype="uint8", device="cpu") as tx, cudalink.Receiver(name) as rx:
+        tx.send(np.zeros(2, np.uint8))
+        rx.recv(timeout=5).release()
+        tx.close()
+        with pytest.raises(cudalink.ProducerGone):
+            rx.recv(timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.ProducerGone) as gone:
+            asyncio.run(cancel_then_wait(rx))
+        assert "no new one appeared within 0.3s" in str(gone.value), gone.value
+        assert time.monotonic() - t0 < 1.0

@@ -27,10 +27,15 @@ from .conftest import DEFAULT, PairFactory, header_bytes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
+def cli_env(**extra: str) -> dict[str, str]:
+    """This process's environment, with this checkout first on the path, plus ``extra``."""
+    env = {**os.environ, **extra}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["COLUMNS"] = "200"  # rich would otherwise wrap tables at 80 columns when piped
+    return env
+
+
+def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    env = cli_env(COLUMNS="200")  # rich would otherwise wrap tables at 80 columns when piped
     return subprocess.run(
         [sys.executable, "-m", "cudalink", *args],
         cwd=ROOT,
@@ -260,6 +265,73 @@ def test_monitor_piped_prints_a_line_per_interval_and_exits_on_sigterm() -> None
     assert "fps n/a" in lines[0] and re.search(r"fps \d", lines[2]), lines  # a rate from the second sample on
     assert "published 2" in rest.splitlines()[-1], rest
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("columns", ["0", "00", "wide"])
+def test_info_and_monitor_print_whatever_columns_says(columns: str) -> None:
+    """``COLUMNS=0`` (what ``$(tput cols)`` gives without a terminal) made rich lay out zero columns: ``info`` and
+    ``monitor --once`` printed nothing at all and exited 0."""
+    name = f"clitest-cols-{os.getpid()}"
+    env = cli_env(COLUMNS=columns)
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8") as tx:
+        tx.send(np.zeros((4, 4), np.uint8))
+        for args, needle in ((["info"], "verdict:"), (["monitor", name, "--once", "--interval", "0.05"], "published")):
+            proc = subprocess.run(
+                [sys.executable, "-m", "cudalink", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert needle in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="closes the child's stdout through a POSIX shell")
+@pytest.mark.parametrize("args", [["info"], ["monitor", "NAME", "--seconds", "0.3", "--interval", "0.1"]])
+def test_a_closed_stdout_is_not_a_crash(args: list[str]) -> None:
+    """Started with stdout closed (``>&-``, a daemon), Python's ``sys.stdout`` is None: every command that prints
+    through rich failed with 'cudalink: AttributeError: 'NoneType' object has no attribute 'isatty''."""
+    name = f"clitest-closed-{os.getpid()}"
+    args = [name if a == "NAME" else a for a in args]
+    env = cli_env()
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8") as tx:
+        tx.send(np.zeros((4, 4), np.uint8))
+        proc = subprocess.run(
+            ["sh", "-c", '"$0" -m cudalink "$@" >&-', sys.executable, *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+
+
+def test_monitor_piped_into_a_reader_that_stops_early_ends_quietly() -> None:
+    """``monitor NAME | head -1``: the reader closed the pipe after one line, and monitor said
+    'cudalink: BrokenPipeError: [Errno 32] Broken pipe' and exited 1. A reader that stops is a stop from
+    outside, as SIGTERM is: quiet, status 0."""
+    name = f"clitest-monhead-{os.getpid()}"
+    env = cli_env()
+    with cudalink.Sender(name, shape=(4, 4), dtype="uint8") as tx:
+        tx.send(np.zeros((4, 4), np.uint8))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cudalink", "monitor", name, "--interval", "0.05", "--seconds", "30"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            first = proc.stdout.readline()
+            proc.stdout.close()  # what head -1 does after its line
+            proc.wait(timeout=20)
+            err = proc.stderr.read().decode()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert name.encode() in first
+    assert proc.returncode == 0, err
+    assert err == ""
 
 
 def test_monitor_missing_link_is_one_line() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -285,6 +287,9 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             seen = _watch_plain(args.name, interval, deadline, read, line)
     except (KeyboardInterrupt, _Stop):
         return 0  # stopped by the user (or a service manager): whatever was watched, that is a success
+    except BrokenPipeError:  # the reader of our pipe stopped (``| head -1``): a stop from outside too
+        _quiet_stdout()
+        return 0
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
@@ -294,6 +299,16 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             "producer (or check the name: python -m cudalink info lists the links here), or pass a longer --seconds"
         )
     return 0
+
+
+def _quiet_stdout() -> None:
+    """What is left in stdout's buffer goes nowhere: its reader is gone, and the flush at exit would otherwise
+    print an ignored BrokenPipeError and end the process with status 120."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def _watch_live(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -13,9 +14,16 @@ from .measure import summarize
 
 
 def _console(stderr: bool = False) -> Console:
-    """Wide enough for the tables when output is piped (rich would assume 80 columns)."""
-    tty = (sys.stderr if stderr else sys.stdout).isatty()
-    width = None if tty or "COLUMNS" in os.environ else 160
+    """Wide enough for the tables when output is piped (rich would assume 80 columns). ``COLUMNS`` is taken
+    only as a positive number: rich lays out ``COLUMNS=0`` (``$(tput cols)`` with no terminal) as zero
+    columns, which prints nothing at all."""
+    stream = sys.stderr if stderr else sys.stdout
+    tty = stream is not None and stream.isatty()  # None: Python started with it closed (``>&-``)
+    columns = os.environ.get("COLUMNS", "")
+    if (columns.isdigit() and int(columns) > 0) or (tty and not columns.isdigit()):
+        width = None  # rich: COLUMNS, else the terminal's own width (followed as it changes)
+    else:
+        width = shutil.get_terminal_size().columns if tty else 160
     return Console(stderr=stderr, width=width, highlight=False)
 
 

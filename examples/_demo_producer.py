@@ -141,7 +141,11 @@ def produce(
 
 
 def start(name: str, **kwargs: Any) -> tuple[Any, Any]:
-    """Run :func:`produce` in a spawned daemon process (for notebooks); returns ``(process, stop_event)``."""
+    """Run :func:`produce` in a spawned daemon process (for notebooks); returns ``(process, stop_event)``.
+
+    The device is tried here first: a child that cannot make its Sender dies with the reason in the kernel's
+    log, and the notebook's Receiver would only say, after its timeout, that no producer came."""
+    check_device(kwargs.get("device", "cpu"))
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     proc = ctx.Process(target=produce, args=(name,), kwargs={**kwargs, "stop": stop}, daemon=True)
@@ -171,12 +175,16 @@ def torch_cuda_problem(torch: Any) -> str | None:
     return None
 
 
+def check_device(device: str | int, who: str = "demo") -> None:
+    """Raise (:class:`cudalink.CudaUnavailable`, ...) when ``device`` cannot carry a link on this machine."""
+    if device != "cpu":  # a throwaway Sender is the honest test: it needs the driver, the GPU and IPC memory pools
+        cudalink.Sender(f"{who}-probe-{os.getpid()}", shape=(1,), device=device).close()
+
+
 def require_device(device: str | int, who: str) -> None:
     """Skip (exit 2) when ``device`` cannot carry a link on this machine."""
-    if device == "cpu":
-        return
-    try:  # a throwaway Sender is the honest test: it needs the driver, the GPU and IPC memory pools
-        cudalink.Sender(f"{who}-probe-{os.getpid()}", shape=(1,), device=device).close()
+    try:
+        check_device(device, who)
     except cudalink.CudaUnavailable as exc:
         skip(who, f"needs a CUDA GPU for --device {device}: {exc}")
 

@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,41 @@ def test_missing_gpu_is_one_clear_line(args: tuple[str, ...]) -> None:
     proc = run_example(name, *args[1:], "--device", "0", *QUICK)
     assert proc.returncode == SKIP_CODE, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"{name}: SKIP needs a CUDA GPU") and proc.stdout.count("\n") == 1
+
+
+def test_demo_start_says_at_once_when_its_device_cannot_carry_a_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``demo.start`` (the notebooks' producer) spawned its child and returned; the child died on the missing GPU
+    with its traceback in the kernel's log, and the notebook's Receiver waited its 30 s to say 'no producer
+    published ...; start the Sender first'. The device is now tried in the caller first."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import _demo_producer as demo
+
+    started: list[Any] = []
+    with pytest.raises(cudalink.LinkError) as err:
+        started.append(demo.start(f"demo-start-{os.getpid()}", device=99, frames=1))  # no GPU 99 anywhere
+    for proc, stop in started:  # before the fix: a child that dies on its own
+        stop.set()
+        proc.join(30)
+    assert str(err.value).startswith("cudalink:"), err.value
+
+
+@pytest.mark.parametrize("notebook", ["live_demo.ipynb", "walkthrough.ipynb"])
+def test_notebook_with_a_gpu_device_on_a_machine_without_one_says_so(
+    notebook: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        devices.device(0)
+        pytest.skip("a GPU is present")
+    except cudalink.CudaUnavailable:
+        pass
+    nbclient = pytest.importorskip("nbclient")
+    if notebook == "live_demo.ipynb":
+        pytest.importorskip("matplotlib")
+    t0 = time.monotonic()
+    with pytest.raises(nbclient.exceptions.CellExecutionError) as err:
+        run_notebook(NOTEBOOKS / notebook, monkeypatch, device=0)
+    assert "CudaUnavailable" in str(err.value) and "device='cpu'" in str(err.value), str(err.value)[-2000:]
+    assert time.monotonic() - t0 < 25, "the cell waited for a producer that could never start"
 
 
 def test_roles_in_two_processes() -> None:

@@ -14,7 +14,7 @@ import cudalink.td
 import td  # TouchDesigner's module (the tests inject a fake)
 
 DEFAULT_LINK = "td_in"
-RETRY_S = 0.5  # how often to look for a producer that is not there
+RETRY_S = 0.5  # how often to look for a producer that is not there, or that refused this TOP
 CHOICES = ["auto", "on", "off"]
 CHOICE_LABELS = ["Auto (from frame metadata)", "On", "Off"]
 

@@ -835,3 +835,33 @@ def test_cupy_streams_come_from_from_external_where_cupy_has_it() -> None:
     assert cupy_stream(new, 0x1234) == "wrapped"
     assert cupy_stream(old, 0x5678) == "legacy"
     assert seen == [("from_external", 0x1234), ("ExternalStream", 0x5678)]
+
+
+def test_a_script_top_refused_by_its_producer_tries_again_every_retry_s_not_every_cook() -> None:
+    """A producer whose consumer places are all taken refuses the TOP: that error shows on the TOP, and the TOP
+    asks again every ``retry_s`` (as while no producer is there), not on every cook of TD's thread."""
+    name = link_name()
+    src = texture(4, 4, 4, np.uint8, seed=3)
+    with cudalink.Sender(name, shape=src.shape, device="cpu", max_consumers=1) as tx, cudalink.Receiver(name) as first:
+        tx.send(src)
+        first.recv(timeout=5).release()
+        rx = ctd.ScriptTopReceiver(name, retry_s=60.0, shape_factory=FakeCUDAMemoryShape)
+        op = FakeScriptTOP()
+        op.cooking = True
+        tries = 0
+        attach = cudalink.Receiver._attach
+
+        def counted(self: Any, *a: Any, **kw: Any) -> Any:
+            nonlocal tries
+            tries += 1
+            return attach(self, *a, **kw)
+
+        cudalink.Receiver._attach = counted  # type: ignore[method-assign]
+        try:
+            statuses = [rx.cook(op) for _ in range(20)]
+        finally:
+            cudalink.Receiver._attach = attach  # type: ignore[method-assign]
+            rx.close()
+        assert tries == 1, f"{tries} attaches in 20 cooks"
+        assert all("max_consumers" in s or "consumer" in s for s in statuses), statuses
+        assert len(set(statuses)) == 1, statuses  # the same cause shown on every cook

@@ -397,6 +397,8 @@ class ScriptTopReceiver:
         self.frames = 0
         self._rx: Receiver | None = None
         self._next_try = 0.0
+        #: why the producer refused us (all its consumer places taken, say): shown until the next try
+        self._refused: str | None = None
         self._format: tuple[int, int, int, str] | None = None
         self._script_error = False
 
@@ -420,6 +422,7 @@ class ScriptTopReceiver:
     def _drop_receiver(self) -> None:
         rx, self._rx = self._rx, None
         self._next_try = 0.0
+        self._refused = None
         try:
             self.sink.detach()
         finally:
@@ -468,11 +471,14 @@ class ScriptTopReceiver:
         now = time.monotonic()
         if not rx.connected and now < self._next_try:
             self._again(script_op)
+            if self._refused is not None:
+                return self._refused, "error"
             return f"cudalink: waiting for a producer on {self.link!r}", "warning"
         try:
             frame = rx.poll()
         except LinkTimeout:
             self._next_try = now + self.retry_s
+            self._refused = None
             self._again(script_op)
             return f"cudalink: waiting for a producer on {self.link!r}", "warning"
         except ProducerGone:
@@ -480,6 +486,15 @@ class ScriptTopReceiver:
             self._again(script_op)
             gone = f"cudalink: the producer of {self.link!r} left; showing its last frame until a new one starts"
             return gone, "warning"
+        except LinkError as exc:
+            if rx.connected:
+                raise
+            # refused as it attached (its consumer places all taken, say): that costs TD's thread an attach,
+            # so it is asked again every retry_s, as while no producer is there, not on every cook
+            self._next_try = now + self.retry_s
+            self._refused = _message(exc)
+            raise
+        self._refused = None
         if frame is None:
             self._again(script_op)
             if closing:

@@ -1354,6 +1354,8 @@ class Receiver:
             finally:
                 if self._busy_loop is loop:  # not a stale waiter's end (see _check_second_waiter)
                     self._unwait(att)
+            if self._closed:  # closed by another task or thread while we waited: said as recv() says it
+                raise self._closed_meanwhile()
 
     def _start_join(self, limit: float) -> tuple[concurrent.futures.Future[None], threading.Event]:
         """``_join`` on a daemon thread of its own; (its end, the event that makes it stop at its next try)."""

@@ -345,3 +345,20 @@ def test_a_wait_with_a_limit_after_a_cancelled_one_without_ends_on_time(name: st
             asyncio.run(cancel_then_wait(rx))
         assert "no new one appeared within 0.3s" in str(gone.value), gone.value
         assert time.monotonic() - t0 < 1.0
+
+
+def test_a_close_while_a_task_awaits_says_so_as_recv_does(pair: PairFactory) -> None:
+    """``close()`` from another task ends an awaiting ``recv_async`` with the LinkClosed ``recv()`` raises in
+    that case ('was closed while it waited'), not the one for a call made after the close."""
+    tx, rx = pair(shape=(2,), dtype="int32", slots=2)
+
+    async def main() -> str:
+        with tx:
+            task = asyncio.create_task(rx.recv_async(timeout=5))
+            await asyncio.sleep(0.05)
+            rx.close()
+            with pytest.raises(cudalink.LinkClosed) as got:
+                await asyncio.wait_for(task, 2)
+            return str(got.value)
+
+    assert "was closed while it waited" in asyncio.run(main())

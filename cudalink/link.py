@@ -1443,7 +1443,9 @@ class Receiver:
         """Counters, and ``path``: how frames reach this Receiver: ``zero-copy`` (the producer's own memory),
         ``peer`` (copied from the producer's GPU over NVLink/PCIe peer access), ``staged`` (copied by the
         driver through host memory: no peer access between the two GPUs), ``same-device`` (``copy="always"``
-        on the producer's GPU), or ``unknown`` before attaching.
+        on the producer's GPU), ``copy`` (a host link with ``copy="always"``, or a cuda-link segment read
+        through a copy), ``network`` (a ``ucx://`` link: received into buffers this Receiver owns), or
+        ``unknown`` before attaching.
 
         ``reattached`` counts new producers (restarts) this Receiver went on with; ``reconnects`` counts times a
         network source lost its connection while it was stalled and made it again to the same producer (the

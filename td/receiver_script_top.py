@@ -21,6 +21,18 @@ CHOICE_LABELS = ["Auto (from frame metadata)", "On", "Off"]
 # One receiver per Script TOP using this DAT (keyed by operator id). Editing this DAT reloads the
 # module; the old receivers are then garbage, and closing them lets their producers' slots go.
 _receivers = {}
+_owners = {}  # operator id -> its Script TOP: a deleted one's receiver is closed at the next cook
+
+
+def _close_deleted(current):
+    """TD has no callback for a deleted Script TOP: its receiver would hold a producer's slot (and make the
+    producer's close() wait) for as long as this DAT lives. ``OP.valid`` turns False once it is deleted."""
+    for oid, owner in list(_owners.items()):
+        if oid != current and getattr(owner, "valid", True) is False:
+            del _owners[oid]
+            rx = _receivers.pop(oid, None)
+            if rx is not None:
+                rx.close()
 
 
 def _par(group, default, old):
@@ -61,10 +73,13 @@ def _value(scriptOp, name, default):
 
 def onCook(scriptOp):
     _ = td.absTime.frame  # depending on the frame number makes TD cook this TOP every frame, so it polls
+    if len(_owners) > 1:
+        _close_deleted(scriptOp.id)
     rx = _receivers.get(scriptOp.id)
     if rx is None:
         rx = cudalink.td.ScriptTopReceiver(DEFAULT_LINK, retry_s=RETRY_S, shape_factory=td.CUDAMemoryShape)
         _receivers[scriptOp.id] = rx
+        _owners[scriptOp.id] = scriptOp
     rx.set_link(str(_value(scriptOp, "Linkname", DEFAULT_LINK)).strip())
     rx.flip = _value(scriptOp, "Flip", "auto")
     rx.swap_rb = _value(scriptOp, "Swaprb", "auto")

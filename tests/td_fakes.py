@@ -362,6 +362,7 @@ class FakeScriptTOP(_Errors):
         self.id = next(_ids)
         self.name = name
         self.path = f"/project1/{name}"
+        self.valid = True  # TD's OP.valid: False once the operator is deleted
         self.device = device
         self.par = FakePars()
         self.customPages: list[FakePage] = []

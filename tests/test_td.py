@@ -865,3 +865,25 @@ def test_a_script_top_refused_by_its_producer_tries_again_every_retry_s_not_ever
         assert tries == 1, f"{tries} attaches in 20 cooks"
         assert all("max_consumers" in s or "consumer" in s for s in statuses), statuses
         assert len(set(statuses)) == 1, statuses  # the same cause shown on every cook
+
+
+def test_a_deleted_script_tops_receiver_is_closed_at_the_next_cook_of_another(receiver_dat: Any) -> None:
+    """TD calls nothing when a Script TOP is deleted: its receiver held a producer's slot (and made the
+    producer's close() wait out its timeout) for as long as the callbacks DAT lived. Once ``OP.valid`` is False,
+    the next cook of another TOP of that DAT closes it."""
+    name = link_name()
+    src = texture(4, 4, 4, np.uint8, seed=4)
+    gone, kept = script_top(receiver_dat, name), script_top(receiver_dat, name)
+    with cudalink.Sender(name, shape=src.shape, origin="bottom") as tx:
+        tx.send(src)
+        fakes.cook_until(receiver_dat, gone, lambda: np.array_equal(gone.texture, src))
+        fakes.cook_until(receiver_dat, kept, lambda: np.array_equal(kept.texture, src))
+        old = receiver_dat._receivers[gone.id]
+        assert old.receiver is not None and tx.stats()["consumers"] == 2
+        kept.cook(receiver_dat)
+        assert receiver_dat._receivers[gone.id] is old  # alive: kept
+        gone.valid = False  # deleted in TD
+        kept.cook(receiver_dat)
+        assert gone.id not in receiver_dat._receivers and old.receiver is None
+        assert tx.stats()["consumers"] == 1
+        np.testing.assert_array_equal(kept.texture, src)

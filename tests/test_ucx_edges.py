@@ -217,6 +217,32 @@ def test_the_relay_keeps_each_frames_timestamp_and_meta() -> None:
             relay.stop()
 
 
+def test_a_relay_stopped_with_sigterm_closes_its_local_link_like_ctrl_c() -> None:
+    """SIGTERM (a service manager, ``timeout``) killed the relay where it stood: its local consumers heard
+    "closed or died" and its segments, socket and lock stayed in /dev/shm for ``clean``."""
+    import signal
+
+    from cudalink.transport.shm import leftovers
+
+    local = unique("tl")
+    with served("tt", "--frames", "1000000", "--fps", "100") as (_, _, url):
+        relay = Proc(["-m", "cudalink", "relay", url, "--as", local])
+        try:
+            relay.expect("cudalink: relaying", 20.0)
+            with cudalink.Receiver(local, timeout=10.0) as rx:
+                for _ in range(3):
+                    with rx.recv(timeout=5.0) as f:
+                        check(f, relayed=True)
+                relay.p.send_signal(signal.SIGTERM)
+                with pytest.raises(cudalink.ProducerGone, match="closed the link;"):
+                    while True:
+                        rx.recv(timeout=5.0).release()
+            assert relay.p.wait(10) == 0, "".join(relay.log)
+            assert leftovers(local, unrecorded=True) == ([], []), "".join(relay.log)
+        finally:
+            relay.stop()
+
+
 def test_the_serve_command_says_it_listens_on_every_interface() -> None:
     with served("i", "--frames", "1000000", "--fps", "10") as (_, srv, _):
         line = srv.expect("cudalink: UCXX listens on port", 10.0)

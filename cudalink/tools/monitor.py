@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +22,7 @@ from .._ring import read_record
 from ..errors import ArgumentError, LinkError
 from ..transport import wire
 from . import cuda_link_view
-from .ui import _ago, _console, _us
+from .ui import Stopped, _ago, _console, _us, sigterm_stops
 
 
 @dataclass(frozen=True)
@@ -245,14 +243,6 @@ def plain_line(snap: Snapshot, prev: Snapshot | None) -> str:
     )
 
 
-class _Stop(Exception):
-    """SIGTERM (``timeout``, a service manager): leave the loop and exit 0 like Ctrl-C does."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Stop
-
-
 def cmd_monitor(args: argparse.Namespace) -> int:
     console = _console()
     if not 0 < args.interval < 3600:  # NaN fails this too
@@ -277,22 +267,17 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         console.print(render(second or first, first if second is not None else None))
         return 0
     deadline = math.inf if args.seconds is None else time.monotonic() + args.seconds
-    # the command's own process: a handler here takes nothing from an application (the library installs none)
-    main = threading.current_thread() is threading.main_thread()  # signal handlers live on the main thread
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
     try:
-        if console.is_terminal:
-            seen = _watch_live(args.name, interval, deadline, console, read, render)
-        else:
-            seen = _watch_plain(args.name, interval, deadline, read, line)
-    except (KeyboardInterrupt, _Stop):
+        with sigterm_stops():
+            if console.is_terminal:
+                seen = _watch_live(args.name, interval, deadline, console, read, render)
+            else:
+                seen = _watch_plain(args.name, interval, deadline, read, line)
+    except (KeyboardInterrupt, Stopped):
         return 0  # stopped by the user (or a service manager): whatever was watched, that is a success
     except BrokenPipeError:  # the reader of our pipe stopped (``| head -1``): a stop from outside too
         _quiet_stdout()
         return 0
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
     if not seen:  # --seconds ran out and no producer ever published: as --once would, fail (a script can tell)
         raise LinkError(
             f"cudalink: no producer published {args.name!r} here within --seconds {args.seconds:g}; start its "

@@ -11,6 +11,7 @@ Frames keep their timestamp and meta.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 
@@ -19,6 +20,7 @@ from ..errors import ArgumentError, LinkTimeout, ProducerGone, int_arg
 from ..frames.spec import FrameSpec
 from ..link import Receiver, Sender
 from ..transport import wire
+from .ui import Stopped, sigterm_stops
 
 
 def relay(
@@ -90,5 +92,10 @@ def relay(
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    relay(args.url, args.local, device=args.device, slots=args.slots, latest=not args.in_order, seconds=args.seconds)
+    # SIGTERM (a service manager) stops the relay as the end of --seconds does: the local link is closed, so its
+    # consumers hear a clean close and nothing is left in /dev/shm (killed where it stood, both were lost)
+    with contextlib.suppress(Stopped), sigterm_stops():
+        relay(
+            args.url, args.local, device=args.device, slots=args.slots, latest=not args.in_order, seconds=args.seconds
+        )
     return 0

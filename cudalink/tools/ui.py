@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from rich.console import Console
 
@@ -25,6 +28,28 @@ def _console(stderr: bool = False) -> Console:
     else:
         width = shutil.get_terminal_size().columns if tty else 160
     return Console(stderr=stderr, width=width, highlight=False)
+
+
+class Stopped(Exception):
+    """SIGTERM (``timeout``, a service manager): leave the command's loop as Ctrl-C does, through its cleanup."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Stopped
+
+
+@contextlib.contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """While inside, SIGTERM raises :class:`Stopped` in the main thread instead of killing the process where it
+    stands. The command's own process: a handler here takes nothing from an application (the library installs
+    none)."""
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live on the main thread
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _us(v: float | None) -> str:

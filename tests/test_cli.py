@@ -621,6 +621,16 @@ def test_relay_checks_its_arguments_before_waiting_for_a_frame(args: list[str], 
     assert needle in proc.stderr
 
 
+@pytest.mark.parametrize("device", ["0", "cuda:0"])
+def test_relay_takes_a_gpu_ordinal_as_its_help_says(device: str) -> None:
+    """``--device 0`` (the help: "cpu | 0 | cuda:N") was refused: "device must be 'cpu', a CUDA ordinal like 0,
+    or 'cuda:N'; got '0'". Without a GPU it is the missing GPU that is named; with one, the missing upstream."""
+    proc = run_cli("relay", "no-such-upstream", "--as", "ok", "--device", device, "--seconds", "3", timeout=60)
+    assert_one_line_error(proc)
+    assert "device must be" not in proc.stderr, proc.stderr
+    assert ("--device cpu" in proc.stderr) != gpu_usable(), proc.stderr
+
+
 @pytest.mark.parametrize("seconds", ["-1", "0", "nan", "inf", "1e400"])
 def test_relay_refuses_a_duration_it_cannot_run_for_at_once(seconds: str) -> None:
     """``--seconds -1`` waited 5 s for the upstream before anything was said."""

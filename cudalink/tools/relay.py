@@ -27,7 +27,7 @@ def relay(
     url: str,
     local: str,
     *,
-    device: str = "cpu",
+    device: int | str = "cpu",
     slots: int = 4,
     latest: bool = True,
     seconds: float | None = None,
@@ -45,7 +45,7 @@ def relay(
         )
     stop = None if seconds is None else time.monotonic() + seconds
     relayed = 0
-    with Receiver(url, device="cpu" if device == "cpu" else device, latest=latest, timeout=5.0) as rx:
+    with Receiver(url, device=device, latest=latest, timeout=5.0) as rx:
         tx: Sender | None = None
 
         def make(spec: FrameSpec) -> Sender:
@@ -92,10 +92,9 @@ def relay(
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
+    device = int(args.device) if args.device.isdigit() else args.device  # "0", as the help says
     # SIGTERM (a service manager) stops the relay as the end of --seconds does: the local link is closed, so its
     # consumers hear a clean close and nothing is left in /dev/shm (killed where it stood, both were lost)
     with contextlib.suppress(Stopped), sigterm_stops():
-        relay(
-            args.url, args.local, device=args.device, slots=args.slots, latest=not args.in_order, seconds=args.seconds
-        )
+        relay(args.url, args.local, device=device, slots=args.slots, latest=not args.in_order, seconds=args.seconds)
     return 0

@@ -217,6 +217,29 @@ def test_the_relay_keeps_each_frames_timestamp_and_meta() -> None:
             relay.stop()
 
 
+def test_a_relay_says_when_its_upstream_goes_and_comes_back() -> None:
+    """A relay whose server went away said nothing at all while its local consumers waited, nor when it was back:
+    its log showed only the first 'relaying' line."""
+    name = unique("w")
+    local = unique("wl")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    port = free_port()
+    srv, url = server(name, port)
+    relay = Proc(["-m", "cudalink", "relay", url, "--as", local])
+    try:
+        relay.expect("cudalink: relaying", 20.0)
+        srv.kill()
+        line = relay.expect("cudalink: lost", 10.0)
+        assert url in line and f"{local!r} stays up" in line and "recv() again" not in line, line
+        srv, _ = server(name, port)
+        assert "(32x32x4 uint8)" in relay.expect(f"cudalink: {url} is back", 30.0)
+        assert sum("cudalink: lost" in ln for ln in relay.log) == 1, "".join(relay.log)
+    finally:
+        relay.stop()
+        srv.stop()
+        prod.stop()
+
+
 def test_a_relay_stopped_with_sigterm_closes_its_local_link_like_ctrl_c() -> None:
     """SIGTERM (a service manager, ``timeout``) killed the relay where it stood: its local consumers heard
     "closed or died" and its segments, socket and lock stayed in /dev/shm for ``clean``."""

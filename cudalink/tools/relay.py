@@ -4,7 +4,8 @@ Unmodified local consumers (a TouchDesigner Script TOP, say) read ``LOCAL`` as a
 is written once into a slot taken with ``Sender.reserve()``; a format change upstream reconfigures the
 local link (its slots are sized to the remote link's capacity, so every format the producer may send fits).
 A producer restart upstream keeps the local link up: consumers see a gap, not an error (one whose frames no
-longer fit its slots restarts the local link: consumers see a new generation, as after any restart).
+longer fit its slots restarts the local link: consumers see a new generation, as after any restart). The relay
+says on stdout when its upstream goes away and when it is back.
 Frames keep their timestamp and meta.
 """
 
@@ -60,14 +61,25 @@ def relay(
                 capacity=max(rx.capacity, spec.nbytes),
             )
 
+        lost = False  # the upstream went away and has sent nothing since: said once, and once when it is back
         try:
             while stop is None or time.monotonic() < stop:
                 try:
                     frame = rx.recv(timeout=0.5 if stop is None else max(0.01, min(0.5, stop - time.monotonic())))
-                except (LinkTimeout, ProducerGone):
+                except LinkTimeout:
+                    continue
+                except ProducerGone as exc:
+                    if not (quiet or lost):
+                        why = str(exc).removeprefix("cudalink: ").split("; recv() again")[0]
+                        why = why.replace(f"producer of {url!r}", "its producer")
+                        print(f"cudalink: lost {url}: {why}; {local!r} stays up, waiting for it", flush=True)
+                    lost = True
                     continue
                 with frame:
                     spec = frame.spec
+                    if lost and not quiet:
+                        print(f"cudalink: {url} is back ({spec.label})", flush=True)
+                    lost = False
                     if tx is None:
                         tx = make(spec)
                         if not quiet:

@@ -721,6 +721,11 @@ def resolve_handles(handles: str, passes_fds: bool) -> str:
             "cudalink: handles='pool' needs a control channel that passes file descriptors (a Unix socket), "
             "and this transport's cannot (loopback TCP, as on Windows); use handles='legacy' or 'auto'"
         )
+    if handles == "pool" and _platform.default_handles() != "pool":
+        raise ArgumentError(
+            "cudalink: handles='pool' needs cuda.core IPC pools, which only native Linux's driver shares (WSL 2's "
+            "refuses them); use handles='legacy' or 'auto'"
+        )
     return handles
 
 

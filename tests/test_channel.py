@@ -186,6 +186,19 @@ def test_handle_kind_follows_what_the_channel_can_carry() -> None:
         _backends.resolve_handles("cuda", passes_fds=True)
 
 
+@pytest.mark.skipif(not _platform.IS_LINUX, reason="WSL is a Linux kernel")
+def test_pools_asked_for_on_wsl_are_refused_naming_legacy_handles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WSL 2's driver refuses IPC pools (README: legacy handles only there), yet handles='pool' went on to it
+    (``devices.require_pool_ipc`` looks at sys.platform only), and ``PoolExporter`` reports any failure to make
+    the pool as "could not allocate the link's slots ... use fewer slots ... or free GPU memory"."""
+    monkeypatch.setattr(_platform, "is_wsl", lambda release=None: True)
+    assert _backends.resolve_handles("auto", passes_fds=True) == "legacy"
+    with pytest.raises(cudalink.ArgumentError, match=r"^cudalink: handles='pool' .*WSL.*use handles='legacy'"):
+        _backends.resolve_handles("pool", passes_fds=True)
+    monkeypatch.setattr(_platform, "is_wsl", lambda release=None: False)
+    assert _backends.resolve_handles("pool", passes_fds=True) == "pool"
+
+
 def test_a_pool_sender_over_tcp_fails_before_touching_the_gpu(name: str) -> None:
     with pytest.raises(cudalink.LinkError, match="handles='legacy'"):
         cudalink.Sender(name, shape=(4,), device=0, handles="pool", transport=SharedMemoryTransport("tcp"))

@@ -352,6 +352,17 @@ def shm_owner(name: str) -> int | None:
         return None
 
 
+def shm_inode(name: str) -> int | None:
+    """The inode of POSIX segment ``name`` where segments are files (Linux's /dev/shm), 0 once it is gone (one
+    made anew under that name has another); None where that cannot be told (macOS, Windows)."""
+    if not IS_LINUX:
+        return None
+    try:
+        return os.stat(f"{SHM_DIR}/{name.lstrip('/')}").st_ino
+    except OSError:
+        return 0
+
+
 def shm_segments(prefix: str) -> list[str]:
     """Names of the POSIX shared-memory segments that start with ``prefix`` (none where they cannot be
     listed: Windows frees a segment with its last handle, so a dead producer leaves none there)."""

@@ -222,6 +222,24 @@ def test_frames_know_nothing_of_transports_and_cuda_glue_nothing_of_frames() -> 
         assert outside <= {"cudalink", "cudalink.errors", "cudalink._native"}, (m, outside)
 
 
+def test_the_os_is_asked_about_only_in_platform() -> None:
+    """What differs between operating systems lives in ``cudalink/_platform.py`` (one file to port and to review):
+    nowhere else asks which OS this is. The CUDA glue may not import ``_platform`` (see above); its one question,
+    whether IPC pools can exist here, is asked again by ``_backends.resolve_handles`` through ``_platform``."""
+    import re
+
+    asks = re.compile(r"\bsys\.platform\b|\bos\.name\b|\bos\.uname\b|\bplatform\.(?:system|uname|release)\(")
+    allowed = {"cudalink/_platform.py", "cudalink/cuda/devices.py"}
+    found = [
+        f"{path.relative_to(PKG.parent)}:{n}: {line.strip()}"
+        for path in sorted(PKG.rglob("*.py"))
+        if str(path.relative_to(PKG.parent)) not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if asks.search(line)
+    ]
+    assert not found, "ask _platform instead:\n" + "\n".join(found)
+
+
 class _TorchDtype:
     def __init__(self, name: str) -> None:
         self.name = name

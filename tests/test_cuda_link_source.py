@@ -19,10 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cudalink
+from cudalink import _platform
 from cudalink.frames import PixelFormat
 from cudalink.link import default_transport
 from cudalink.transport import cuda_link_wire as cw
 from cudalink.transport.cuda_link_source import CudaLinkAttachment, CudaLinkSource, strip_prefix
+from cudalink.transport.shm import _unlink_segment
 from cudalink.transport.sources import open_source
 
 from ._cuda_link_fake import FakeProducer, HostSlotMemory, _handle, run_producer
@@ -149,6 +151,18 @@ def test_restart_before_the_first_publish_waits_for_a_frame(name: str, producer:
             rx.recv(timeout=0.5)
         with pytest.raises(cudalink.LinkTimeout):
             rx.recv(timeout=0.2)  # attached to version 2, which published nothing yet
+
+
+@pytest.mark.skipif(not _platform.IS_LINUX, reason="only /dev/shm tells a segment's inode")
+def test_a_segment_unlinked_without_its_shutdown_flag_is_producer_gone(name: str, producer: FakeProducer) -> None:
+    """A writer killed after it unlinked its segment (or a new one made under the name) sets no flag: the inode
+    under the name (``_platform.shm_inode``) tells."""
+    with _rx(name, timeout=2.0) as rx:
+        producer.publish(1)
+        rx.recv(timeout=1.0)
+        _unlink_segment(name)
+        with pytest.raises(cudalink.ProducerGone):
+            rx.recv(timeout=1.0)
 
 
 def test_shutdown_flag_is_producer_gone(name: str, producer: FakeProducer) -> None:

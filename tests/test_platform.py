@@ -48,6 +48,20 @@ def test_auto_handles_pick_pools_only_on_native_linux() -> None:
     assert _platform.default_handles(linux=False, wsl=False) == "legacy"  # Windows
 
 
+def test_a_segments_inode_is_told_only_where_segments_are_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _platform.IS_LINUX:
+        seg = _platform.segment_name(f"inode-{os.getpid()}")
+        fd = os.open(f"/dev/shm/{seg}", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            assert _platform.shm_inode(seg) == os.fstat(fd).st_ino == _platform.shm_inode("/" + seg)
+        finally:
+            os.close(fd)
+            os.unlink(f"/dev/shm/{seg}")
+        assert _platform.shm_inode(seg) == 0  # gone
+    monkeypatch.setattr(_platform, "IS_LINUX", False)  # macOS, Windows: no files to look at
+    assert _platform.shm_inode("anything") is None
+
+
 def test_control_channel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _platform.default_control("tcp") == "tcp"
     assert _platform.default_control("unix") == "unix"

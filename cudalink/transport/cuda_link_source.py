@@ -665,12 +665,10 @@ class CudaLinkAttachment:
         if struct.unpack_from("<Q", self.buf, cw.OFF_VERSION)[0] != self.version:
             self._restarted = True
             return False
-        if self._ino and os.name == "posix":
-            try:
-                if os.stat(f"/dev/shm/{self.name}").st_ino != self._ino:
-                    return False  # unlinked and created anew by another producer
-            except OSError:
-                return False  # unlinked without a shutdown flag
+        if self._ino:
+            now = _platform.shm_inode(self.name)
+            if now is not None and now != self._ino:
+                return False  # unlinked without a shutdown flag (0), or created anew by another producer
         return True
 
     def set_waiting(self, state: int) -> None:

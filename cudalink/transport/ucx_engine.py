@@ -451,7 +451,7 @@ def announce_key(created: str | None) -> None:
     if created:
         say(
             f"cudalink: made a new key in {created}. On each consumer's host run:\n"
-            f"  mkdir -p ~/.config/cudalink && scp {os.uname().nodename}:{created} ~/.config/cudalink/ucx.key\n"
+            f"  mkdir -p ~/.config/cudalink && scp {socket.gethostname()}:{created} ~/.config/cudalink/ucx.key\n"
             "or set CUDALINK_KEY to its contents there."
         )
 

@@ -631,6 +631,16 @@ def test_relay_takes_a_gpu_ordinal_as_its_help_says(device: str) -> None:
     assert ("--device cpu" in proc.stderr) != gpu_usable(), proc.stderr
 
 
+def test_serve_and_relay_help_say_what_the_readme_does() -> None:
+    """``serve --help`` said nothing of the key both hosts need (README: the first serve writes
+    ~/.config/cudalink/ucx.key, or set CUDALINK_KEY), ``relay --help`` neither its --device default nor the port
+    a URL without one gets, nor that SIGTERM stops it too."""
+    serve = run_cli("serve", "--help", timeout=30).stdout
+    assert "ucx.key" in serve and "CUDALINK_KEY" in serve, serve
+    relay = " ".join(run_cli("relay", "--help", timeout=30).stdout.split())
+    assert "default cpu" in relay and "13337" in relay and "SIGTERM" in relay, relay
+
+
 @pytest.mark.parametrize("seconds", ["-1", "0", "nan", "inf", "1e400"])
 def test_relay_refuses_a_duration_it_cannot_run_for_at_once(seconds: str) -> None:
     """``--seconds -1`` waited 5 s for the upstream before anything was said."""

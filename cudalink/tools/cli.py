@@ -131,7 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("serve", parents=[common], help="serve a local link to other hosts over UCX (cudalink[ucx])")
+    p = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="serve a local link to other hosts over UCX (cudalink[ucx])",
+        description="Serve a local link to other hosts over UCX. Both hosts need the same key: the first serve "
+        "writes ~/.config/cudalink/ucx.key (copy it to each consumer's host), or set CUDALINK_KEY to the same hex "
+        "on both. Frames are not encrypted: use a trusted network or a VPN.",
+    )
     p.add_argument("name", help="the local link to serve")
     p.add_argument("--listen", default="ucx://127.0.0.1:13337", help="ucx://HOST:PORT (default 127.0.0.1:13337)")
     p.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)
@@ -140,12 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("relay", parents=[common], help="republish a remote ucx:// stream as a local link")
-    p.add_argument("url", help="ucx://HOST:PORT/NAME (a local link's name works too)")
+    p.add_argument("url", help="ucx://HOST:PORT/NAME (port 13337 if left out; a local link's name works too)")
     p.add_argument("--as", dest="local", required=True, help="the local link name to publish")
-    p.add_argument("--device", default="cpu", help="cpu | 0 | cuda:N: where the local link's slots live")
+    p.add_argument("--device", default="cpu", help="cpu | 0 | cuda:N: where the local link's slots live (default cpu)")
     p.add_argument("--slots", type=int, default=4, help="local ring slots (default 4)")
     p.add_argument("--in-order", action="store_true", help="every frame in order (latest=False) instead of the newest")
-    p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
+    p.add_argument(
+        "--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C or SIGTERM)"
+    )
     p.set_defaults(func=cmd_relay)
     return parser
 

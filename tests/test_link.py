@@ -300,6 +300,22 @@ def test_reconfigure_keeps_a_pitched_layout_and_can_clear_the_pixel_format(
             tx.reconfigure(strides=(1, 1))
 
 
+def test_reconfigure_with_the_current_shape_keeps_the_pixel_format(pair: PairFactory, transport: Transport) -> None:
+    """``reconfigure(tx.shape, "float32")`` (the shape passed as it is, to change the dtype) dropped the pixel
+    format as if the shape were new: consumers saw ``pixel_format=None`` from then on, and a cuda-link link lost
+    its BGRA flag (its readers swap red and blue)."""
+    tx, rx = pair(transport, shape=(2, 3, 4), dtype="uint8", capacity=4096, pixel_format="BGRA", rx={"latest": False})
+    with tx, rx:
+        assert tx.reconfigure(tx.shape, "float32").pixel_format is cudalink.PixelFormat.BGRA
+        tx.send(np.zeros((2, 3, 4), np.float32))
+        assert tx.reconfigure([2, 3, 4], origin="bottom").pixel_format is cudalink.PixelFormat.BGRA
+        tx.send(np.zeros((2, 3, 4), np.float32))
+        a, b = rx.recv(1), rx.recv(1)
+        assert a.pixel_format is cudalink.PixelFormat.BGRA and a.dtype == np.float32
+        assert b.pixel_format is cudalink.PixelFormat.BGRA and b.origin is cudalink.RowOrigin.BOTTOM
+        assert tx.reconfigure((2, 5, 4)).pixel_format is None  # a new shape still drops it, as documented
+
+
 def test_copy_always_on_a_host_link_holds_no_slot(pair: PairFactory, transport: Transport) -> None:
     pitched = (4 * 4 * 3, 3, 1)  # a padded layout: the copy is compact
     tx, rx = pair(

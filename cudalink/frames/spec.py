@@ -217,17 +217,17 @@ class FrameSpec:
         A new shape drops the pixel format unless one is given: the old one may not fit its channels. Strides
         are kept while shape and dtype stay (a pitched layout is a property of the slots, not of one frame)
         and reset to compact when either changes, unless new ones are given. ``pixel_format=""`` clears it.
+        A shape equal to the current one is no new shape: it keeps both.
         """
-        new_shape = self.shape if shape is None else shape
-        new_dtype = self.dtype if dtype is None else dtype
+        same = FrameSpec(self.shape if shape is None else shape, self.dtype if dtype is None else dtype)
+        same_shape = same.shape == self.shape
         if strides is None:
-            same = FrameSpec(new_shape, new_dtype)
-            strides = self.strides if (same.shape, same.dtype) == (self.shape, self.dtype) else None
+            strides = self.strides if same_shape and same.dtype == self.dtype else None
         spec = FrameSpec(
-            new_shape,
-            new_dtype,
+            same.shape,
+            same.dtype,
             strides,
-            pixel_format if pixel_format is not None else (self.pixel_format if shape is None else None),
+            pixel_format if pixel_format is not None else (self.pixel_format if same_shape else None),
             self.origin if origin is None else origin,
         )
         if spec.nbytes > capacity:

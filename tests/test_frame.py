@@ -120,6 +120,34 @@ def test_dlpack_arguments_follow_the_rules() -> None:
     assert "dltensor" in repr(legacy)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_version": 1},
+        {"max_version": "1.0"},
+        {"max_version": ("1", "0")},
+        {"dl_device": 1},
+        {"dl_device": "cpu"},
+        {"dl_device": (1,)},
+        {"copy": "no"},  # truthy: it made a copy
+        {"copy": 0},
+    ],
+)
+def test_dlpack_arguments_of_the_wrong_kind_say_what_dlpack_takes(pair: PairFactory, kw: dict[str, object]) -> None:
+    """A consumer's malformed ``__dlpack__`` argument was a bare TypeError from inside cudalink ("'int' object is
+    not subscriptable", "'int' object is not iterable"), or, for ``copy``, taken for its truth value."""
+    tx, rx = pair(shape=(3,), dtype="int32")
+    with tx, rx:
+        tx.send(np.array([4, 5, 6], np.int32))
+        for frame in (rx.recv(1), Frame.from_array(np.arange(3, dtype=np.int32))):
+            name = next(iter(kw))
+            with pytest.raises(cudalink.ArgumentTypeError, match=rf"^cudalink: __dlpack__\({name}=\.\.\.\) takes "):
+                frame.__dlpack__(**kw)  # type: ignore[arg-type]
+            # what DLPack allows still works, in any spelling of its pairs
+            assert "dltensor_versioned" in repr(frame.__dlpack__(max_version=[np.int64(1), 0]))  # type: ignore[arg-type]
+            assert "dltensor" in repr(frame.__dlpack__(dl_device=[np.int32(1), 0], copy=np.bool_(False)))  # type: ignore[arg-type]
+
+
 def _versioned_flags(capsule: object) -> int:
     """The ``flags`` word of a DLManagedTensorVersioned (after version, manager_ctx and deleter)."""
     import ctypes

@@ -9,6 +9,7 @@ the GPU instead of trusting the CPU-side release.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
@@ -77,6 +78,42 @@ class _Hold:
                 cb(self.streams)
             except Exception:  # a finalizer must never raise; the owner logs what matters
                 pass
+
+
+#: the DLPack version of every versioned capsule we make (the compiled exporter's too)
+_DLPACK_V1 = (1, 0)
+
+
+def _versioned(max_version: object) -> bool:
+    """Whether a consumer's ``max_version`` that could not be read as a pair takes a versioned capsule (DLPack's
+    ``(major, minor)``, as a sequence of numpy ints say); else a clear error."""
+    try:
+        major, _minor = (operator.index(v) for v in max_version)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(
+            f"cudalink: __dlpack__(max_version=...) takes a (major, minor) pair of ints such as (1, 0), or None; "
+            f"got {max_version!r}"
+        ) from None
+    return major >= 1
+
+
+def _dl_device(dl_device: object) -> tuple[int, int]:
+    """A consumer's ``dl_device`` as DLPack's ``(device_type, device_id)`` pair of ints."""
+    try:
+        kind, index = (operator.index(v) for v in dl_device)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(
+            "cudalink: __dlpack__(dl_device=...) takes a (device_type, device_id) pair of ints such as (1, 0) for "
+            f"the CPU, or None; got {dl_device!r}"
+        ) from None
+    return kind, index
+
+
+def _copy_arg(copy: object) -> bool:
+    """A consumer's ``copy`` that is not None, True or False: a numpy bool, else refused (a string is truthy)."""
+    if isinstance(copy, np.bool_):
+        return bool(copy)
+    raise ArgumentTypeError(f"cudalink: __dlpack__(copy=...) takes True, False or None; got {copy!r}")
 
 
 class _HostArrayRef:
@@ -369,15 +406,20 @@ class Frame:
     ) -> CapsuleType:
         if self._released:
             raise BufferError("cudalink: this frame was released; cannot export it")
+        try:
+            legacy = max_version is None or max_version[0] < 1  # a DLPack 0.x consumer: no versioned capsule
+        except (TypeError, LookupError):
+            legacy = not _versioned(max_version)  # not DLPack's (major, minor): says so
+        if copy is not None and copy is not True and copy is not False:
+            copy = _copy_arg(copy)
         if not self._is_cuda:
             if stream is not None:
                 raise BufferError("cudalink: a CPU frame takes no stream (DLPack requires stream=None on CPU)")
-            if dl_device is not None and tuple(dl_device) != (DLDeviceType.CPU, 0):
+            if dl_device is not None and _dl_device(dl_device) != (DLDeviceType.CPU, 0):
                 raise BufferError(f"cudalink: a CPU frame cannot be exported to device {dl_device}")
             hold = self._hold
             if hold is None:
                 raise BufferError("cudalink: this frame was released; cannot export it")
-            legacy = max_version is None or max_version[0] < 1  # a DLPack 0.x consumer: no versioned capsule
             export = self._export
             if export is not None and not copy:  # one C call; only a versioned capsule can say read-only
                 return export.capsule(hold, not legacy and not self._writable, not legacy)
@@ -386,7 +428,7 @@ class Frame:
                 # a legacy capsule cannot say read-only: exported writable, as below
                 held = host[0 if legacy or self._writable else 1].view(_HeldArray)
                 held._cudalink_hold = hold
-                return held.__dlpack__() if legacy else held.__dlpack__(max_version=max_version, copy=False)
+                return held.__dlpack__() if legacy else held.__dlpack__(max_version=_DLPACK_V1, copy=False)
             if legacy:
                 # Legacy capsules cannot say "read-only" (numpy refuses to export such arrays); like torch,
                 # we export anyway: writing through it is the consumer's bug, as with any DLPack 0.x tensor.
@@ -394,8 +436,8 @@ class Frame:
                 return (arr.copy() if copy else arr).__dlpack__()
             # numpy makes the copy itself and marks it IS_COPIED, so the consumer knows it owns the bytes
             arr = self.numpy()
-            return cast("npt.NDArray[np.number]", arr).__dlpack__(max_version=max_version, copy=bool(copy))
-        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            return cast("npt.NDArray[np.number]", arr).__dlpack__(max_version=_DLPACK_V1, copy=bool(copy))
+        if dl_device is not None and _dl_device(dl_device) != self.__dlpack_device__():
             raise BufferError(
                 f"cudalink: frame lives on {self.device}; it cannot be exported to DLPack device {tuple(dl_device)}"
                 " without a copy. Use frame.to_numpy() for a host copy."
@@ -411,8 +453,8 @@ class Frame:
                 hold.streams.append(s)
         export = self._export
         if export is not None:  # one C call, exported writable as the view below is
-            return export.capsule(hold, False, max_version is not None and max_version[0] >= 1)
-        return self._cuda_view().__dlpack__(stream=None, max_version=max_version)
+            return export.capsule(hold, False, not legacy)
+        return self._cuda_view().__dlpack__(stream=None, max_version=None if legacy else _DLPACK_V1)
 
     def _cuda_view(self) -> StridedView:
         view = self._view

@@ -106,6 +106,30 @@ def test_frame_metadata() -> None:
     assert "BGRA8" in repr(frame)
 
 
+@pytest.mark.parametrize(
+    ("kw", "kind", "words"),
+    [
+        ({"meta": 5}, TypeError, "meta must be bytes"),  # was five zero bytes
+        ({"meta": [1, 2]}, TypeError, "meta must be bytes"),  # was b"\x01\x02"
+        ({"meta": "tag"}, TypeError, r"meta=text.encode\(\)"),  # was "string argument without an encoding"
+        ({"seq": 1.7}, TypeError, "seq must be an integer"),  # was seq 1
+        ({"seq": "3"}, TypeError, "seq must be an integer"),  # was seq 3
+        ({"seq": -3}, ValueError, "seq must be 0.."),  # was seq -3
+        ({"timestamp_ns": 1.5}, TypeError, "timestamp_ns must be an integer"),  # was 1
+        ({"timestamp_ns": -1}, ValueError, "timestamp_ns must be 0.."),  # was -1
+    ],
+)
+def test_from_array_refuses_what_a_frame_cannot_carry(kw: dict[str, object], kind: type, words: str) -> None:
+    """``Frame.from_array``'s meta, seq and timestamp went through ``bytes()`` and ``int()``: a wrong kind was
+    silently turned into something else, or a bare TypeError/ValueError from inside it."""
+    with pytest.raises(kind, match=rf"^cudalink: .*{words}") as info:
+        Frame.from_array(np.zeros(3, np.uint8), **kw)  # type: ignore[arg-type]
+    assert isinstance(info.value, cudalink.LinkError)
+    frame = Frame.from_array(np.zeros(3), meta=memoryview(b"ab"), seq=np.uint64(7), timestamp_ns=2**64 - 1)
+    assert (frame.meta, frame.seq, frame.timestamp_ns) == (b"ab", 7, 2**64 - 1)
+    assert Frame.from_array(np.zeros(3), meta=None).meta == b""
+
+
 def test_dlpack_arguments_follow_the_rules() -> None:
     arr = np.arange(6, dtype=np.float32)
     frame = Frame.from_array(arr)

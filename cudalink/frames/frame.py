@@ -19,7 +19,7 @@ import numpy.typing as npt
 from numpy.typing import DTypeLike
 
 from ..cuda import arrays, driver  # downward only: the CUDA glue never imports frames (they describe themselves)
-from ..errors import ArgumentTypeError, FormatError, LinkClosed
+from ..errors import ArgumentTypeError, FormatError, LinkClosed, int_arg
 from .spec import FrameSpec, PixelFormat, RowOrigin
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ class _Hold:
                 pass
 
 
+_U64 = (1 << 64) - 1  # the largest seq and timestamp a link's frames carry
 #: the DLPack version of every versioned capsule we make (the compiled exporter's too)
 _DLPACK_V1 = (1, 0)
 
@@ -252,14 +253,25 @@ class Frame:
         origin: RowOrigin | str = RowOrigin.TOP,
         seq: int = 0,
         timestamp_ns: int | None = None,
-        meta: bytes = b"",
+        meta: bytes | bytearray | memoryview | None = b"",
         sync: FrameSync | None = None,
     ) -> Frame:
         """Wrap any DLPack / array-interface object (numpy, torch, cupy, ...) as a Frame, without a copy.
 
         The frame keeps ``obj`` alive. CUDA objects are read through ``__cuda_array_interface__`` or DLPack.
+        ``meta`` is bytes-like (or None); ``seq`` and ``timestamp_ns`` are u64 ints, as a link's frames carry.
         """
-        ts = time.time_ns() if timestamp_ns is None else timestamp_ns
+        seq = int_arg(seq, "seq", 0, _U64, "seq=0")
+        ts = (
+            time.time_ns()
+            if timestamp_ns is None
+            else int_arg(timestamp_ns, "timestamp_ns", 0, _U64, "timestamp_ns=time.time_ns()")
+        )
+        if not isinstance(meta, (bytes, bytearray, memoryview)) and meta is not None:  # bytes(5): five zero bytes
+            raise ArgumentTypeError(
+                f"cudalink: meta must be bytes, bytearray or memoryview (or None), got {type(meta).__name__}"
+                + ("; encode it first, e.g. meta=text.encode()" if isinstance(meta, str) else "")
+            )
         info = arrays.describe_array(obj)
         spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)
         device: str | int = "cpu" if info.device_id < 0 else info.device_id
@@ -270,7 +282,7 @@ class Frame:
             device=device,
             seq=seq,
             timestamp_ns=ts,
-            meta=meta,
+            meta=b"" if meta is None else bytes(meta),
             writable=not info.readonly,
             sync=sync,
         )

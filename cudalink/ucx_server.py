@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +60,8 @@ SILENT_GRACE_S = 10.0
 BUSY_SILENCE_S = 3.0
 #: how long a server started on a port still held by a crashed predecessor keeps trying it
 BUSY_RETRY_S = 15.0
+#: how long a stopping server waits for its consumers to read its goodbye and hang up
+GOODBYE_S = 0.5
 
 
 async def _gpu_ready(frame: Frame, stage: Any) -> Any:
@@ -427,11 +430,46 @@ class Server:
                 await asyncio.sleep(0.2)
         if ready is not None:
             ready(int(self.listener.port))
-        while True:
-            await asyncio.sleep(0.2)
-            if self.parent and not _platform.pid_alive(self.parent):
+        stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._stop_on_signals(stop)
+        while not stop.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(stop), 0.2)
+            if not stop.done() and self.parent and not _platform.pid_alive(self.parent):
                 log.info("cudalink serve: the producer process %d is gone; stopping", self.parent)
+                await self.goodbye(ucx_wire.R_PRODUCER_GONE, f"the producer of {self.name!r} died")
                 return
+        if self.parent:  # a Sender's own server: its close() stops us
+            await self.goodbye(ucx_wire.R_PRODUCER_GONE, f"the producer of {self.name!r} closed")
+        else:
+            what = f"cudalink serve of {self.name!r}" if self.name else "cudalink serve"
+            await self.goodbye(ucx_wire.R_CLOSING, f"{what} stopped ({stop.result()})")
+
+    def _stop_on_signals(self, stop: asyncio.Future[str]) -> None:
+        """SIGTERM (a service manager, a Sender's close()) and Ctrl-C end ``run`` through :meth:`goodbye`."""
+        loop = asyncio.get_running_loop()
+
+        def stopped(name: str) -> None:
+            if not stop.done():
+                stop.set_result(name)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                loop.add_signal_handler(sig, stopped, sig.name)
+
+    async def goodbye(self, reason: int, text: str) -> None:
+        """Tell each consumer why its connection ends, then give them a moment to read it and hang up (a
+        reset at once may discard what they have not read yet): they hear "server closing", not "connection
+        lost (UCXXCanceledError ...)", which blamed the producer. Bounded: half a second in all."""
+        consumers = list(self.consumers)
+        if not consumers:
+            return
+        end = time.monotonic() + GOODBYE_S
+        await asyncio.wait(
+            [asyncio.ensure_future(c._bye(reason, text, GOODBYE_S)) for c in consumers], timeout=GOODBYE_S
+        )
+        while self.consumers and time.monotonic() < end:
+            await asyncio.sleep(0.01)
 
 
 def busy_message(port: int, exc: BaseException) -> str:

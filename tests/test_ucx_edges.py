@@ -4,6 +4,7 @@ with larger frames."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import glob
 import math
@@ -611,3 +612,59 @@ def test_a_server_that_cannot_start_is_an_error_of_its_sender() -> None:
         port = s.getsockname()[1]
         with pytest.raises(cudalink.LinkError, match=r"did not start.*in use"):
             ucx_engine.spawn_server(unique("nostart"), f"ucx://127.0.0.1:{port}")
+
+
+def _read_until_gone(rx: cudalink.Receiver) -> str:
+    """Take frames until the end: the ProducerGone's text, which must say why, not blame a lost connection."""
+    with pytest.raises(cudalink.ProducerGone) as gone:
+        while True:
+            rx.recv(timeout=5.0).release()
+    said = str(gone.value)
+    assert "connection lost" not in said, said
+    return said
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_server_says_goodbye_to_its_consumers(sig: str) -> None:
+    """``serve`` stopped (a service manager's SIGTERM, Ctrl-C) tells each remote consumer why before it goes:
+    they read "server closing", not "connection lost (UCXXCanceledError ...)", which blamed the producer."""
+    import signal
+
+    with served("bye", "--frames", "1000000", "--fps", "100") as (_, srv, url):
+        srv.expect("cudalink: UCXX listens on port", 20.0)
+        with cudalink.Receiver(url, timeout=10.0) as rx:
+            rx.recv(timeout=5.0).release()
+            srv.p.send_signal(getattr(signal, sig))
+            said = _read_until_gone(rx)
+        assert "server closing" in said and "stopped" in said, said
+        assert srv.p.wait(10) == 0, "".join(srv.log)
+
+
+def test_a_serving_sender_that_closes_tells_remote_consumers_its_producer_closed() -> None:
+    """``Sender(serve=).close()`` stops its server first: its remote consumers hear that the producer closed,
+    not that the connection was lost."""
+    name = unique("bc")
+    port = free_port()
+    tx = cudalink.Sender(name, shape=(8, 8, 4), serve=f"ucx://127.0.0.1:{port}")
+    try:
+        stop = threading.Event()
+
+        def feed() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(cudalink.LinkError):
+                    tx.send(pattern((8, 8, 4), tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
+                time.sleep(0.01)
+
+        t = threading.Thread(target=feed, daemon=True)
+        t.start()
+        from cudalink.tools import remote_bench
+
+        with remote_bench.connect(port, name, within=20) as rx:
+            rx.recv(timeout=5.0).release()
+            stop.set()
+            t.join(5)
+            tx.close()
+            said = _read_until_gone(rx)
+        assert "producer gone" in said and "closed" in said, said
+    finally:
+        tx.close()

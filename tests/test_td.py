@@ -885,5 +885,8 @@ def test_a_deleted_script_tops_receiver_is_closed_at_the_next_cook_of_another(re
         gone.valid = False  # deleted in TD
         kept.cook(receiver_dat)
         assert gone.id not in receiver_dat._receivers and old.receiver is None
+        end = time.monotonic() + 10.0  # the producer hears of the hang-up on its own time
+        while tx.stats()["consumers"] != 1 and time.monotonic() < end:
+            time.sleep(0.01)
         assert tx.stats()["consumers"] == 1
         np.testing.assert_array_equal(kept.texture, src)

@@ -700,6 +700,61 @@ def test_bench_prints_json_only_when_asked(
     assert json.loads(path.read_text())["marker"] == "x" * 8 and '"marker"' not in out
 
 
+@pytest.mark.parametrize("mode", ["--remote", "--multi-gpu"])
+def test_bench_of_its_own_rows_refuses_a_json_path_it_cannot_write_at_once(mode: str, tmp_path: Path) -> None:
+    """``--remote --json /missing/x.json`` ran the whole remote bench (half a minute) and then died with
+    "cudalink: FileNotFoundError: ..."; the local bench refused it before the run."""
+    t0 = time.monotonic()
+    proc = run_cli("bench", mode, "--json", str(tmp_path / "missing" / "x.json"), timeout=60)
+    assert_one_line_error(proc)
+    assert "cannot write --json" in proc.stderr and "no directory" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("module", ["remote_bench", "multigpu_bench"])
+def test_bench_of_its_own_rows_writes_json_to_stdout_for_a_dash(
+    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--remote --json -`` (the help: "'-': stdout, and the tables go to stderr") wrote a file named "-" in
+    the working directory and printed only the tables on stdout."""
+    import argparse
+    import importlib
+
+    mod = importlib.import_module(f"cudalink.tools.{module}")
+    fake = {"marker": "x" * 8, "nan": float("nan")}
+    monkeypatch.setattr(mod, "run", lambda **kw: fake)
+    monkeypatch.setattr(mod, "print_report", lambda r: print("the tables"))
+    if module == "remote_bench":
+        monkeypatch.setattr(mod.ucx_engine, "load", lambda: None)
+        cmd = mod.cmd_remote_bench
+    else:
+        cmd = mod.cmd_multi_gpu
+        fake["goals"] = {}
+    monkeypatch.chdir(tmp_path)
+    cmd(argparse.Namespace(device="cpu", quick=True, frames=None, json="-"))
+    out, err = capsys.readouterr()
+    assert not (tmp_path / "-").exists()
+    got = json.loads(out, parse_constant=lambda c: pytest.fail(f"invalid JSON: {c}"))  # stdout: the JSON alone
+    assert got["marker"] == "x" * 8 and got["nan"] is None
+    assert "the tables" in err
+
+
+def test_bench_json_never_holds_nan_or_infinity(tmp_path: Path) -> None:
+    """``json.dumps`` writes float("nan") as ``NaN``, which no strict JSON reader takes (``copysend.peak_gbps``
+    returns NaN when no copy could be timed); a figure that is not a number is written as null."""
+    import io
+
+    from rich.console import Console
+
+    from cudalink.tools.report import write_json
+
+    path = tmp_path / "r.json"
+    report = {"a": float("nan"), "b": [1.5, float("inf")], "c": {"d": -float("inf"), "e": 2}}
+    write_json(report, str(path), Console(file=io.StringIO()))  # type: ignore[arg-type]
+    got = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"invalid JSON: {c}"))
+    assert got == {"a": None, "b": [1.5, None], "c": {"d": None, "e": 2}}
+
+
 def test_summarize_percentiles() -> None:
     s = measure.summarize([1000, 2000, 3000, 4000])
     assert s is not None

@@ -18,9 +18,10 @@ the bare copy's time for one frame).
 
 from __future__ import annotations
 
-import json
+import contextlib
 import multiprocessing as mp
 import os
+import sys
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..errors import LinkError
 from .measure import summarize
+from .ui import _console, write_json
 
 BATCH = 20
 REPS = 7
@@ -254,9 +256,7 @@ def print_report(report: dict[str, Any]) -> None:
 def cmd_multi_gpu(args: Any) -> int:
     """The ``bench --multi-gpu`` entry: run, print, and write ``--json`` where given."""
     report = run(frames=args.frames or 400)
-    print_report(report)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
+        print_report(report)  # with --json -, stdout is the JSON alone (for a pipe): the tables go to stderr
+    write_json(report, args.json, _console())
     return 0 if all(v["met"] for v in report["goals"].values()) else 1

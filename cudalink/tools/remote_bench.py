@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import os
 import socket
 import struct
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..transport import ucx_engine
+from .ui import _console, write_json
 
 SIZES = {"64x64x4": (64, 64, 4), "1080p": (1080, 1920, 4), "4K": (2160, 3840, 4)}
 STAMP = struct.Struct("<Qq")  # seq, monotonic ns at send
@@ -480,10 +481,10 @@ def cmd_remote_bench(args: argparse.Namespace) -> int:
 
         ordinal = int(device) if device.isdigit() else devices.parse_device(device)  # "0" as the help says
         r = run(quick=bool(getattr(args, "quick", False)), gpu=True, device=ordinal)
-    print_report(r)
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+    path = getattr(args, "json", None)
+    with contextlib.redirect_stdout(sys.stderr) if path == "-" else contextlib.nullcontext():
+        print_report(r)  # with --json -, stdout is the JSON alone (for a pipe): the tables go to stderr
+    write_json(r, path, _console())
     return 0
 
 

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import TYPE_CHECKING
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import ArgumentError, LinkError
+from ..errors import ArgumentError
 from .measure import resolve_backend
 from .peers.mpqueue import KEEP_UNTIL_EXIT
-from .ui import _console, _us
+from .ui import _console, _us, check_json_path, write_json
 
 #: ``bench.NOT_SELECTED`` (bench is imported only when a bench runs)
 _NOT_SELECTED = "not selected (--only)"
@@ -255,22 +254,6 @@ def _goals_table(report: BenchReport) -> Table:
     return gt
 
 
-def write_json(report: BenchReport, path: str | None, console: Console) -> None:
-    """The full report (hundreds of lines) only when asked for: ``--json PATH``, or ``--json -`` for stdout."""
-    if not path:
-        return
-    text = json.dumps(report, indent=2) + "\n"
-    if path == "-":
-        sys.stdout.write(text)
-        return
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    except OSError as exc:
-        raise LinkError(f"cudalink: cannot write --json {path}: {exc.strerror}; name another file") from exc
-    console.print(f"JSON written to {path}")
-
-
 def _only(text: str | None) -> frozenset[str] | None:
     """``--only a,b``: the parts to run, each one of ``bench.ONLY_CHOICES``."""
     from .bench import ONLY_CHOICES
@@ -294,6 +277,7 @@ def check_bench_args(args: argparse.Namespace) -> None:
     if args.frames is not None and args.frames < 1:
         raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}; pass e.g. --frames 500")
     int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
+    check_json_path(args.json)  # every mode's, --remote and --multi-gpu too: before their run, not after it
     only = _only(getattr(args, "only", None))
     for flag, what in (("remote", "--remote"), ("multi_gpu", "--multi-gpu")):
         if only is not None and getattr(args, flag, False):  # it would be ignored there without a word
@@ -349,16 +333,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     if backend.note:
         err.print(Text(backend.note, style="yellow"))
-    if args.json and not to_stdout:  # before a run of minutes, not after it
-        parent = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(parent):
-            raise LinkError(f"cudalink: cannot write --json {args.json}: no directory {parent}")
-        if os.path.isdir(args.json):
-            raise LinkError(
-                f"cudalink: --json {args.json} is a directory; name a file in it, e.g. {args.json}/bench.json"
-            )
-        if not os.access(parent, os.W_OK) or (os.path.exists(args.json) and not os.access(args.json, os.W_OK)):
-            raise LinkError(f"cudalink: cannot write --json {args.json} (no permission); name a file you may write")
+    check_json_path(args.json)  # before a run of minutes, not after it
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task("bench", total=None)

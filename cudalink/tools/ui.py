@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from rich.console import Console
 
+from ..errors import LinkError
 from .measure import summarize
 
 
@@ -70,3 +72,45 @@ def _ago(ns: int, now_ns: int) -> str:
     if not ns:
         return "never"
     return f"{_us((now_ns - ns) / 1e3)} ago"
+
+
+def _finite(x: object) -> object:
+    """``x`` with every float that is not a number (NaN, ±inf) made None: ``json.dumps`` would write those as
+    ``NaN``/``Infinity``, which no strict JSON reader takes."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def check_json_path(path: str | None) -> None:
+    """``--json PATH`` that cannot be written, refused before a run of minutes rather than after it."""
+    if not path or path == "-":
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise LinkError(f"cudalink: cannot write --json {path}: no directory {parent}")
+    if os.path.isdir(path):
+        raise LinkError(f"cudalink: --json {path} is a directory; name a file in it, e.g. {path}/bench.json")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise LinkError(f"cudalink: cannot write --json {path} (no permission); name a file you may write")
+
+
+def write_json(report: Mapping[str, object], path: str | None, console: Console) -> None:
+    """The full report (hundreds of lines) only when asked for: ``--json PATH``, or ``--json -`` for stdout
+    (where the caller printed its tables to stderr). A figure that is not a number is written as null."""
+    if not path:
+        return
+    text = json.dumps(_finite(report), indent=2, allow_nan=False) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise LinkError(f"cudalink: cannot write --json {path}: {exc.strerror}; name another file") from exc
+    console.print(f"JSON written to {path}")

@@ -539,6 +539,32 @@ def test_bench_only_with_a_bench_of_its_own_rows_is_refused(mode: str) -> None:
     assert f"{mode} runs its own rows: drop --only" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--remote", "--breakdown"], "--remote runs its own rows; --breakdown would be ignored there"),
+        (["--remote", "--frames", "50"], "--remote runs its own rows; --frames would be ignored there"),
+        (["--remote", "--fanout", "4"], "--remote runs its own rows; --fanout would be ignored there"),
+        (["--remote", "--no-wake-ahead"], "--remote runs its own rows; --no-wake-ahead would be ignored there"),
+        (["--multi-gpu", "--breakdown"], "--multi-gpu runs its own rows; --breakdown would be ignored there"),
+        (["--multi-gpu", "--fanout", "4"], "--multi-gpu runs its own rows; --fanout would be ignored there"),
+        (["--remote", "--multi-gpu"], "run one at a time"),
+        (["--breakdown", "--only", "handoff"], "--breakdown runs only the floors and the breakdown"),
+        (["--breakdown", "--only", "floors,fanout"], "--only fanout would be ignored"),
+        (["--breakdown", "--fanout", "4"], "--breakdown has no fan-out run: drop --fanout"),
+        (["--only", "handoff", "--no-wake-ahead"], "--only leaves the breakdown out: add breakdown to it"),
+    ],
+)
+def test_bench_flags_a_run_would_ignore_are_refused_at_once(args: list[str], needle: str) -> None:
+    """``--remote --breakdown`` ran the remote rows and no breakdown, ``--breakdown --only handoff`` measured
+    nothing at all and exited 0, ``--remote --multi-gpu`` ran the multi-GPU bench alone: each without a word."""
+    t0 = time.monotonic()
+    proc = run_cli("bench", "--quick", *args, timeout=30)
+    assert_one_line_error(proc)
+    assert needle in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 15
+
+
 def test_bench_only_error_is_the_only_line_on_stderr() -> None:
     """``--only nosuch`` printed a blank line (the progress bar's teardown) and the backend note above it."""
     proc = run_cli("bench", "--only", "nosuch", timeout=30)

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default=None, help="cpu | 0 | cuda:N | auto (default: auto; cpu with --quick)")
     p.add_argument("--frames", type=int, default=None, help="frames per latency run (overrides the plan)")
-    p.add_argument("--fanout", type=int, default=8, help="consumers in the fan-out run (default 8)")
+    p.add_argument("--fanout", type=int, default=None, help="consumers in the fan-out run (default 8)")
     p.add_argument(
         "--breakdown",
         action="store_true",

@@ -18,6 +18,10 @@ from .ui import _console, _us, check_json_path, write_json
 
 #: ``bench.NOT_SELECTED`` (bench is imported only when a bench runs)
 _NOT_SELECTED = "not selected (--only)"
+#: the parts of ``bench.ONLY_CHOICES`` a ``--breakdown`` run has
+BREAKDOWN_PARTS = frozenset({"floors", "breakdown"})
+#: consumers in the fan-out run where ``--fanout`` is not given
+FANOUT = 8
 
 if TYPE_CHECKING:
     from .bench import BenchReport
@@ -276,7 +280,8 @@ def check_bench_args(args: argparse.Namespace) -> None:
 
     if args.frames is not None and args.frames < 1:
         raise ArgumentError(f"cudalink: --frames must be at least 1, got {args.frames}; pass e.g. --frames 500")
-    int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
+    if args.fanout is not None:  # None: the default, FANOUT
+        int_arg(args.fanout, "--fanout", 1, wire.MAX_CONSUMERS, "--fanout 8")  # the consumers of one link
     check_json_path(args.json)  # every mode's, --remote and --multi-gpu too: before their run, not after it
     only = _only(getattr(args, "only", None))
     for flag, what in (("remote", "--remote"), ("multi_gpu", "--multi-gpu")):
@@ -284,8 +289,40 @@ def check_bench_args(args: argparse.Namespace) -> None:
             raise ArgumentError(
                 f"cudalink: --only picks parts of the local bench; {what} runs its own rows: drop --only"
             )
+    _check_ignored(args, only)
     if getattr(args, "mps", False):
         _check_mps(args, only)
+
+
+def _check_ignored(args: argparse.Namespace, only: frozenset[str] | None) -> None:
+    """Flags the run they came with has no use for: each was ignored without a word (``--breakdown --only
+    handoff`` measured nothing and exited 0)."""
+    remote, multi = bool(getattr(args, "remote", False)), bool(getattr(args, "multi_gpu", False))
+    if remote and multi:
+        raise ArgumentError("cudalink: --remote and --multi-gpu are two benches of their own; run one at a time")
+    given = [
+        ("--breakdown", bool(args.breakdown)),
+        ("--no-wake-ahead", not getattr(args, "wake_ahead", True)),
+        ("--fanout", args.fanout is not None),
+        ("--frames", remote and args.frames is not None),  # --multi-gpu takes a frame count
+    ]
+    for what, on in (("--remote", remote), ("--multi-gpu", multi)):
+        flag = next((f for f, g in given if g), None) if on else None
+        if flag is not None:
+            raise ArgumentError(f"cudalink: {what} runs its own rows; {flag} would be ignored there: drop {flag}")
+    if args.breakdown and only is not None and not only <= BREAKDOWN_PARTS:
+        extra = ",".join(sorted(only - BREAKDOWN_PARTS))
+        raise ArgumentError(
+            f"cudalink: --breakdown runs only the floors and the breakdown; --only {extra} would be ignored: "
+            "drop those parts, or drop --breakdown"
+        )
+    if args.breakdown and args.fanout is not None:
+        raise ArgumentError("cudalink: --breakdown has no fan-out run: drop --fanout")
+    if not getattr(args, "wake_ahead", True) and only is not None and "breakdown" not in only:
+        raise ArgumentError(
+            "cudalink: --no-wake-ahead changes the breakdown's consumer only; --only leaves the breakdown out: "
+            "add breakdown to it, or drop --no-wake-ahead"
+        )
 
 
 def _check_mps(args: argparse.Namespace, only: frozenset[str] | None) -> None:
@@ -345,7 +382,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             quick=args.quick,
             backend=backend,
             frames=args.frames,
-            fanout=args.fanout,
+            fanout=FANOUT if args.fanout is None else args.fanout,
             debug=bool(getattr(args, "debug", False)),
             progress=on_step,
             breakdown_only=args.breakdown,

@@ -224,6 +224,26 @@ def test_end_to_end_goal_is_judged_against_the_larger_of_its_two_floors() -> Non
     assert next(g for g in got if "vs the larger floor" in g["goal"])["met"] is False
 
 
+def test_the_fan_out_goal_against_the_os_says_its_two_spans_are_not_alike() -> None:
+    """The fan-out's consumers sleep (wait='hybrid', 4 ms cadence) with wake_ahead=True, so its publish ->
+    recv() span holds no OS wake, while the bare fan-out it is judged against is nothing but the OS wake of
+    as many processes. The sleeping handoff goals say so ("woken ahead: no OS wake in this span"); this one
+    said nothing, and read as an alike comparison."""
+
+    def s(us: float) -> dict[str, float]:
+        return {"p50": us, "p99": us, "mean": us, "n": 100.0}
+
+    row = {"id": "fanout", "peer_name": "shm", "status": "ok", "cudalink": s(300.0), "peer": s(250.0)}
+    report = {"rows": [row], "wait_modes": [], "floors": {}}
+    extra = {"fanout_single": s(100.0), "fanout_floor": s(240.0)}
+    got = goals(report, None, extra, False, None)  # type: ignore[arg-type]
+    goal = next(g for g in got if g["goal"] == "fan-out p99 vs the OS's own fan-out p99")
+    assert goal["cudalink"] == 300.0 and goal["reference"] == 240.0 and goal["ratio"] == pytest.approx(1.25)
+    assert goal["target"] == "<= 1.5x" and goal["met"] is True  # the threshold is unchanged
+    label = goal["reference_label"]
+    assert "in turns with the fan-out" in label and "woken ahead" in label and "no OS wake" in label, label
+
+
 @pytest.mark.parametrize("interval", [0.002, 1 / 60, 1 / 30])
 def test_the_ahead_spin_outlasts_a_slow_consumer_yet_ends_before_the_next_frame(interval: float) -> None:
     """The pipelined case's producer kernel: 500 µs at the 2 ms cadence, longer at 60 fps (where a consumer

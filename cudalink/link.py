@@ -817,6 +817,9 @@ class Sender:
         """In a forked child: closed here without a word to anyone (see ``_forget_in_forked_child``)."""
         self._closed = True
         self._forked = True
+        # a fresh lock: a thread of the parent (a send waiting for a slot) may hold its copy, and that thread
+        # does not exist here; a send() or reconfigure() would wait for it forever instead of refusing
+        self._lock = threading.RLock()
         _open_senders.discard(self)
         forget = getattr(self._server, "forget_after_fork", None)
         if forget is not None:
@@ -1517,6 +1520,11 @@ class Receiver:
         without touching the leases the parent's frames are counted in."""
         self._closed = True
         self._forked = True
+        # a recv() under way on a thread of the parent is not under way here: ours is refused as closed, not as
+        # a second waiter; and the attach lock such a thread may hold is not ours to wait for
+        self._busy = False
+        self._busy_loop = None
+        self._attach_lock = threading.Lock()
         _open_receivers.discard(self)
         att, self._att = self._att, None
         forget = getattr(att, "forget_after_fork", None)

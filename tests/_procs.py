@@ -166,3 +166,55 @@ def forking_producer(name: str, worker: Any, closed_in_worker: Any, ready: Any) 
         ready.set()
         while True:
             time.sleep(1)
+
+
+def forking_while_busy(name: str, result: Any) -> None:
+    """Fork a worker while threads of this process are inside the link: one in a ``send`` that waits for a slot
+    (it holds the Sender's lock), one in a ``recv`` that waits for a frame. The worker's copies of both links
+    must refuse at once (LinkClosed, saying why), never wait on a lock or a waiter its parent's threads hold.
+    Puts {call: "forked" | what else happened | "hung"} on ``result``."""
+    import threading
+
+    tx = cudalink.Sender(name, shape=(8,), dtype="uint8", device="cpu", slots=1, policy="block", timeout=30.0)
+    hog = cudalink.Receiver(name, timeout=10.0)
+    rx = cudalink.Receiver(name, timeout=10.0)
+    tx.send(np.zeros(8, np.uint8))
+    held = hog.recv(timeout=10.0)  # the only slot stays held: the next send waits, holding the Sender's lock
+    rx.recv(timeout=10.0).release()
+    threading.Thread(target=lambda: tx.send(np.ones(8, np.uint8)), daemon=True).start()
+    threading.Thread(target=lambda: rx.recv(timeout=30.0), daemon=True).start()
+    time.sleep(0.5)  # both threads are waiting now
+    calls = {
+        "send": lambda: tx.send(np.ones(8, np.uint8), timeout=1.0),
+        "reconfigure": lambda: tx.reconfigure(shape=(4,)),
+        "recv": lambda: rx.recv(timeout=1.0),
+    }
+    said: dict[str, str] = {}
+    for what, call in calls.items():
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                call()
+                out = "no error"
+            except cudalink.LinkClosed as exc:
+                out = "forked" if "forked from" in str(exc) else f"LinkClosed: {exc}"
+            except BaseException as exc:
+                out = f"{type(exc).__name__}: {exc}"
+            os.write(w, out.encode())
+            os._exit(0)
+        os.close(w)
+        end = time.monotonic() + 5.0
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > end:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+        said[what] = os.read(r, 4096).decode() or "hung"
+        os.close(r)
+    result.put(said)
+    result.close()
+    result.join_thread()
+    del held
+    os._exit(0)  # the threads still wait: leave without joining them

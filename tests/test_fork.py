@@ -76,3 +76,13 @@ def test_a_producers_forked_worker_does_not_keep_it_alive(spawned: Spawned, cont
     finally:
         _kill(worker.value)
         producer.join(10)
+
+
+def test_a_worker_forked_while_threads_send_and_recv_is_refused_at_once(spawned: Spawned) -> None:
+    # a send() waiting for a slot holds the Sender's lock, a recv() waiting for a frame marks its Receiver busy:
+    # in a worker forked meanwhile the lock's owner and the waiter do not exist. Its send() and reconfigure()
+    # waited for the lock forever, its recv() said another recv() was waiting
+    result = spawned.queue()
+    spawned(_procs.forking_while_busy, f"fork-busy-{os.getpid()}", result)
+    said = result.get(timeout=60)
+    assert said == {"send": "forked", "reconfigure": "forked", "recv": "forked"}, said

@@ -228,6 +228,7 @@ class RingAttachment:
         without writing the ring, whose counts are the parent's."""
         self.ring.forget()  # the compiled lease writes the ring itself
         self.release = _no_release  # type: ignore[method-assign]
+        self.lock = threading.Lock()  # a parent's thread may hold its copy: the child's last frame would wait
         self.detached = self.unmapped = True
         self.client.close()
 

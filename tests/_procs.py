@@ -163,6 +163,9 @@ def forking_producer(name: str, worker: Any, closed_in_worker: Any, ready: Any) 
             time.sleep(60)
             os._exit(0)
         worker.value = pid
+        end = time.monotonic() + 30
+        while closed_in_worker.value == -1 and time.monotonic() < end:  # the worker has tried its copy
+            time.sleep(0.01)
         ready.set()
         while True:
             time.sleep(1)

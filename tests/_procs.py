@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -221,3 +222,21 @@ def forking_while_busy(name: str, result: Any) -> None:
     result.join_thread()
     del held
     os._exit(0)  # the threads still wait: leave without joining them
+
+
+def waiting_consumer_that_stops_while_it_looks(name: str, looking: Any) -> None:
+    """A Receiver waiting for a producer that has not started asks, at each try, whether the name is a dead
+    producer's (``SharedMemoryTransport.abandoned``). The look is made to stop midway (set ``looking``, then
+    sleep: the test SIGSTOPs this process there), as a consumer paused by its user or the OS would."""
+    from cudalink.transport import shm
+
+    real = shm.leftovers
+
+    def look(link: str, unrecorded: bool = False) -> tuple[list[str], list[str]]:
+        looking.set()
+        time.sleep(600)
+        return real(link, unrecorded)
+
+    shm.leftovers = look
+    with contextlib.suppress(cudalink.LinkError):
+        cudalink.Receiver(name, timeout=600.0)

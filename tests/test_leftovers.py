@@ -361,3 +361,26 @@ def test_a_name_another_user_holds_is_refused_with_whose_it_is(monkeypatch: pyte
     with pytest.raises(cudalink.LinkError, match=r"another user's \(uid 4242\).*choose another link name"):
         cudalink.Sender(name, shape=(4, 4), dtype="uint8", device="cpu")
     assert nothing_left(name)
+
+
+def test_a_consumer_stopped_while_it_asks_whether_the_producer_died_does_not_keep_the_producer_out(
+    spawned: Spawned,
+) -> None:
+    """A Receiver waiting for a producer looks at the name's leftovers at every try; a consumer stopped there
+    (SIGSTOP, Ctrl-Z, a debugger) held the name's lock all the while, and the producer could not start:
+    'already published by a live producer'."""
+    name = f"left-stopped-{os.getpid()}"
+    looking = spawned.event()
+    consumer = spawned(_procs.waiting_consumer_that_stops_while_it_looks, name, looking, forever=True)
+    assert looking.wait(60)
+    assert consumer.pid is not None
+    os.kill(consumer.pid, signal.SIGSTOP)
+    try:
+        with cudalink.Sender(name, shape=(2, 2), dtype="uint8") as tx, cudalink.Receiver(name, timeout=5.0) as rx:
+            tx.send(np.full((2, 2), 3, np.uint8))
+            with rx.recv(timeout=5.0) as frame:
+                assert frame.numpy().tolist() == [[3, 3], [3, 3]]
+    finally:
+        os.kill(consumer.pid, signal.SIGCONT)
+        spawned.kill(consumer)
+    assert nothing_left(name)

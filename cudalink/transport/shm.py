@@ -281,20 +281,15 @@ class SharedMemoryTransport(Transport):
 
     def abandoned(self, name: str) -> bool:
         """True when ``name`` carries a dead producer's leftovers: nobody holds its lock, yet its socket,
-        rendezvous file or segments are there. A name with nothing there is not dead, only not started."""
-        lock = _platform.ProcessLock(_platform.lock_path(_platform.check_name(name)))
-        if not lock.acquire():  # a producer holds it (alive, starting or closing), or another look does
+        rendezvous file or segments are there. A name with nothing there is not dead, only not started.
+
+        The lock is held only for the instant of each test, never while we look: a consumer stopped (SIGSTOP,
+        Ctrl-Z, a debugger) or descheduled in the middle of its look would keep the producer from starting.
+        A producer that started meanwhile holds the lock at the second test."""
+        if _held(name):  # a producer holds it (alive, starting or closing), or another look does
             return False
-        dead = False
-        try:  # while we hold the lock no producer can start, so what we see stays what it is
-            files, segments = leftovers(name)
-            dead = bool(files or segments)
-        finally:
-            if dead:
-                lock.release()  # the next Sender or ``cudalink clean`` removes it with the rest
-            else:
-                lock.remove_and_release()  # a lock file alone (or made by this look) is nothing to keep
-        return dead
+        files, segments = leftovers(name)
+        return bool(files or segments) and not _held(name)
 
     def connect(self, name: str) -> _ShmClient:
         _platform.check_name(name)

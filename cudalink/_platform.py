@@ -51,6 +51,12 @@ def check_name(name: object) -> str:
             f"got {type(name).__name__}"
         )
     if not _NAME.fullmatch(name) or ".." in name:
+        if "://" in name:  # an address of a kind we do not speak (tcp://, http://, UCX:// in capitals)
+            raise ArgumentError(
+                f"cudalink: invalid link name {name!r}: the addresses cudalink reads are ucx://HOST:PORT/NAME (a "
+                "link served from another host; a Sender serves its own with serve='ucx://HOST:PORT') and "
+                "cuda-link:NAME; a local link's name is 1-48 letters, digits, '_', '-' or '.'"
+            )
         raise ArgumentError(
             f"cudalink: invalid link name {name!r}: use 1-48 letters, digits, '_', '-' or '.', "
             "starting with a letter or digit (no '/', no '..')"

@@ -40,6 +40,7 @@ _OK_TX: dict[str, object] = {"shape": (4, 4), "dtype": "uint8"}
 SENDER_BAD = [
     # (argument overrides, expected class, words the message must hold)
     ({"name": "../x"}, ValueError, "invalid link name"),
+    ({"name": "ucx://127.0.0.1:5000/cam"}, ValueError, "serve='ucx://HOST:PORT'"),  # an address is no name to publish
     ({"name": 7}, TypeError, "link name is a str"),
     ({"shape": None}, TypeError, "needs the frame shape"),
     ({"shape": (0, 4)}, ValueError, "dimension"),
@@ -92,6 +93,8 @@ def test_every_bad_sender_argument_is_a_cudalink_error_python_users_can_catch(
 
 RECEIVER_BAD = [
     ({"name": "a/b"}, ValueError, "invalid link name"),
+    ({"name": "tcp://host:5000/cam"}, ValueError, "ucx://HOST:PORT/NAME"),  # an address of a kind we do not speak
+    ({"name": "UCX://host:5000/cam"}, ValueError, "ucx://HOST:PORT/NAME"),
     ({"name": None}, TypeError, "link name is a str"),
     ({"wait": "sleep"}, ValueError, "wait must be one of"),
     ({"wait": 3}, TypeError, "wait must be one of"),

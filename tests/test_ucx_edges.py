@@ -11,6 +11,7 @@ import math
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -668,3 +669,39 @@ def test_a_serving_sender_that_closes_tells_remote_consumers_its_producer_closed
         assert "producer gone" in said and "closed" in said, said
     finally:
         tx.close()
+
+
+def test_a_relay_whose_output_reader_went_away_keeps_relaying() -> None:
+    """``relay ... | head -1``, or a log reader that died: the relay's next line (its upstream lost, say) hit a
+    broken pipe and ended the relay, taking its local link down with it. It now goes on, saying nothing."""
+    import signal
+    import subprocess
+
+    name = unique("rp")
+    local = unique("rpl")
+    prod = producer(name, "--frames", "1000000", "--fps", "100")
+    port = free_port()
+    srv, url = server(name, port)
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "cudalink", "relay", url, "--as", local],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert relay.stdout is not None and relay.stderr is not None
+        assert relay.stdout.readline().startswith(b"cudalink: relaying")
+        relay.stdout.close()  # the reader goes away
+        srv.kill()  # the relay has something to say: its upstream is lost
+        srv, _ = server(name, port)
+        with cudalink.Receiver(local, timeout=30.0) as rx:  # and it is still there, relaying once the server is back
+            rx.recv(timeout=30.0).release()
+        assert relay.poll() is None, relay.stderr.read()
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(10) == 0
+        assert relay.stderr.read() == b""
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+        srv.stop()
+        prod.stop()

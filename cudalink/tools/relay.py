@@ -21,6 +21,7 @@ from ..errors import ArgumentError, LinkTimeout, ProducerGone, int_arg
 from ..frames.spec import FrameSpec
 from ..link import Receiver, Sender
 from ..transport import wire
+from ..transport.ucx_engine import say
 from .ui import Stopped, sigterm_stops
 
 
@@ -72,25 +73,25 @@ def relay(
                     if not (quiet or lost):
                         why = str(exc).removeprefix("cudalink: ").split("; recv() again")[0]
                         why = why.replace(f"producer of {url!r}", "its producer")
-                        print(f"cudalink: lost {url}: {why}; {local!r} stays up, waiting for it", flush=True)
+                        say(f"cudalink: lost {url}: {why}; {local!r} stays up, waiting for it")
                     lost = True
                     continue
                 with frame:
                     spec = frame.spec
                     if lost and not quiet:
-                        print(f"cudalink: {url} is back ({spec.label})", flush=True)
+                        say(f"cudalink: {url} is back ({spec.label})")
                     lost = False
                     if tx is None:
                         tx = make(spec)
                         if not quiet:
-                            print(f"cudalink: relaying {url} as {local!r} ({spec.label})", flush=True)
+                            say(f"cudalink: relaying {url} as {local!r} ({spec.label})")
                     elif tx.spec != spec:
                         if spec.nbytes > tx.capacity:  # a restarted producer with larger frames: a new local link
                             tx.close()
                             tx = None
                             tx = make(spec)
                             if not quiet:
-                                print(f"cudalink: {url} now sends {spec.label}; {local!r} started again", flush=True)
+                                say(f"cudalink: {url} now sends {spec.label}; {local!r} started again")
                         else:
                             tx.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
                     # send() copies once, from the landed frame (host or GPU) into the slot, with its timestamp

@@ -329,6 +329,8 @@ class Sender:
         #: send_async()'s cancel flags, by the thread that runs each send: a cancelled one stops waiting for a slot
         self._abandons: dict[int, threading.Event] = {}
         self._reserved = 0  # slots open reserve() blocks write (bit i: slot i): never claimed until they end
+        #: a close() called inside this thread's own reserve() block: (its timeout,), done as the block ends
+        self._close_after_block: tuple[float | None] | None = None
         #: per (consumer index, slot): that consumer's imported release event, with the token of the consumer
         #: it came from. Items are replaced whole (atomic under the GIL), so the control thread's leave never
         #: races a send iterating a dict.
@@ -777,10 +779,18 @@ class Sender:
 
     def close(self, timeout: float | None = 2.0) -> None:
         """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule; ``None``: as long as they
-        take), then free everything."""
+        take), then free everything. Called inside a ``reserve()`` block on the block's own thread (a signal
+        handler, say), it closes the link as that block ends: the block still writes its slot."""
         timeout = _seconds_arg(timeout, "timeout", "close(timeout=2.0)", none_ok=True)
         if self._closed:
             return
+        if self._reserved:
+            owned = getattr(self._lock, "_is_owned", None)  # CPython's RLock: whether this thread holds it
+            if owned is not None and owned():
+                # the slot's memory (and on a GPU its ready event) would be freed under the writer, and the
+                # block's end would publish into a closed link
+                self._close_after_block = (timeout,)
+                return
         _open_senders.discard(self)
         remote = getattr(self, "_remote", None)
         if remote is not None:
@@ -921,6 +931,10 @@ class _Reservation:
         finally:
             tx._reserved &= ~(1 << slot)
             tx._lock.release()
+        deferred = tx._close_after_block
+        if deferred is not None and not tx._reserved and not (owned is not None and owned()):
+            tx._close_after_block = None
+            tx.close(*deferred)  # asked for inside the block (see Sender.close)
 
 
 # ============================================================================================ Receiver

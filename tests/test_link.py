@@ -617,3 +617,28 @@ def test_a_kept_wake_up_to_a_closed_connection_is_harmless(pair: PairFactory, tr
             waker()
         tx._wake(mine, "waking", "sent")  # swallowed
         rx.close()
+
+
+def test_a_close_inside_a_reserve_block_on_its_thread_closes_as_the_block_ends(
+    pair: PairFactory, transport: Transport
+) -> None:
+    """A signal handler (or another task of the block's loop) that calls close() runs on the thread whose
+    reserve() block is open: the close went through under the block's writer (its slot freed; on a GPU its memory
+    and ready event too) and the block's end then published into a closed link. The close now waits for the
+    block: its frame is the link's last, then the consumer hears the producer closed."""
+    tx, rx = pair(transport, shape=(4,), dtype="uint8", slots=2, rx={"latest": False})
+    with rx:
+        with tx.reserve() as w, tx.reserve() as inner:
+            np.from_dlpack(w)[...] = 7
+            np.from_dlpack(inner)[...] = 6
+            tx.close()  # as a signal handler would, on this thread
+            assert not tx.closed  # the blocks still write their slots
+            np.from_dlpack(w)[...] = 8
+        assert tx.closed  # closed as the outer block ended
+        got = []
+        with pytest.raises(cudalink.ProducerGone):
+            while True:
+                f = rx.recv(2)
+                got.append((f.seq, np.from_dlpack(f).tolist()))
+                f.release()
+        assert got == [(1, [6] * 4), (2, [8] * 4)]

@@ -14,7 +14,8 @@ back to staging at 0.25 GB/s, from ``cuMemAlloc`` memory it ran at 15 GB/s; the 
 microseconds per frame, and a remote consumer then never holds a producer's slot during a network send.
 For a consumer on another host without RDMA, one whose UCX (or ours) has no ``cuda_ipc``, or one landing on
 the host, the frame is instead copied straight from the slot into page-locked host memory and sent as host
-bytes (``ucx_engine.stage_on_host``).
+bytes (``ucx_engine.stage_on_host``). Up to ``MAX_FLIGHT`` GPU frames of one consumer are on their way at
+once, each in its own buffer, so that taking and readying the next overlaps the last one's transfer.
 
 Flow control is by credits: a consumer grants as many as it has landing buffers and returns one per
 frame it has released. With no credit left the server takes nothing: the local ring moves on and
@@ -51,6 +52,12 @@ log = logging.getLogger("cudalink.ucx")
 
 #: landing buffers (credits) a consumer may hold at once; each is one frame in flight or queued there
 MAX_GRANT = 4
+#: GPU frames one consumer may have on the wire at once, each in a buffer of the server's (its GPU copy, or
+#: its page-locked stage): the next frame is taken, copied and readied while the last one's bytes move. One at
+#: a time, an H200 GPU -> GPU stream over ``cuda_ipc`` (2026-11-27, 1080p) spent 0.69 ms a frame, 0.3 ms of
+#: it readying the next frame after the last one's send had completed; three at a time streamed 1.34-1.61x the
+#: frames (benchmarks/results/h200-2026-11-27-s18-remote-gpu-flights-ab.txt).
+MAX_FLIGHT = 3
 #: how long the endpoint of a consumer dropped for silence stays open, so a stalled one can read why
 SILENT_GRACE_S = 10.0
 #: how long a consumer may stay silent while a frame's send to it from the server's own memory is under way
@@ -84,6 +91,18 @@ def _producer_gone(rx: Receiver) -> bool:
     return att is not None and (att.closing() or not att.alive())
 
 
+class _Flight:
+    """One GPU frame on its way out (see ``_Consumer._flight``)."""
+
+    __slots__ = ("before", "frame", "stage", "turn")
+
+    def __init__(self, frame: Frame, stage: Any, before: asyncio.Future[bool] | None, turn: asyncio.Future[bool]):
+        self.frame: Frame | None = frame
+        self.stage = stage
+        self.before = before  # the flight before's turn: this one posts only after it has posted
+        self.turn = turn
+
+
 class _Consumer:
     """One remote consumer: the handshake, then frames out and credits in until either side goes."""
 
@@ -98,11 +117,16 @@ class _Consumer:
         self.gone = asyncio.Event()
         self.why = ""
         self.silent = False  # dropped for silence: maybe only stalled, so its endpoint outlives it a while
-        self.busy = False  # a send from memory of ours (no producer slot) is under way: see BUSY_SILENCE_S
         self.staged = False  # GPU frames go out as host bytes (see ucx_engine.stage_on_host)
         self.inline = 0  # host bytes up to this many go in the FRAME message itself (the client's HELLO)
         self.out = bytearray()  # that one message, made once
-        self.stage: Any = None  # their page-locked buffer, made with the first GPU frame
+        self.pinned: list[Any] = []  # their page-locked buffers (``cuda.ucx.Pinned``), one per GPU frame in flight
+        self.stages: list[Any] = []  # those of them free
+        #: GPU frames on their way out (see _send_gpu): sends from memory of ours, no producer slot held (see
+        #: BUSY_SILENCE_S)
+        self.flights: set[asyncio.Task[None]] = set()
+        self.halt = asyncio.Event()  # a flight failed: the connection ends
+        self.turn: asyncio.Future[bool] | None = None  # the last flight's: True once it has posted its frame
 
     async def run(self) -> None:
         try:
@@ -221,7 +245,7 @@ class _Consumer:
                 self.heard = max(self.heard, now - ucx_engine.PING_S)
             last = now
             silent = now - self.heard
-            if silent > (BUSY_SILENCE_S if self.busy else ucx_engine.DEAD_AFTER_S):
+            if silent > (BUSY_SILENCE_S if self.flights else ucx_engine.DEAD_AFTER_S):
                 self.why = "went silent"
                 self.silent = True
                 # heard only if it was stalled, not gone: then it connects again and carries on
@@ -239,6 +263,7 @@ class _Consumer:
             asyncio.ensure_future(self._reader()),
             asyncio.ensure_future(self._watchdog()),
             asyncio.ensure_future(self._sender()),
+            asyncio.ensure_future(self.halt.wait()),
         }
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -264,102 +289,202 @@ class _Consumer:
     async def _sender(self) -> None:
         rx = self.rx
         assert rx is not None
-        gen = rx.generation
         last_sent = time.monotonic()
-        while True:
-            if self.credits <= 0:
-                self.credit.clear()
+        try:
+            while not self.halt.is_set():  # a flight failed: the connection ends
+                if len(self.flights) >= MAX_FLIGHT:  # as many GPU frames on the wire as we keep: one must land
+                    await asyncio.wait(set(self.flights), return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                if self.credits <= 0:
+                    self.credit.clear()
+                    try:
+                        await asyncio.wait_for(self.credit.wait(), ucx_engine.PING_S)
+                    except asyncio.TimeoutError:
+                        # a consumer holding every frame it may takes none: see the producer's end here, or it
+                        # would hear of it only when it gave one back
+                        if _producer_gone(rx):
+                            await self._bye(ucx_wire.R_PRODUCER_GONE, f"the producer of {rx.name!r} closed or died")
+                            self.why = "lost its producer"
+                            return
+                        await self._send(ucx_wire.pack_ping())
+                        last_sent = time.monotonic()
+                    continue
+                wait = max(0.001, ucx_engine.PING_S - (time.monotonic() - last_sent))
                 try:
-                    await asyncio.wait_for(self.credit.wait(), ucx_engine.PING_S)
-                except asyncio.TimeoutError:
-                    # a consumer holding every frame it may takes none: see the producer's end here, or it
-                    # would hear of it only when it gave one back
-                    if _producer_gone(rx):
-                        await self._bye(ucx_wire.R_PRODUCER_GONE, f"the producer of {rx.name!r} closed or died")
-                        self.why = "lost its producer"
-                        return
+                    frame = await rx.recv_async(timeout=wait)
+                except LinkTimeout:
                     await self._send(ucx_wire.pack_ping())
                     last_sent = time.monotonic()
-                continue
-            wait = max(0.001, ucx_engine.PING_S - (time.monotonic() - last_sent))
-            try:
-                frame = await rx.recv_async(timeout=wait)
-            except LinkTimeout:
-                await self._send(ucx_wire.pack_ping())
+                    continue
+                except ProducerGone as exc:
+                    await self._bye(ucx_wire.R_PRODUCER_GONE, str(exc))
+                    self.why = "lost its producer"
+                    return
+                except LinkError as exc:  # the local side failed (a CUDA import, say): tell the consumer why
+                    await self._failed(f"the server could not take a frame from {rx.name!r}", exc)
+                    return
+                seq = frame.seq
+                try:
+                    if frame.device.startswith("cuda"):
+                        self._send_gpu(frame)
+                    else:
+                        await self._send_host(frame)
+                except Exception as exc:
+                    await self._failed(f"sending frame {seq} failed", exc)
+                    return
+                finally:
+                    del frame  # the flight, if any, holds it now
+                self.credits -= 1
+                self.sent += 1
                 last_sent = time.monotonic()
-                continue
-            except ProducerGone as exc:
-                await self._bye(ucx_wire.R_PRODUCER_GONE, str(exc))
-                self.why = "lost its producer"
-                return
-            except LinkError as exc:  # the local side failed (a CUDA import, say): tell the consumer why
-                await self._failed(f"the server could not take a frame from {rx.name!r}", exc)
-                return
-            data: Any = None
-            pending = False  # the pixels' send is under way
-            seq, nbytes = frame.seq, frame.nbytes
-            released = False
+        except asyncio.CancelledError:
+            for task in self.flights:
+                task.cancel()
+            raise
+        finally:
+            # Our GPU frames still on the wire: leaving on our own (a goodbye sent behind them), they may land
+            # first; cancelled, or out of time, their flights close the endpoint (UCX may still read the
+            # buffers) and give the buffers back.
             try:
-                spec = frame.spec
-                staged = False
-                if frame.device.startswith("cuda"):
-                    if spec.strides is not None:
-                        raise LinkError("cudalink serve: strided GPU frames cannot be served; send contiguous ones")
-                    if self.staged and self.stage is None:
-                        from .cuda import ucx as cuda_ucx
-
-                        self.stage = cuda_ucx.Pinned(int(frame.device.split(":")[1]), rx.capacity)
-                    data = await _gpu_ready(frame, self.stage)
-                    staged = self.stage is not None
-                    self.busy = True  # from here on the bytes are ours: the server's copy, or staged
-                else:
-                    data = frame.numpy()
-                    if spec.strides is not None:  # a padded crop goes contiguous: behind the header, or copied once
-                        spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
-                        if data.nbytes > self.inline:
-                            data = np.ascontiguousarray(data)
-                inline = isinstance(data, np.ndarray) and data.nbytes <= self.inline
-                head = ucx_wire.pack_frame(gen, rx.skipped, seq, frame.timestamp_ns, spec, frame.meta, inline)
-                msg = self._one(head, data) if inline else None
-                if inline or staged:
-                    # the bytes are ours now (behind the header, or in our page-locked buffer): the producer's
-                    # slot goes back before the network send. A GPU frame whose CAI was read holds its slot
-                    # as long as the object lives, so the object goes too.
-                    if inline:
-                        data = None  # a view of the slot: an export that would keep it
-                    frame.release()
-                    del frame
-                    released = True
-                if msg is not None:
-                    await self.ep.send(msg)
-                else:
-                    # both posted at once (UCX keeps one endpoint's messages of one tag in order): the
-                    # pixels need not wait for the header's completion to be reported
-                    pending = True
-                    await asyncio.gather(self.ep.send(head), self.ep.send(data))
-                    pending = False
-                    if nbytes > ucx_engine.EAGER_MAX:  # a rendezvous: the consumer's worker took part
-                        self.heard = time.monotonic()
-            except Exception as exc:
-                await self._failed(f"sending frame {seq} failed", exc)
-                return
+                if self.flights:
+                    await asyncio.wait(set(self.flights), timeout=GOODBYE_S)
             finally:
-                self.busy = False
-                if pending:
-                    # Cancelled (or failed) while UCX may still read the pixels (a rendezvous waits for the
-                    # consumer's worker): close the endpoint first, so that UCX lets go of them, then give
-                    # the memory back; the consumer sees a reset, not this frame with another's bytes.
-                    self._abort()
-                    pending = False
-                # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease
-                # outlives this frame (a cancelled send's traceback would keep them)
+                for task in self.flights:
+                    task.cancel()
+                if self.flights:
+                    await asyncio.wait(set(self.flights))
+
+    def _head(self, frame: Frame, spec: FrameSpec, inline: bool) -> bytes:
+        rx = self.rx
+        assert rx is not None
+        return ucx_wire.pack_frame(rx.generation, rx.skipped, frame.seq, frame.timestamp_ns, spec, frame.meta, inline)
+
+    async def _send_host(self, frame: Frame) -> None:
+        """A host frame, straight from its slot (held until UCX is done with it), or copied behind the header."""
+        data: Any = None
+        pending = False  # the pixels' send is under way
+        released = False
+        try:
+            spec = frame.spec
+            data = frame.numpy()
+            if spec.strides is not None:  # a padded crop goes contiguous: behind the header, or copied once
+                spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
+                if data.nbytes > self.inline:
+                    data = np.ascontiguousarray(data)
+            if data.nbytes <= self.inline:
+                msg = self._one(self._head(frame, spec, True), data)
+                # the bytes are ours now: the producer's slot goes back before the network send (the view
+                # of the slot is an export that would keep it)
                 data = None
-                if not released:
-                    frame.release()
-                    del frame
-            self.credits -= 1
-            self.sent += 1
-            last_sent = time.monotonic()
+                frame.release()
+                released = True
+                await self.ep.send(msg)
+                return
+            head = self._head(frame, spec, False)
+            # both posted at once (UCX keeps one endpoint's messages of one tag in order): the pixels need not
+            # wait for the header's completion to be reported
+            pending = True
+            await asyncio.gather(self.ep.post(head), self.ep.post(data))
+            pending = False
+            if data.nbytes > ucx_engine.EAGER_MAX:  # a rendezvous: the consumer's worker took part
+                self.heard = time.monotonic()
+        finally:
+            if pending:
+                # Cancelled (or failed) while UCX may still read the pixels (a rendezvous waits for the
+                # consumer's worker): close the endpoint first, so that UCX lets go of them, then give the
+                # memory back; the consumer sees a reset, not this frame with another's bytes.
+                self._abort()
+            # the view and UCX's wrapper of it are exports of the frame: drop them, or the lease outlives
+            # this frame (a cancelled send's traceback would keep them)
+            data = None
+            if not released:
+                frame.release()
+
+    def _send_gpu(self, frame: Frame) -> None:
+        """A GPU frame goes to a flight of its own (:meth:`_flight`): the sender takes the next frame while
+        this one is copied, readied and moved, and the GPU runs the copies of several frames in one turn."""
+        try:
+            if frame.spec.strides is not None:
+                raise LinkError("cudalink serve: strided GPU frames cannot be served; send contiguous ones")
+            stage: Any = None
+            if self.staged:
+                if self.stages:
+                    stage = self.stages.pop()
+                else:
+                    from .cuda import ucx as cuda_ucx
+
+                    assert self.rx is not None
+                    stage = cuda_ucx.Pinned(int(frame.device.split(":")[1]), self.rx.capacity)
+                    self.pinned.append(stage)
+        except BaseException:
+            frame.release()
+            raise
+        flight = _Flight(frame, stage, self.turn, asyncio.get_running_loop().create_future())
+        self.turn = flight.turn
+        task = asyncio.ensure_future(self._flight(flight))
+        # a task cancelled before its first step never runs its body: its frame and stage go back here
+        task.add_done_callback(lambda t: self._landed(flight, t))
+        self.flights.add(task)
+
+    async def _flight(self, f: _Flight) -> None:
+        """One GPU frame, once its bytes are in a buffer of ours (the server's GPU copy, or our page-locked
+        stage) and ready: its header and pixels are posted in the frames' order (after the flight before
+        has posted its own), and the buffer goes back once UCX is done with it. Cancelled or failed mid-send,
+        the endpoint is closed first, so that UCX lets go of the buffer; the consumer sees a reset, not this
+        frame with another's bytes."""
+        frame = f.frame
+        assert frame is not None
+        seq = frame.seq
+        data: Any = None
+        sent: asyncio.Future[Any] | None = None
+        try:
+            data = await _gpu_ready(frame, f.stage)
+            head = self._head(frame, frame.spec, False)
+            if f.stage is not None:  # in our page-locked buffer now: the producer's slot goes back at once
+                f.frame = None
+                frame.release()
+            # A GPU frame whose CAI was read holds its slot as long as the object lives: only ``f`` holds it
+            del frame
+            if f.before is not None and not await f.before:
+                return  # the flight before did not post its frame: the connection is ending, so neither do we
+            posted = [self.ep.post(head)]
+            try:
+                posted.append(self.ep.post(data))
+            except BaseException:
+                posted[0].cancel()  # its outcome is of no interest now (the endpoint failed)
+                raise
+            sent = asyncio.gather(*posted)
+            f.turn.set_result(True)
+            await sent
+            sent = None
+            self.heard = time.monotonic()  # a rendezvous: the consumer's worker took part
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._failed(f"sending frame {seq} failed", exc)
+            self.halt.set()
+        finally:
+            data = None
+            if sent is not None:
+                self._abort()
+                sent.cancel()
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(sent)  # its exception, retrieved (the endpoint is gone)
+            self._landed(f)
+
+    def _landed(self, f: _Flight, task: asyncio.Task[None] | None = None) -> None:
+        """A flight's end (once: its task's end calls it again): its frame and stage go back, and a later
+        flight waiting for its turn hears whether it posted."""
+        if not f.turn.done():
+            f.turn.set_result(False)
+        frame, f.frame = f.frame, None
+        if frame is not None:
+            frame.release()
+        stage, f.stage = f.stage, None
+        if stage is not None and stage in self.pinned:
+            self.stages.append(stage)
+        if task is not None:
+            self.flights.discard(task)
 
     def _one(self, head: bytes, data: np.ndarray[Any, Any]) -> memoryview:
         """The FRAME header and the pixels copied behind it, compact (``data`` may be a padded crop); the
@@ -375,10 +500,10 @@ class _Consumer:
         if self.rx is not None:
             self.rx.close()
             self.rx = None
-        if self.stage is not None:
+        pinned, self.pinned, self.stages = self.pinned, [], []
+        for stage in pinned:
             with contextlib.suppress(Exception):
-                self.stage.close()
-            self.stage = None
+                stage.close()
         if abort:
             self._abort()
         self.server.consumers.discard(self)

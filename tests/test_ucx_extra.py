@@ -99,10 +99,12 @@ def test_the_servers_watchdog_forgives_its_own_stall_and_a_send_of_its_own_memor
         time.sleep(0.3)  # our own loop held up for 3x DEAD_AFTER_S
         await asyncio.sleep(0.05)
         assert not task.done(), "dropped for a silence that was the server's own"
-        c.busy = True
+        flight = asyncio.ensure_future(asyncio.sleep(3600))
+        c.flights.add(flight)
         await asyncio.sleep(0.25)
         assert not task.done(), "dropped while a send of the server's own memory was under way"
-        c.busy = False
+        c.flights.clear()
+        flight.cancel()
         await asyncio.wait_for(task, 2.0)
         assert c.silent and c.why == "went silent"
         reason, text = ucx_wire.unpack_text(sent[-1])
@@ -249,3 +251,107 @@ def test_a_peers_text_is_quoted_without_its_own_prefix_or_retry_hint() -> None:
     assert str(refused) == "cudalink: the ucx server refused (invalid name): invalid link name 'a b': use 1-48 letters"
     gone = "cudalink: producer of 'cam9' closed or died; recv() again to wait for a new one"
     assert ucx_wire.quoted(gone) == "producer of 'cam9' closed or died"
+
+
+def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU frames (each in a buffer of the server's) are taken, readied and sent one after another without
+    waiting for the last one's transfer, up to MAX_FLIGHT, posted header then pixels in the frames' order
+    whichever is ready first; a frame goes back only once UCX is done with it; a failed transfer closes the
+    endpoint before its buffer goes back and ends the connection; cancelled, the flights left do the same.
+    One at a time, a GPU -> GPU stream spent 0.69 ms a frame."""
+    import asyncio
+
+    from cudalink import ucx_server
+    from cudalink.frames.spec import FrameSpec
+    from cudalink.transport import ucx_wire
+
+    events: list[str] = []
+    spec = FrameSpec((2, 2, 4), "uint8")
+
+    class GpuFrame:
+        device = "cuda:0"
+        nbytes = spec.nbytes
+        timestamp_ns = 0
+        meta = b""
+
+        def __init__(self, seq: int) -> None:
+            self.seq = seq
+            self.spec = spec
+
+        def release(self) -> None:
+            events.append(f"release {self.seq}")
+
+    class Rx:
+        name = "lnk"
+        generation = 1
+        skipped = 0
+        capacity = spec.nbytes
+        _att = None
+
+        def __init__(self) -> None:
+            self.frames = [GpuFrame(seq) for seq in range(1, 9)]
+
+        async def recv_async(self, timeout: float) -> GpuFrame:
+            if not self.frames:
+                await asyncio.sleep(3600)
+            return self.frames.pop(0)
+
+    async def ready(frame: GpuFrame, stage: object) -> str:
+        for _ in range(5 if frame.seq == 1 else 1):  # the first frame's copy runs longest: still posted first
+            await asyncio.sleep(0)
+        return f"pixels {frame.seq}"
+
+    monkeypatch.setattr(ucx_server, "_gpu_ready", ready)
+    posted: list[tuple[str, asyncio.Future[None]]] = []
+
+    class Ep:
+        def post(self, buf: object) -> asyncio.Future[None]:
+            what = buf if isinstance(buf, str) else f"head {ucx_wire.unpack_frame(bytes(buf), 64, 0).seq}"  # type: ignore[arg-type]
+            fut = asyncio.get_running_loop().create_future()
+            posted.append((what, fut))
+            events.append(f"post {what}")
+            return fut
+
+        async def send(self, msg: bytes) -> None:
+            events.append(f"send {ucx_wire.unpack_text(msg)[1] if msg[:1] == bytes([ucx_wire.BYE]) else 'ping'}")
+
+        def abort(self) -> None:
+            events.append("abort")
+
+    def done(what: str, exc: BaseException | None = None) -> None:
+        fut = dict(posted)[what]
+        fut.set_exception(exc) if exc is not None else fut.set_result(None)
+
+    async def turns(n: int = 20) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        c = ucx_server._Consumer(object(), Ep())  # type: ignore[arg-type]
+        c.rx = Rx()  # type: ignore[assignment]
+        c.credits = 10
+        sender = asyncio.ensure_future(c._sender())
+        await turns()
+        want = [f"post {w} {s}" for s in (1, 2, 3) for w in ("head", "pixels")]
+        assert events == want, events  # three on the wire at once, none given back yet
+        assert len(c.flights) == ucx_server.MAX_FLIGHT == 3
+        done("head 2")
+        done("pixels 2")
+        await turns()
+        assert events[6:] == ["release 2", "post head 4", "post pixels 4"], events
+        events.clear()
+        done("head 3")
+        done("pixels 3", RuntimeError("boom"))
+        await turns()
+        assert c.halt.is_set() and c.why.startswith("was dropped (sending frame 3 failed: RuntimeError: boom")
+        assert events.index("abort") < events.index("release 3"), events
+        events.clear()
+        await turns()
+        assert not events and not sender.done(), events  # no frame taken after: its frames may still land
+        sender.cancel()  # as the connection's end does
+        await asyncio.wait([sender], timeout=2)
+        assert sorted(e for e in events if e.startswith("release")) == ["release 1", "release 4"], events
+        assert events.index("abort") < events.index("release 1"), events
+        assert not c.flights and c.credits == 6 and c.sent == 4
+
+    asyncio.run(main())

@@ -624,13 +624,22 @@ class Core:
     async def wait(self, req: Any, keep: object, delay: float, ep: Any = None) -> None:
         """Until ``req`` completes (raising what UCX reported), or its endpoint ``ep`` fails; ``keep`` lives
         as long as the request."""
-        if req.completed:
-            req.check_error()
-            return
+        await self.watch(req, keep, delay, ep)
+
+    def watch(self, req: Any, keep: object, delay: float, ep: Any = None) -> asyncio.Future[None]:
+        """:meth:`wait` as a future, watched from now on (``keep`` with it) whether or not it is awaited yet."""
         fut = self.loop.create_future()
+        if req.completed:
+            try:
+                req.check_error()
+            except Exception as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+            return fut
         self._pending.append(_Pending(req, fut, keep, delay, ep))
         self.progress()
-        await fut
+        return fut
 
     def array(self, buf: Any) -> Any:
         return buf if isinstance(buf, self.Array) else self.Array(buf)
@@ -726,9 +735,14 @@ class Endpoint:
         return self._ep
 
     async def send(self, buf: Any) -> None:
+        await self.post(buf)
+
+    def post(self, buf: Any) -> asyncio.Future[None]:
+        """Send ``buf`` (posted now, so messages posted in turn go out in turn); the future completes once
+        UCX is done with ``buf``, which must stay untouched until then."""
         arr = self.core.array(buf)
         req = self._live().tag_send(arr, self._send_tag)
-        await self.core.wait(req, arr, POLL_GPU_S if arr.cuda else POLL_SEND_S)
+        return self.core.watch(req, arr, POLL_GPU_S if arr.cuda else POLL_SEND_S)
 
     async def recv(self, buf: Any) -> None:
         """One message into ``buf``. A message that arrived before the endpoint failed is still received

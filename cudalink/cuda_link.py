@@ -86,8 +86,9 @@ class CudaLinkSender:
                 "cudalink: cuda-link's layout shares GPU memory only (cudaIpcMemHandle); pass device=0 (or "
                 "'cuda:N'), or use protocol='cudalink' for a CPU link"
             )
-        if isinstance(slots, bool) or not isinstance(slots, int) or not cw.MIN_SLOTS <= slots <= cw.MAX_SLOTS:
-            raise (ArgumentTypeError if isinstance(slots, bool) or not isinstance(slots, int) else ArgumentError)(
+        not_int = isinstance(slots, bool) or not isinstance(slots, int)
+        if not_int or not cw.MIN_SLOTS <= slots <= cw.MAX_SLOTS:
+            raise (ArgumentTypeError if not_int else ArgumentError)(
                 f"cudalink: cuda-link segments have 1..10 slots, got slots={slots!r}"
             )
         timeout = seconds_arg(timeout, "timeout", "timeout=1.0", none_ok=True)

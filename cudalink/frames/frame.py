@@ -85,29 +85,24 @@ _U64 = (1 << 64) - 1  # the largest seq and timestamp a link's frames carry
 _DLPACK_V1 = (1, 0)
 
 
-def _versioned(max_version: object) -> bool:
-    """Whether a consumer's ``max_version`` that could not be read as a pair takes a versioned capsule (DLPack's
-    ``(major, minor)``, as a sequence of numpy ints say); else a clear error."""
+def _int_pair(value: object, arg: str, form: str) -> tuple[int, int]:
+    """A consumer's ``max_version`` or ``dl_device``: DLPack's pair of ints (a sequence of numpy ints, say), else
+    a clear error naming ``form``, the pair it takes."""
     try:
-        major, _minor = (operator.index(v) for v in max_version)  # type: ignore[attr-defined]
+        first, second = (operator.index(v) for v in value)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
-        raise ArgumentTypeError(
-            f"cudalink: __dlpack__(max_version=...) takes a (major, minor) pair of ints such as (1, 0), or None; "
-            f"got {max_version!r}"
-        ) from None
-    return major >= 1
+        raise ArgumentTypeError(f"cudalink: __dlpack__({arg}=...) takes {form}, or None; got {value!r}") from None
+    return first, second
+
+
+def _versioned(max_version: object) -> bool:
+    """Whether a consumer's ``max_version`` that could not be read as a pair takes a versioned capsule."""
+    return _int_pair(max_version, "max_version", "a (major, minor) pair of ints such as (1, 0)")[0] >= 1
 
 
 def _dl_device(dl_device: object) -> tuple[int, int]:
     """A consumer's ``dl_device`` as DLPack's ``(device_type, device_id)`` pair of ints."""
-    try:
-        kind, index = (operator.index(v) for v in dl_device)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        raise ArgumentTypeError(
-            "cudalink: __dlpack__(dl_device=...) takes a (device_type, device_id) pair of ints such as (1, 0) for "
-            f"the CPU, or None; got {dl_device!r}"
-        ) from None
-    return kind, index
+    return _int_pair(dl_device, "dl_device", "a (device_type, device_id) pair of ints such as (1, 0) for the CPU")
 
 
 def _copy_arg(copy: object) -> bool:

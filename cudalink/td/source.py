@@ -221,9 +221,6 @@ class TDSender:
                     f"cudalink: another TDSender of this process publishes {self.name!r} (two Execute DATs with one "
                     "LINK_NAME?); give each export its own link name, or close the other"
                 )
-        return self._make_sender(spec)
-
-    def _make_sender(self, spec: FrameSpec) -> Sender:
         return Sender(
             self.name,
             shape=spec.shape,

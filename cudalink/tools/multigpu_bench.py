@@ -18,10 +18,8 @@ the bare copy's time for one frame).
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
-import sys
 import time
 from typing import Any
 
@@ -29,7 +27,7 @@ import numpy as np
 
 from ..errors import LinkError
 from .measure import summarize
-from .ui import _console, write_json
+from .ui import print_then_json
 
 BATCH = 20
 REPS = 7
@@ -256,7 +254,5 @@ def print_report(report: dict[str, Any]) -> None:
 def cmd_multi_gpu(args: Any) -> int:
     """The ``bench --multi-gpu`` entry: run, print, and write ``--json`` where given."""
     report = run(frames=args.frames or 400)
-    with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
-        print_report(report)  # with --json -, stdout is the JSON alone (for a pipe): the tables go to stderr
-    write_json(report, args.json, _console())
+    print_then_json(print_report, report, args.json)
     return 0 if all(v["met"] for v in report["goals"].values()) else 1

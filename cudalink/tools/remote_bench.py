@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import socket
 import struct
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..transport import ucx_engine
-from .ui import _console, write_json
+from .ui import print_then_json
 
 SIZES = {"64x64x4": (64, 64, 4), "1080p": (1080, 1920, 4), "4K": (2160, 3840, 4)}
 STAMP = struct.Struct("<Qq")  # seq, monotonic ns at send
@@ -481,10 +480,7 @@ def cmd_remote_bench(args: argparse.Namespace) -> int:
 
         ordinal = int(device) if device.isdigit() else devices.parse_device(device)  # "0" as the help says
         r = run(quick=bool(getattr(args, "quick", False)), gpu=True, device=ordinal)
-    path = getattr(args, "json", None)
-    with contextlib.redirect_stdout(sys.stderr) if path == "-" else contextlib.nullcontext():
-        print_report(r)  # with --json -, stdout is the JSON alone (for a pipe): the tables go to stderr
-    write_json(r, path, _console())
+    print_then_json(print_report, r, getattr(args, "json", None))
     return 0
 
 

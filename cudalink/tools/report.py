@@ -370,7 +370,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     if backend.note:
         err.print(Text(backend.note, style="yellow"))
-    check_json_path(args.json)  # before a run of minutes, not after it
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task("bench", total=None)

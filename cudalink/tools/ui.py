@@ -10,7 +10,8 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from rich.console import Console
 
@@ -114,3 +115,11 @@ def write_json(report: Mapping[str, object], path: str | None, console: Console)
     except OSError as exc:
         raise LinkError(f"cudalink: cannot write --json {path}: {exc.strerror}; name another file") from exc
     console.print(f"JSON written to {path}")
+
+
+def print_then_json(print_report: Callable[[dict[str, Any]], None], report: dict[str, Any], path: str | None) -> None:
+    """A bench of its own rows (``--remote``, ``--multi-gpu``): its tables, then ``--json``. With ``--json -``
+    stdout is the JSON alone (for a pipe), so the tables go to stderr."""
+    with contextlib.redirect_stdout(sys.stderr) if path == "-" else contextlib.nullcontext():
+        print_report(report)
+    write_json(report, path, _console())

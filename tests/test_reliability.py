@@ -142,19 +142,34 @@ def _flat_resources(ctx: Any, name: str, cycles: int) -> tuple[int, int, int, in
     def segs() -> int:
         return len([n for n in os.listdir("/dev/shm") if n.startswith(f"cudalink-{_platform.uid()}-{name}")])
 
+    def settled(tx: cudalink.Sender) -> tuple[int, int]:
+        """The counts once the producer's control thread has closed its end of the last Receiver's
+        connection: that happens on its own thread, a moment after close() returns (CI's pure-Python pass
+        read 32 then 31 fds, and 31 then 32, when a snapshot fell inside that moment)."""
+        gc.collect()
+        deadline = time.monotonic() + 2.0
+        while tx.stats()["consumers"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        last = fds()
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now, last = last, fds()
+            if now == last:
+                break
+        return last, segs()
+
     with cudalink.Sender(name, shape=(32, 32), dtype="float32", slots=4) as tx:
         for i in range(cycles + 5):
             if i == 5:
-                gc.collect()
-                f0, s0 = fds(), segs()
+                f0, s0 = settled(tx)
             rx = cudalink.Receiver(name, timeout=2)
             tx.send(np.zeros((32, 32), np.float32))
             f = rx.recv(1)
             _ = np.from_dlpack(f).sum()
             f.release()
             rx.close()
-        gc.collect()
-        return f0, fds(), s0, segs()
+        f1, s1 = settled(tx)
+        return f0, f1, s0, s1
 
 
 def test_fds_and_segments_stay_flat(ctx: Any, name: str, control: str) -> None:

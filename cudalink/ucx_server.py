@@ -125,6 +125,7 @@ class _Consumer:
         #: GPU frames on their way out (see _send_gpu): sends from memory of ours, no producer slot held (see
         #: BUSY_SILENCE_S)
         self.flights: set[asyncio.Task[None]] = set()
+        self.most_flights = 0
         self.halt = asyncio.Event()  # a flight failed: the connection ends
         self.turn: asyncio.Future[bool] | None = None  # the last flight's: True once it has posted its frame
 
@@ -284,7 +285,8 @@ class _Consumer:
             self._close(abort=not self.silent)
             if self.silent:
                 asyncio.get_running_loop().call_later(SILENT_GRACE_S, self._abort)
-        log.info("cudalink serve: a consumer %s", self.why or "left")
+        most = f"; up to {self.most_flights} GPU frames on their way at once" if self.most_flights else ""
+        log.info("cudalink serve: a consumer %s (%d frames sent%s)", self.why or "left", self.sent, most)
 
     async def _sender(self) -> None:
         rx = self.rx
@@ -425,6 +427,7 @@ class _Consumer:
         # a task cancelled before its first step never runs its body: its frame and stage go back here
         task.add_done_callback(lambda t: self._landed(flight, t))
         self.flights.add(task)
+        self.most_flights = max(self.most_flights, len(self.flights))
 
     async def _flight(self, f: _Flight) -> None:
         """One GPU frame, once its bytes are in a buffer of ours (the server's GPU copy, or our page-locked

@@ -9,6 +9,8 @@ test prints the protocol lines UCX chose, so the run shows which transports carr
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from .test_ucx import Proc, free_port, unique
@@ -19,30 +21,34 @@ pytest.importorskip("ucxx", reason='ucxx is not installed: pip install "cudalink
 
 
 CASES = [
-    (tls, device, lib, "auto", 0.0, "0")
+    (tls, device, lib, "auto", 0.0, "0", 100)
     for tls in ("tcp,cuda_copy", "tcp,cuda_copy,cuda_ipc")
     for device, lib in (("0", "torch"), ("0", "cupy"), ("cpu", "numpy"))
 ] + [
-    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "host", 0.0, "0"),
-    ("tcp,cuda_copy,cuda_ipc", "0", "cupy", "host", 0.0, "0"),
+    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "host", 0.0, "0", 100),
+    ("tcp,cuda_copy,cuda_ipc", "0", "cupy", "host", 0.0, "0", 100),
     # a host producer's frames land on the consumer's GPU through its page-locked buffer
-    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "auto", 0.0, "cpu"),
+    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "auto", 0.0, "cpu", 100),
     # the consumer holds the GIL 2 s after its first frame: dropped, it connects again and checks on
-    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "auto", 2.0, "0"),
-    ("tcp,cuda_copy", "0", "cupy", "auto", 2.0, "0"),
+    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "auto", 2.0, "0", 100),
+    ("tcp,cuda_copy", "0", "cupy", "auto", 2.0, "0", 100),
+    # the producer flat out: several GPU frames on their way at once (the server's copies, or its stages)
+    ("tcp,cuda_copy,cuda_ipc", "0", "cupy", "auto", 0.0, "0", 0),
+    ("tcp,cuda_copy,cuda_ipc", "0", "torch", "host", 0.0, "0", 0),
 ]
 
 
-@pytest.mark.parametrize(("tls", "device", "lib", "stage", "stall", "producer"), CASES)
+@pytest.mark.parametrize(("tls", "device", "lib", "stage", "stall", "producer", "fps"), CASES)
 def test_gpu_producer_to_remote_consumer(
-    tls: str, device: str, lib: str, stage: str, stall: float, producer: str
+    tls: str, device: str, lib: str, stage: str, stall: float, producer: str, fps: int
 ) -> None:
     """GPU frames go as GPU memory where UCX moves it itself (``cuda_ipc`` on one host), else as host bytes
     staged by cudalink: ``UCX_TLS=tcp,cuda_copy`` as across hosts without RDMA, a consumer landing on the
     host, or ``stage="host"`` (``CUDALINK_UCX_STAGE``, given to server and consumer) forcing it.
     ``producer="cpu"``: host frames, which a GPU consumer lands through its page-locked buffer.
     ``stall``: the consumer holds the GIL that long after its first frame; the server drops it for silence
-    (its GPU frame in flight included) and it connects again to the same GPU landing buffers, with no error."""
+    (its GPU frame in flight included) and it connects again to the same GPU landing buffers, with no error.
+    ``fps=0``: the producer flat out, so that the server has several GPU frames on their way at once."""
     if lib != "numpy":
         pytest.importorskip(lib)
     if producer != "cpu":
@@ -58,7 +64,7 @@ def test_gpu_producer_to_remote_consumer(
             "--frames",
             "1000000",
             "--fps",
-            "100",
+            str(fps or 100_000),
             "--device",
             producer,
             "--shape",
@@ -128,6 +134,12 @@ def test_gpu_producer_to_remote_consumer(
             assert any("a consumer went silent" in ln for ln in srv.log), "".join(srv.log[-40:])
             assert len(joined) >= 2, joined
         cons.stop()
+        if not fps and producer != "cpu":  # the consumer's leave is logged with the most on their way at once
+            end = time.monotonic() + 10.0
+            while not (left := [ln for ln in srv.log if "frames sent" in ln]) and time.monotonic() < end:
+                time.sleep(0.05)
+            assert left and "GPU frames on their way at once" in left[-1], "".join(srv.log[-20:])
+            assert "up to 1 " not in left[-1], left
     finally:
         srv.stop()
         prod.stop()

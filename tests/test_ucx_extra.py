@@ -355,3 +355,30 @@ def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypat
         assert not c.flights and c.credits == 6 and c.sent == 4
 
     asyncio.run(main())
+
+
+def test_the_remote_stream_row_reads_each_round_against_its_own_bare_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single cudalink/bare pair swung 76%-121% between runs of one session: the row takes rounds in turn
+    (cudalink, bare, TCP) and reads the median of the rounds' own shares, not a share of two medians."""
+    from cudalink.tools import remote_bench
+
+    order: list[str] = []
+    ours = iter([100.0, 300.0, 200.0])
+    bare = iter([100.0, 600.0, 250.0])  # shares 1.0, 0.5, 0.8: median 0.8 (the medians' share would be 0.67)
+
+    def stream(shape: object, secs: float, device: str = "cpu", env: object = None) -> dict[str, float]:
+        order.append("c")
+        return {"fps": next(ours), "GBps": 1.0}
+
+    def bare_stream(nbytes: int, count: int) -> dict[str, float]:
+        order.append("b")
+        return {"fps": next(bare), "GBps": 1.0}
+
+    monkeypatch.setattr(remote_bench, "cudalink_stream", stream)
+    monkeypatch.setattr(remote_bench, "bare_stream", bare_stream)
+    monkeypatch.setattr(remote_bench, "tcp_stream", lambda *a: order.append("t") or {"fps": 1.0, "GBps": 1.0})
+    row = remote_bench.stream_rounds((4, 4, 4), 0.1, 3)
+    assert order == list("cbt" * 3)
+    assert row["shares"] == [1.0, 0.5, 0.8] and row["share_of_bare"] == 0.8
+    assert row["cudalink"]["fps"] == 200.0 and row["bare_ucxx"]["fps"] == 250.0
+    assert "median of 3 rounds: 100%, 50%, 80%" in remote_bench._rounds_cell(row)

@@ -363,6 +363,8 @@ class _Consumer:
 
     async def _send_host(self, frame: Frame) -> None:
         """A host frame, straight from its slot (held until UCX is done with it), or copied behind the header."""
+        if self.flights:  # GPU frames still on their way (a link's frames are all of one kind): theirs go first
+            await asyncio.wait(set(self.flights))
         data: Any = None
         pending = False  # the pixels' send is under way
         released = False

@@ -138,7 +138,7 @@ class _Consumer:
             await self._bye(ucx_wire.R_BAD_MESSAGE, str(exc))
         except (asyncio.CancelledError, Exception) as exc:
             if not isinstance(exc, asyncio.CancelledError):
-                log.info("cudalink serve: a consumer left (%s: %s)", type(exc).__name__, exc)
+                log.info("cudalink serve: a consumer left (%s: %s; %s)", type(exc).__name__, exc, self._counts())
                 log.debug("cudalink serve: why", exc_info=True)
         finally:
             self._close(abort=not self.silent)  # a silent one's endpoint goes after its grace
@@ -208,6 +208,15 @@ class _Consumer:
     async def _bye(self, reason: int, text: str, wait: float = 0.5) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ep.send(ucx_wire.pack_bye(reason, text)), wait)
+
+    async def _lost_producer(self, why: object) -> None:
+        """The local producer closed or died: the consumer hears so (its ProducerGone carries ``why``)."""
+        await self._bye(ucx_wire.R_PRODUCER_GONE, str(why))
+        self.why = "lost its producer"
+
+    def _counts(self) -> str:
+        most = f"; up to {self.most_flights} GPU frames on their way at once" if self.most_flights else ""
+        return f"{self.sent} frames sent{most}"
 
     async def _failed(self, what: str, exc: BaseException) -> None:
         """Log a failure of ours and say it to the consumer before the connection goes: its ProducerGone
@@ -285,8 +294,7 @@ class _Consumer:
             self._close(abort=not self.silent)
             if self.silent:
                 asyncio.get_running_loop().call_later(SILENT_GRACE_S, self._abort)
-        most = f"; up to {self.most_flights} GPU frames on their way at once" if self.most_flights else ""
-        log.info("cudalink serve: a consumer %s (%d frames sent%s)", self.why or "left", self.sent, most)
+        log.info("cudalink serve: a consumer %s (%s)", self.why or "left", self._counts())
 
     async def _sender(self) -> None:
         rx = self.rx
@@ -305,8 +313,7 @@ class _Consumer:
                         # a consumer holding every frame it may takes none: see the producer's end here, or it
                         # would hear of it only when it gave one back
                         if _producer_gone(rx):
-                            await self._bye(ucx_wire.R_PRODUCER_GONE, f"the producer of {rx.name!r} closed or died")
-                            self.why = "lost its producer"
+                            await self._lost_producer(f"the producer of {rx.name!r} closed or died")
                             return
                         await self._send(ucx_wire.pack_ping())
                         last_sent = time.monotonic()
@@ -319,8 +326,7 @@ class _Consumer:
                     last_sent = time.monotonic()
                     continue
                 except ProducerGone as exc:
-                    await self._bye(ucx_wire.R_PRODUCER_GONE, str(exc))
-                    self.why = "lost its producer"
+                    await self._lost_producer(exc)
                     return
                 except LinkError as exc:  # the local side failed (a CUDA import, say): tell the consumer why
                     await self._failed(f"the server could not take a frame from {rx.name!r}", exc)
@@ -331,6 +337,9 @@ class _Consumer:
                         self._send_gpu(frame)
                     else:
                         await self._send_host(frame)
+                except ProducerGone as exc:  # it died while we read the frame: no fault of ours
+                    await self._lost_producer(exc)
+                    return
                 except Exception as exc:
                     await self._failed(f"sending frame {seq} failed", exc)
                     return
@@ -465,9 +474,12 @@ class _Consumer:
             self.heard = time.monotonic()  # a rendezvous: the consumer's worker took part
         except asyncio.CancelledError:
             raise
+        except ProducerGone as exc:  # it died before its frame was ready (its ready event went with it)
+            await self._lost_producer(exc)
+            self._halt()
         except Exception as exc:
             await self._failed(f"sending frame {seq} failed", exc)
-            self.halt.set()
+            self._halt()
         finally:
             data = None
             if sent is not None:
@@ -476,6 +488,11 @@ class _Consumer:
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(sent)  # its exception, retrieved (the endpoint is gone)
             self._landed(f)
+
+    def _halt(self) -> None:
+        """A flight failed: the connection ends (the sender, waiting for a credit, wakes and leaves)."""
+        self.halt.set()
+        self.credit.set()
 
     def _landed(self, f: _Flight, task: asyncio.Task[None] | None = None) -> None:
         """A flight's end (once: its task's end calls it again): its frame and stage go back, and a later

@@ -382,3 +382,63 @@ def test_the_remote_stream_row_reads_each_round_against_its_own_bare_stream(monk
     assert row["shares"] == [1.0, 0.5, 0.8] and row["share_of_bare"] == 0.8
     assert row["cudalink"]["fps"] == 200.0 and row["bare_ucxx"]["fps"] == 250.0
     assert "median of 3 rounds: 100%, 50%, 80%" in remote_bench._rounds_cell(row)
+
+
+def test_a_producer_that_dies_while_the_server_readies_its_gpu_frame_is_producer_gone_not_a_fault(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """bench --remote printed "cudalink serve: sending frame N failed: ProducerGone ..." and a traceback when
+    its producer was stopped while the server readied a GPU frame (the frame's ready event went with it): the
+    consumer now hears the producer is gone, as when the server's own take finds it so, and nothing is logged
+    as the server's fault."""
+    import asyncio
+
+    from cudalink import ucx_server
+    from cudalink.errors import ProducerGone
+    from cudalink.frames.spec import FrameSpec
+    from cudalink.transport import ucx_wire
+
+    spec = FrameSpec((2, 2, 4), "uint8")
+    said: list[tuple[int, str]] = []
+    released: list[int] = []
+
+    class GpuFrame:
+        device, nbytes, timestamp_ns, meta, seq = "cuda:0", spec.nbytes, 0, b"", 7
+
+        def __init__(self) -> None:
+            self.spec = spec
+
+        def release(self) -> None:
+            released.append(self.seq)
+
+    async def ready(frame: GpuFrame, stage: object) -> str:
+        raise ProducerGone("cudalink: the producer of this frame died before it was read")
+
+    class Rx:
+        name, generation, skipped, capacity, _att = "lnk", 1, 0, spec.nbytes, None
+
+        async def recv_async(self, timeout: float) -> GpuFrame:
+            return GpuFrame()
+
+    class Ep:
+        async def send(self, msg: bytes) -> None:
+            said.append(ucx_wire.unpack_text(msg))
+
+        def abort(self) -> None:
+            pass
+
+    monkeypatch.setattr(ucx_server, "_gpu_ready", ready)
+
+    async def main() -> None:
+        c = ucx_server._Consumer(object(), Ep())  # type: ignore[arg-type]
+        c.rx = Rx()  # type: ignore[assignment]
+        c.credits = 1
+        sender = asyncio.ensure_future(c._sender())
+        await asyncio.wait_for(c.halt.wait(), 2.0)
+        await asyncio.wait_for(sender, 2.0)
+        assert c.why == "lost its producer" and released == [7] and not c.flights
+
+    with caplog.at_level("INFO", logger="cudalink"):
+        asyncio.run(main())
+    assert said == [(ucx_wire.R_PRODUCER_GONE, "cudalink: the producer of this frame died before it was read")]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

@@ -85,7 +85,19 @@ def connect(port: int, name: str, within: float = 30.0, **kw: Any) -> Any:
                 raise
 
 
-def _producer(name: str, shape: str, port: int, period: float, seconds: float, device: str = "cpu") -> None:
+#: how often the stream rows' host producer offers a frame (2,000 fps, above any host stream here). Flat out it
+#: wrote frames as fast as a core could (most of them never taken), and on a 2-vCPU VM that core was one the
+#: stream's two ends needed: the server ran at 30% of a core, not 94% (2026-11-27: 166 fps flat out against 224
+#: paced, the bare stream 216)
+STREAM_PERIOD_S = 0.0005
+
+
+def _producer(
+    name: str, shape: str, port: int, period: float, seconds: float, device: str = "cpu", write: str = "copy"
+) -> None:
+    """A ``serve=`` Sender offering a frame each ``period`` (0: flat out) for ``seconds``: ``write="copy"`` sends
+    a host array (``send()``, as an application does), ``"as-is"`` commits the slot as it stands (``reserve()``:
+    the bytes on the wire are what is measured; a GPU producer always does)."""
     import cudalink
 
     shp = tuple(int(x) for x in shape.split(","))
@@ -98,9 +110,9 @@ def _producer(name: str, shape: str, port: int, period: float, seconds: float, d
         nxt = time.monotonic()
         while time.monotonic() < end:
             meta = STAMP.pack(tx.seq + 1, time.monotonic_ns())
-            if dev == "cpu":
+            if dev == "cpu" and write == "copy":
                 tx.send(src, meta=meta)
-            else:  # a GPU frame as it stands in the slot: the bytes on the wire are what is measured
+            else:  # the frame as it stands in the slot: the bytes on the wire are what is measured
                 try:
                     with tx.reserve(meta=meta):
                         pass
@@ -168,7 +180,10 @@ def cudalink_stream(
     ``env``: for the producer and its server (``CUDALINK_UCX_STAGE``)."""
     port = ucx_engine.free_port()
     name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
-    p = _child("producer", name, ",".join(map(str, shape)), str(port), "0", str(seconds + 30), device, env=env)
+    period = STREAM_PERIOD_S if device == "cpu" else 0.0
+    p = _child(
+        "producer", name, ",".join(map(str, shape)), str(port), str(period), str(seconds + 30), device, "as-is", env=env
+    )
     where: str | int = device if device == "cpu" else int(device)
     try:
         _wait_line(p, "ready")
@@ -195,6 +210,16 @@ def cudalink_stream(
 HEAD_BYTES = 320  # ucx_wire.MSG_SIZE: the header cudalink sends with each frame
 
 
+def touched(n: int) -> bytearray:
+    """``n`` bytes of memory of their own for a floor to send. A large ``bytearray(n)`` or ``np.zeros`` maps the
+    kernel's one zero page until written, and a sender then reads every frame from the cache: the bare UCXX
+    stream sent 3-28% more 1080p frames from it than from written memory (three rounds, 2-vCPU VM, 2026-11-27),
+    where cudalink's server sends from the producer's slot, which is written."""
+    buf = bytearray(n)
+    np.frombuffer(buf, np.uint8)[:] = 1
+    return buf
+
+
 def _endpoint(api: str, port: int) -> Any:
     """A connection to the floor's receiver: on UCXX's core API as cudalink drives it (``core``), or on
     UCXX's asyncio API (``asyncio``, its progress thread: what a UCXX user writes first)."""
@@ -214,8 +239,8 @@ def _bare_sender(port: int, nbytes: int, period: float, count: int, one: bool = 
     async def main() -> None:
         ep = await _endpoint(api, port)
         head = bytearray(HEAD_BYTES)
-        payload = np.zeros(nbytes, np.uint8)
-        whole = bytearray(HEAD_BYTES + nbytes) if one else bytearray(0)
+        payload = np.frombuffer(touched(nbytes), np.uint8)
+        whole = touched(HEAD_BYTES + nbytes) if one else bytearray(0)
         ack = bytearray(8)
         nxt = time.monotonic()
         for i in range(count):
@@ -341,7 +366,7 @@ def _gpu_here() -> bool:
 def _tcp_sender(port: int, nbytes: int, count: int) -> None:
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    payload = bytearray(nbytes)
+    payload = touched(nbytes)
     for _ in range(count):
         s.sendall(payload)
     s.recv(1)
@@ -513,8 +538,8 @@ def cmd_remote_bench(args: argparse.Namespace) -> int:
 def _main() -> None:
     role, *rest = sys.argv[1:]
     if role == "producer":
-        name, shape, port, period, seconds, *device = rest
-        _producer(name, shape, int(port), float(period), float(seconds), *device)
+        name, shape, port, period, seconds, *device_and_write = rest
+        _producer(name, shape, int(port), float(period), float(seconds), *device_and_write)
     elif role == "bare":
         port, nbytes, period, count, one, api = rest
         _bare_sender(int(port), int(nbytes), float(period), int(count), bool(int(one)), api)

@@ -487,3 +487,17 @@ def test_the_stream_rows_host_producer_offers_frames_as_is_and_paced(monkeypatch
     (cpu, gpu) = asked
     assert cpu[0] == "producer" and cpu[-1] == "as-is" and float(cpu[4]) == remote_bench.STREAM_PERIOD_S > 0
     assert gpu[-2:] == ("0", "as-is")
+
+
+def test_cudalinks_ucx_context_uses_large_tcp_segments_unless_the_user_sets_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """UCX's own TCP segments (8k to send) cut each frame into many syscalls: the bare 1080p stream ran 261-292
+    fps with them and 432-463 with 256k on the VM. A user's own UCX_TCP_*_SEG_SIZE still wins."""
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE", raising=False)
+    cfg = ucx_engine.config()
+    assert cfg["TCP_TX_SEG_SIZE"] == cfg["TCP_RX_SEG_SIZE"] == ucx_engine.TCP_SEG_SIZE == "256k"
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
+    cfg = ucx_engine.config()
+    assert "TCP_TX_SEG_SIZE" not in cfg and cfg["TCP_RX_SEG_SIZE"] == "256k"

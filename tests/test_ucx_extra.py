@@ -6,6 +6,7 @@ import os
 import sys
 import time
 import types
+from collections.abc import Callable, Iterable
 
 import pytest
 
@@ -253,6 +254,39 @@ def test_a_peers_text_is_quoted_without_its_own_prefix_or_retry_hint() -> None:
     assert ucx_wire.quoted(gone) == "producer of 'cam9' closed or died"
 
 
+class _GpuFrame:
+    """A GPU frame as the ucx server's sender sees it (its readying is monkeypatched): ``release`` reports."""
+
+    device, timestamp_ns, meta = "cuda:0", 0, b""
+
+    def __init__(self, seq: int, released: Callable[[int], object]) -> None:
+        from cudalink.frames.spec import FrameSpec
+
+        self.seq = seq
+        self.spec = FrameSpec((2, 2, 4), "uint8")
+        self.nbytes = self.spec.nbytes
+        self.released = released
+
+    def release(self) -> None:
+        self.released(self.seq)
+
+
+class _LocalRx:
+    """The ucx server's local Receiver: hands out ``frames`` in turn, then has none."""
+
+    name, generation, skipped, capacity, _att = "lnk", 1, 0, 2 * 2 * 4, None  # capacity: one frame's bytes
+
+    def __init__(self, frames: Iterable[_GpuFrame]) -> None:
+        self.frames = list(frames)
+
+    async def recv_async(self, timeout: float) -> _GpuFrame:
+        import asyncio
+
+        if not self.frames:
+            await asyncio.sleep(3600)
+        return self.frames.pop(0)
+
+
 def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     """GPU frames (each in a buffer of the server's) are taken, readied and sent one after another without
     waiting for the last one's transfer, up to MAX_FLIGHT, posted header then pixels in the frames' order
@@ -262,41 +296,11 @@ def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypat
     import asyncio
 
     from cudalink import ucx_server
-    from cudalink.frames.spec import FrameSpec
     from cudalink.transport import ucx_wire
 
     events: list[str] = []
-    spec = FrameSpec((2, 2, 4), "uint8")
 
-    class GpuFrame:
-        device = "cuda:0"
-        nbytes = spec.nbytes
-        timestamp_ns = 0
-        meta = b""
-
-        def __init__(self, seq: int) -> None:
-            self.seq = seq
-            self.spec = spec
-
-        def release(self) -> None:
-            events.append(f"release {self.seq}")
-
-    class Rx:
-        name = "lnk"
-        generation = 1
-        skipped = 0
-        capacity = spec.nbytes
-        _att = None
-
-        def __init__(self) -> None:
-            self.frames = [GpuFrame(seq) for seq in range(1, 9)]
-
-        async def recv_async(self, timeout: float) -> GpuFrame:
-            if not self.frames:
-                await asyncio.sleep(3600)
-            return self.frames.pop(0)
-
-    async def ready(frame: GpuFrame, stage: object) -> str:
+    async def ready(frame: _GpuFrame, stage: object) -> str:
         for _ in range(5 if frame.seq == 1 else 1):  # the first frame's copy runs longest: still posted first
             await asyncio.sleep(0)
         return f"pixels {frame.seq}"
@@ -328,7 +332,7 @@ def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypat
 
     async def main() -> None:
         c = ucx_server._Consumer(object(), Ep())  # type: ignore[arg-type]
-        c.rx = Rx()  # type: ignore[assignment]
+        c.rx = _LocalRx(_GpuFrame(seq, lambda n: events.append(f"release {n}")) for seq in range(1, 9))  # type: ignore[assignment]
         c.credits = 10
         sender = asyncio.ensure_future(c._sender())
         await turns()
@@ -395,30 +399,13 @@ def test_a_producer_that_dies_while_the_server_readies_its_gpu_frame_is_producer
 
     from cudalink import ucx_server
     from cudalink.errors import ProducerGone
-    from cudalink.frames.spec import FrameSpec
     from cudalink.transport import ucx_wire
 
-    spec = FrameSpec((2, 2, 4), "uint8")
     said: list[tuple[int, str]] = []
     released: list[int] = []
 
-    class GpuFrame:
-        device, nbytes, timestamp_ns, meta, seq = "cuda:0", spec.nbytes, 0, b"", 7
-
-        def __init__(self) -> None:
-            self.spec = spec
-
-        def release(self) -> None:
-            released.append(self.seq)
-
-    async def ready(frame: GpuFrame, stage: object) -> str:
+    async def ready(frame: _GpuFrame, stage: object) -> str:
         raise ProducerGone("cudalink: the producer of this frame died before it was read")
-
-    class Rx:
-        name, generation, skipped, capacity, _att = "lnk", 1, 0, spec.nbytes, None
-
-        async def recv_async(self, timeout: float) -> GpuFrame:
-            return GpuFrame()
 
     class Ep:
         async def send(self, msg: bytes) -> None:
@@ -431,7 +418,7 @@ def test_a_producer_that_dies_while_the_server_readies_its_gpu_frame_is_producer
 
     async def main() -> None:
         c = ucx_server._Consumer(object(), Ep())  # type: ignore[arg-type]
-        c.rx = Rx()  # type: ignore[assignment]
+        c.rx = _LocalRx([_GpuFrame(7, released.append)])  # type: ignore[assignment]
         c.credits = 1
         sender = asyncio.ensure_future(c._sender())
         await asyncio.wait_for(c.halt.wait(), 2.0)

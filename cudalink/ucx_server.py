@@ -214,6 +214,17 @@ class _Consumer:
         await self._bye(ucx_wire.R_PRODUCER_GONE, str(why))
         self.why = "lost its producer"
 
+    async def _producer_left(self, why: object) -> None:
+        """The sender found the producer gone: GPU frames it took before are posted first (their flights may
+        still be readying them), then the goodbye, or a ``latest=False`` consumer would miss them. Not for
+        a flight itself, which calls :meth:`_lost_producer` inside its own turn."""
+        turn = self.turn
+        if turn is not None and not turn.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(turn), GOODBYE_S)
+        if not self.halt.is_set():  # a flight that failed has said why already
+            await self._lost_producer(why)
+
     def _counts(self) -> str:
         most = f"; up to {self.most_flights} GPU frames on their way at once" if self.most_flights else ""
         return f"{self.sent} frames sent{most}"
@@ -313,7 +324,7 @@ class _Consumer:
                         # a consumer holding every frame it may takes none: see the producer's end here, or it
                         # would hear of it only when it gave one back
                         if _producer_gone(rx):
-                            await self._lost_producer(f"the producer of {rx.name!r} closed or died")
+                            await self._producer_left(f"the producer of {rx.name!r} closed or died")
                             return
                         await self._send(ucx_wire.pack_ping())
                         last_sent = time.monotonic()
@@ -326,7 +337,7 @@ class _Consumer:
                     last_sent = time.monotonic()
                     continue
                 except ProducerGone as exc:
-                    await self._lost_producer(exc)
+                    await self._producer_left(exc)
                     return
                 except LinkError as exc:  # the local side failed (a CUDA import, say): tell the consumer why
                     await self._failed(f"the server could not take a frame from {rx.name!r}", exc)
@@ -338,7 +349,7 @@ class _Consumer:
                     else:
                         await self._send_host(frame)
                 except ProducerGone as exc:  # it died while we read the frame: no fault of ours
-                    await self._lost_producer(exc)
+                    await self._producer_left(exc)
                     return
                 except Exception as exc:
                     await self._failed(f"sending frame {seq} failed", exc)

@@ -276,13 +276,16 @@ class _LocalRx:
 
     name, generation, skipped, capacity, _att = "lnk", 1, 0, 2 * 2 * 4, None  # capacity: one frame's bytes
 
-    def __init__(self, frames: Iterable[_GpuFrame]) -> None:
+    def __init__(self, frames: Iterable[_GpuFrame], then: BaseException | None = None) -> None:
         self.frames = list(frames)
+        self.then = then  # raised once the frames are out (a ProducerGone, say); None: no more frames ever
 
     async def recv_async(self, timeout: float) -> _GpuFrame:
         import asyncio
 
         if not self.frames:
+            if self.then is not None:
+                raise self.then
             await asyncio.sleep(3600)
         return self.frames.pop(0)
 
@@ -317,7 +320,8 @@ def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypat
             return fut
 
         async def send(self, msg: bytes) -> None:
-            events.append(f"send {ucx_wire.unpack_text(msg)[1] if msg[:1] == bytes([ucx_wire.BYE]) else 'ping'}")
+            bye = ucx_wire.expect(msg, ucx_wire.BYE, ucx_wire.PING) == ucx_wire.BYE
+            events.append(f"send {ucx_wire.unpack_text(msg)[1] if bye else 'ping'}")
 
         def abort(self) -> None:
             events.append("abort")
@@ -429,6 +433,61 @@ def test_a_producer_that_dies_while_the_server_readies_its_gpu_frame_is_producer
         asyncio.run(main())
     assert said == [(ucx_wire.R_PRODUCER_GONE, "cudalink: the producer of this frame died before it was read")]
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
+def test_gpu_frames_taken_before_the_producer_went_reach_the_consumer_before_its_goodbye(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sender found the producer gone while two GPU frames it had taken were still being readied: it said
+    goodbye at once, their frames went out after it, and a ``latest=False`` consumer (which stops at the
+    goodbye) never saw them. Now the goodbye waits for them (up to GOODBYE_S)."""
+    import asyncio
+
+    from cudalink import ucx_server
+    from cudalink.errors import ProducerGone
+    from cudalink.transport import ucx_wire
+
+    events: list[str] = []
+    copied = asyncio.Event()
+
+    async def ready(frame: _GpuFrame, stage: object) -> str:
+        await copied.wait()  # the server's GPU copy runs on while the sender hears of the producer's end
+        return f"pixels {frame.seq}"
+
+    class Ep:
+        def post(self, buf: object) -> asyncio.Future[None]:
+            what = buf if isinstance(buf, str) else f"head {ucx_wire.unpack_frame(bytes(buf), 64, 0).seq}"  # type: ignore[arg-type]
+            events.append(f"post {what}")
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            return fut
+
+        async def send(self, msg: bytes) -> None:
+            kind = ucx_wire.expect(msg, ucx_wire.BYE, ucx_wire.PING)
+            events.append(f"bye {ucx_wire.unpack_text(msg)[0]}" if kind == ucx_wire.BYE else "ping")
+
+        def abort(self) -> None:
+            events.append("abort")
+
+    monkeypatch.setattr(ucx_server, "_gpu_ready", ready)
+
+    async def main() -> None:
+        c = ucx_server._Consumer(object(), Ep())  # type: ignore[arg-type]
+        gone = ProducerGone("cudalink: producer of 'lnk' closed or died")
+        c.rx = _LocalRx([_GpuFrame(s, lambda n: events.append(f"release {n}")) for s in (1, 2)], gone)  # type: ignore[assignment]
+        c.credits = 10
+        sender = asyncio.ensure_future(c._sender())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not sender.done() and not events, events  # the goodbye waits for the frames taken
+        copied.set()
+        await asyncio.wait_for(sender, 2.0)
+        posts = [e for e in events if e.startswith(("post", "bye"))]
+        frames = ["post head 1", "post pixels 1", "post head 2", "post pixels 2"]
+        assert posts == [*frames, f"bye {ucx_wire.R_PRODUCER_GONE}"], events
+        assert "abort" not in events and c.why == "lost its producer" and not c.flights
+
+    asyncio.run(main())
 
 
 def test_the_floors_send_memory_of_their_own_not_the_zero_page(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -473,6 +473,38 @@ def wait_readable(fd: int, timeout: float | None) -> bool:
     return readable_waiter(fd)(timeout)
 
 
+async def wait_readable_async(fd: int, timeout: float | None) -> None:
+    """Return once ``fd`` is readable, or after ``timeout`` (None: no limit), on the running loop; consumes
+    nothing. NotImplementedError on a loop that cannot watch an fd (Windows' proactor loop).
+
+    On the path of every frame an asyncio consumer waits for (a ucx server's included), so it does little: a
+    timer of its own rather than ``asyncio.wait_for`` (more objects and callbacks per wait), and the reader goes
+    as it fires (level-triggered, it fired again each loop turn until the waiter ran). The local and the ucx
+    consumers' waits share it (each had its own copy of the old one)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        loop.remove_reader(fd)
+        if not fut.done():
+            fut.set_result(None)
+
+    def timed_out() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, readable)
+    timer = None if timeout is None else loop.call_later(max(0.0, timeout), timed_out)
+    try:
+        await fut
+    finally:
+        if timer is not None:
+            timer.cancel()
+        loop.remove_reader(fd)  # gone already where it fired (a dict lookup then)
+
+
 def hangup_poller(sock: socket.socket, pid: int = 0) -> Callable[[], bool]:
     """A check, without reading anything, of whether the peer of ``sock`` has closed its end (it exited or was
     killed), even with unread bytes still queued: ``poll`` with POLLRDHUP where the OS has it (Linux). Elsewhere

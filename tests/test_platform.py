@@ -507,3 +507,49 @@ def test_with_no_room_outside_the_ephemeral_range_a_port_is_still_picked_and_the
     port = ucx_engine.free_port()
     assert 1024 <= port <= 65535
     assert "no free port outside the ephemeral range" in caplog.text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the proactor loop watches no fds (the control socket reads)")
+def test_an_async_wait_on_an_fd_wakes_once_times_out_and_leaves_no_reader_behind() -> None:
+    """The wait every asyncio consumer makes per frame (a ucx server's included): readable wakes it, a timeout
+    ends it, a cancel ends it, and each leaves the loop watching nothing; the reader goes as it fires (it
+    fired again each loop turn while the waiter had not run yet, the wake-up byte still queued)."""
+    import asyncio
+
+    a, b = socket.socketpair()
+    fired: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        selector = loop._selector  # type: ignore[attr-defined]
+        real_add = loop.add_reader
+
+        def counting_add(fd: int, cb: Any, *args: Any) -> None:
+            def counted(*inner: Any) -> None:
+                fired.append(fd)
+                cb(*inner)
+
+            real_add(fd, counted, *args)
+
+        loop.add_reader = counting_add  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        await _platform.wait_readable_async(a.fileno(), 0.05)  # nothing to read: the timeout ends it
+        assert 0.04 <= time.monotonic() - t0 < 2.0 and not fired
+        assert a.fileno() not in selector.get_map()
+        b.send(b"\x01")
+        waiter = asyncio.ensure_future(_platform.wait_readable_async(a.fileno(), None))
+        await asyncio.sleep(0.05)  # loop turns while the byte stays unread
+        assert waiter.done() and fired == [a.fileno()], fired
+        assert a.fileno() not in selector.get_map() and a.recv(1) == b"\x01"
+        waiter = asyncio.ensure_future(_platform.wait_readable_async(a.fileno(), None))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert a.fileno() not in selector.get_map() and not loop._scheduled  # type: ignore[attr-defined]
+
+    try:
+        asyncio.run(main())
+    finally:
+        a.close()
+        b.close()

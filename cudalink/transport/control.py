@@ -485,20 +485,10 @@ class ClientSocket:
         """
         if self.gone:
             return
-        loop = asyncio.get_running_loop()
-        fd = self.sock.fileno()
-        fut: asyncio.Future[None] = loop.create_future()
         try:
-            loop.add_reader(fd, _resolve, fut)
+            await _platform.wait_readable_async(self.sock.fileno(), timeout)
         except NotImplementedError:
-            await self._recv_async(loop, timeout)
-            return
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            loop.remove_reader(fd)
+            await self._recv_async(asyncio.get_running_loop(), timeout)
 
     async def _recv_async(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
         if self._iocp_taken:
@@ -543,11 +533,6 @@ class ClientSocket:
         with contextlib.suppress(OSError):
             self.sock.close()
         self.gone = True
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class SocketClient(Client):

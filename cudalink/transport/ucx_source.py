@@ -704,20 +704,7 @@ class UcxAttachment:
     async def wait_async(self, timeout: float | None) -> None:
         if self.interrupted:
             return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-
-        def ready() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(self.rfd, ready)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            loop.remove_reader(self.rfd)
+        await _platform.wait_readable_async(self.rfd, timeout)
 
     def detach(self) -> None:
         """Say goodbye and close the endpoint; landed frames still held stay valid (numpy owns the memory)."""

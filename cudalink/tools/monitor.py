@@ -22,7 +22,7 @@ from .._ring import read_record
 from ..errors import ArgumentError, LinkError
 from ..transport import wire
 from . import cuda_link_view
-from .ui import Stopped, _ago, _console, _us, sigterm_stops
+from .ui import Stopped, _ago, _console, _us, sigterm_stops, stop_requested
 
 
 @dataclass(frozen=True)
@@ -278,6 +278,8 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # the reader of our pipe stopped (``| head -1``): a stop from outside too
         _quiet_stdout()
         return 0
+    if stop_requested():  # SIGTERM whose Stopped was dropped on its way (see ui.Stopped): stopped all the same
+        return 0
     if not seen:  # --seconds ran out and no producer ever published: as --once would, fail (a script can tell)
         raise LinkError(
             f"cudalink: no producer published {args.name!r} here within --seconds {args.seconds:g}; start its "
@@ -309,7 +311,7 @@ def _watch_live(
     seen = False
     with Live(Text(f"attaching to {name!r} (read-only)…"), console=console, auto_refresh=False) as live:
         first = True  # one look even at --seconds 0
-        while first or time.monotonic() < deadline:
+        while first or (time.monotonic() < deadline and not stop_requested()):
             first = False
             try:
                 snap = read(name)
@@ -335,7 +337,7 @@ def _watch_plain(
     told = ""  # the reason last printed for not reading the link
     seen = False
     first = True  # one look even at --seconds 0
-    while first or time.monotonic() < deadline:
+    while first or (time.monotonic() < deadline and not stop_requested()):
         first = False
         try:
             snap = read(name)

@@ -22,7 +22,7 @@ from ..frames.spec import FrameSpec
 from ..link import Receiver, Sender
 from ..transport import wire
 from ..transport.ucx_engine import say
-from .ui import Stopped, sigterm_stops
+from .ui import Stopped, sigterm_stops, stop_requested
 
 
 def relay(
@@ -64,7 +64,7 @@ def relay(
 
         lost = False  # the upstream went away and has sent nothing since: said once, and once when it is back
         try:
-            while stop is None or time.monotonic() < stop:
+            while (stop is None or time.monotonic() < stop) and not stop_requested():
                 try:
                     frame = rx.recv(timeout=0.5 if stop is None else max(0.01, min(0.5, stop - time.monotonic())))
                 except LinkTimeout:

@@ -127,15 +127,22 @@ def _producer(
                 time.sleep(max(0.0, nxt - time.monotonic()))
 
 
+def _start_producer(
+    shape: tuple[int, ...], period: float, seconds: float, device: str, write: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], int, str]:
+    """A :func:`_producer` child serving a link of its own on a free port: (the process, the port, the name)."""
+    port = ucx_engine.free_port()
+    name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
+    shp = ",".join(map(str, shape))
+    p = _child("producer", name, shp, str(port), str(period), str(seconds), device, write, env=env)
+    return p, port, name
+
+
 def cudalink_handoff(shape: tuple[int, ...], frames: int, period: float, write: str = "copy") -> dict[str, float]:
     """Latency per frame, from the producer's stamp to ``recv()`` returned here (``wait="block"``).
     ``write``: as for :func:`_producer` (``"copy"``: ``send()`` of a host array, whose copy into the slot is
     inside the span; ``"as-is"``: the slot committed as it stands, the bytes in place as the floor's are)."""
-    port = ucx_engine.free_port()
-    name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
-    p = _child(
-        "producer", name, ",".join(map(str, shape)), str(port), str(period), str(frames * period + 30), "cpu", write
-    )
+    p, port, name = _start_producer(shape, period, frames * period + 30, "cpu", write)
     try:
         _wait_line(p, "ready")
         rx = connect(port, name, device="cpu", wait="block")
@@ -198,12 +205,8 @@ def cudalink_stream(
     """Frames per second and GB/s, ``latest=False``; ``device``: where both the producer's link and the
     consumer's landing buffers live ("cpu", or a GPU ordinal: GPU to GPU through UCX's CUDA transports).
     ``env``: for the producer and its server (``CUDALINK_UCX_STAGE``)."""
-    port = ucx_engine.free_port()
-    name = f"rbench{os.getpid()}{time.monotonic_ns() % 10**6}"
     period = STREAM_PERIOD_S if device == "cpu" else 0.0
-    p = _child(
-        "producer", name, ",".join(map(str, shape)), str(port), str(period), str(seconds + 30), device, "as-is", env=env
-    )
+    p, port, name = _start_producer(shape, period, seconds + 30, device, "as-is", env)
     where: str | int = device if device == "cpu" else int(device)
     try:
         _wait_line(p, "ready")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import cudalink
-from cudalink.transport import ucx_engine
+from cudalink.transport import ucx_engine, ucx_wire
 
 
 def unique(tag: str) -> str:
@@ -291,6 +292,33 @@ class _LocalRx:
         return self.frames.pop(0)
 
 
+class _FlightEp:
+    """The ucx server's endpoint as its GPU flights and goodbyes use it. Each post is noted in ``events``
+    ("post head N", "post pixels N"), its future kept in ``posted`` (``settle``: done at once, else the test
+    ends it); a BYE is noted "bye REASON", a ping "ping", an abort "abort"."""
+
+    def __init__(self, events: list[str], settle: bool = False) -> None:
+        self.events = events
+        self.settle = settle
+        self.posted: list[tuple[str, asyncio.Future[None]]] = []
+
+    def post(self, buf: object) -> asyncio.Future[None]:
+        what = buf if isinstance(buf, str) else f"head {ucx_wire.unpack_frame(bytes(buf), 64, 0).seq}"  # type: ignore[arg-type]
+        fut = asyncio.get_running_loop().create_future()
+        if self.settle:
+            fut.set_result(None)
+        self.posted.append((what, fut))
+        self.events.append(f"post {what}")
+        return fut
+
+    async def send(self, msg: bytes) -> None:
+        kind = ucx_wire.expect(msg, ucx_wire.BYE, ucx_wire.PING)
+        self.events.append(f"bye {ucx_wire.unpack_text(msg)[0]}" if kind == ucx_wire.BYE else "ping")
+
+    def abort(self) -> None:
+        self.events.append("abort")
+
+
 def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     """GPU frames (each in a buffer of the server's) are taken, readied and sent one after another without
     waiting for the last one's transfer, up to MAX_FLIGHT, posted header then pixels in the frames' order
@@ -300,7 +328,6 @@ def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypat
     import asyncio
 
     from cudalink import ucx_server
-    from cudalink.transport import ucx_wire
 
     events: list[str] = []
 
@@ -310,25 +337,10 @@ def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypat
         return f"pixels {frame.seq}"
 
     monkeypatch.setattr(ucx_server, "_gpu_ready", ready)
-    posted: list[tuple[str, asyncio.Future[None]]] = []
-
-    class Ep:
-        def post(self, buf: object) -> asyncio.Future[None]:
-            what = buf if isinstance(buf, str) else f"head {ucx_wire.unpack_frame(bytes(buf), 64, 0).seq}"  # type: ignore[arg-type]
-            fut = asyncio.get_running_loop().create_future()
-            posted.append((what, fut))
-            events.append(f"post {what}")
-            return fut
-
-        async def send(self, msg: bytes) -> None:
-            bye = ucx_wire.expect(msg, ucx_wire.BYE, ucx_wire.PING) == ucx_wire.BYE
-            events.append(f"send {ucx_wire.unpack_text(msg)[1] if bye else 'ping'}")
-
-        def abort(self) -> None:
-            events.append("abort")
+    ep = _FlightEp(events)
 
     def done(what: str, exc: BaseException | None = None) -> None:
-        fut = dict(posted)[what]
+        fut = dict(ep.posted)[what]
         fut.set_exception(exc) if exc is not None else fut.set_result(None)
 
     async def turns(n: int = 20) -> None:
@@ -336,7 +348,7 @@ def test_a_server_keeps_gpu_frames_on_the_wire_while_it_takes_the_next(monkeypat
             await asyncio.sleep(0)
 
     async def main() -> None:
-        c = ucx_server._Consumer(object(), Ep())  # type: ignore[arg-type]
+        c = ucx_server._Consumer(object(), ep)  # type: ignore[arg-type]
         c.rx = _LocalRx(_GpuFrame(seq, lambda n: events.append(f"release {n}")) for seq in range(1, 9))  # type: ignore[assignment]
         c.credits = 10
         sender = asyncio.ensure_future(c._sender())
@@ -540,25 +552,10 @@ def test_gpu_frames_taken_before_the_producer_went_reach_the_consumer_before_its
         await copied.wait()  # the server's GPU copy runs on while the sender hears of the producer's end
         return f"pixels {frame.seq}"
 
-    class Ep:
-        def post(self, buf: object) -> asyncio.Future[None]:
-            what = buf if isinstance(buf, str) else f"head {ucx_wire.unpack_frame(bytes(buf), 64, 0).seq}"  # type: ignore[arg-type]
-            events.append(f"post {what}")
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(None)
-            return fut
-
-        async def send(self, msg: bytes) -> None:
-            kind = ucx_wire.expect(msg, ucx_wire.BYE, ucx_wire.PING)
-            events.append(f"bye {ucx_wire.unpack_text(msg)[0]}" if kind == ucx_wire.BYE else "ping")
-
-        def abort(self) -> None:
-            events.append("abort")
-
     monkeypatch.setattr(ucx_server, "_gpu_ready", ready)
 
     async def main() -> None:
-        c = ucx_server._Consumer(object(), Ep())  # type: ignore[arg-type]
+        c = ucx_server._Consumer(object(), _FlightEp(events, settle=True))  # type: ignore[arg-type]
         gone = ProducerGone("cudalink: producer of 'lnk' closed or died")
         c.rx = _LocalRx([_GpuFrame(s, lambda n: events.append(f"release {n}")) for s in (1, 2)], gone)  # type: ignore[assignment]
         c.credits = 10

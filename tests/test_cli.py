@@ -483,7 +483,10 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     # the fan-out goal's one-consumer reference ran in turns with the fan-out runs, at their cadence
     single = report["extra"]["fanout_single"]
     plan = report["plan"]
-    assert single["n"] >= plan["fanout_frames"], single  # every turn's frames after its warm-up, pooled
+    # every turn's frames after its warm-up, pooled: as many samples as the fan-out's consumers pool, so that
+    # the two p99s are read alike (a p99 of 8x fewer samples is moved by a few hiccups of the machine)
+    # (a frame it skipped on two busy cores, latest=True, is not a sample: more than k-1 times the frames)
+    assert single["n"] > plan["fanout_frames"] * (plan["fanout_consumers"] - 1), single
     # every frame reaches every consumer or is counted as skipped by it: eight consumers on two busy cores
     # legitimately skip a few (latest=True), and none is lost without a count
     fanned, skipped = rows[("fanout", "shm")]["cudalink"]["n"], report["extra"]["fanout_skipped"]

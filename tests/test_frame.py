@@ -103,7 +103,11 @@ def test_frame_metadata() -> None:
     assert (frame.seq, frame.timestamp_ns, frame.meta) == (9, 123, b"hi")
     assert frame.device == "cpu" and not frame.is_cuda and frame.__dlpack_device__() == (1, 0)
     assert frame.pixel_format is PixelFormat.BGRA and frame.origin is RowOrigin.BOTTOM
-    assert "BGRA8" in repr(frame)
+    assert repr(frame) == "<cudalink.Frame seq=9 BGRA8 bottom-up (4, 5, 4) cpu>"
+    plain = Frame.from_array(np.zeros((4, 5), np.float32), seq=2)  # its label is its shape: said once
+    assert repr(plain) == "<cudalink.Frame seq=2 4x5 float32 cpu>"
+    plain.release()
+    assert repr(plain) == "<cudalink.Frame seq=2 4x5 float32 released>"
 
 
 @pytest.mark.parametrize(

@@ -352,7 +352,9 @@ class Frame:
 
     def __repr__(self) -> str:
         state = "released" if self.released else self.device
-        return f"<cudalink.Frame seq={self._seq} {self._spec.label} {self.shape} {state}>"
+        spec = self._spec  # its label names the shape only where there is no pixel format
+        shape = "" if spec.pixel_format is None else f" {self.shape}"
+        return f"<cudalink.Frame seq={self._seq} {spec.label}{shape} {state}>"
 
     def __reduce__(self) -> tuple[object, ...]:
         """Refused clearly: a frame lends memory mapped in this process only, and a copy must be asked for."""

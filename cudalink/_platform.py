@@ -634,6 +634,27 @@ def yield_cpu() -> None:
 _yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
+def yield_core() -> None:
+    """Let whatever else is runnable on this core run now, keeping the GIL where the compiled core is built.
+
+    For a producer whose woken consumer the OS queued behind it on its own core: ``os.sched_yield`` would
+    also let the GIL go, and a busy thread of this process that took it would keep it up to the switch
+    interval (5 ms) before ``send()`` could return. Elsewhere (no compiled core, Windows) ``yield_cpu``.
+    """
+    global _native_yield
+    native = _native_yield
+    if native is _UNSET:  # looked up on first use: the compiled ring imports this module as it loads
+        from . import _native
+
+        native = _native_yield = getattr(_native.ring, "yield_core", None) if _native.ring is not None else None
+    if native is None or not native():
+        _yield()
+
+
+_UNSET: Callable[[], bool] = lambda: False  # noqa: E731
+_native_yield: Callable[[], bool] | None = _UNSET
+
+
 # -- named events (Windows): cuda-link's optional doorbell -------------------------------------------------
 
 _SYNCHRONIZE = 0x00100000

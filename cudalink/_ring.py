@@ -202,6 +202,15 @@ class PyProducerRing(_ProducerCold):
                 out |= 1 << i
         return out
 
+    def woken_ahead(self, among: int) -> int:
+        """Of the consumers in ``among``, those still marked ``WOKEN_AHEAD``: woken ahead, and not yet run
+        since (a woken consumer sets its word as soon as it runs)."""
+        buf, offs, out = self.buf, self._waiting_off, 0
+        for i in self._bits(among):
+            if _get32(buf, offs[i])[0] == wire.WOKEN_AHEAD:
+                out |= 1 << i
+        return out
+
 
 class PyConsumerRing:
     """The consumer's operations in Python (the reference; see ``_native/ring.pyx``)."""
@@ -334,6 +343,7 @@ class ProducerRing(Protocol):
     def take_fences(self, slot: int) -> list[int]: ...
     def sleepers(self, among: int) -> int: ...
     def wake_ahead(self, among: int) -> int: ...
+    def woken_ahead(self, among: int) -> int: ...
     def set_flag(self, flag: int, on: bool) -> None: ...
     def join(self, index: int, pid: int, token: int) -> None: ...
     def leave(self, index: int) -> None: ...

@@ -409,6 +409,51 @@ def test_a_sleeping_receiver_is_woken_as_the_send_starts_only_if_it_asked(
         assert _waiting_word(tx) == wire.WAIT_OFF
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["at-the-claim", "late-in-a-host-copy"])
+def test_a_consumer_woken_ahead_that_has_not_run_by_the_publish_gets_the_core(
+    pair: PairFactory, monkeypatch: pytest.MonkeyPatch, late: bool
+) -> None:
+    """On a 2-vCPU VM the OS queues a consumer woken ahead behind the producer on the producer's own core, so
+    it starts only once the producer stops. A send whose woken consumer still shows ``WOKEN_AHEAD`` (it clears
+    that as it runs) at the publish yields the core once; one that ran, or was never woken ahead, does not."""
+    import cudalink.link as link_mod
+
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", slots=4, rx={"wait": "block"})
+    yields: list[int] = []
+    monkeypatch.setattr(link_mod._platform, "yield_core", lambda: yields.append(_waiting_word(tx)))
+    with tx, rx:
+        tx.send(np.zeros(4, np.uint8))
+        rx.recv().release()
+        ring = rx._att.ring  # type: ignore[attr-defined]
+
+        def send() -> None:
+            if late:  # a slow host copy's path: the wake-up ahead goes out near its end (_copy_late)
+                tx._ahead = False
+            tx.send(np.zeros(4, np.uint8))
+
+        ring.set_waiting(wire.WAIT_AHEAD)  # asleep, as far as the producer can tell, asking to be woken ahead
+        send()
+        assert yields == [wire.WOKEN_AHEAD], yields  # woken, never ran: the producer handed the core over
+        ring.set_waiting(wire.WAIT_AHEAD)
+        woke = tx._wake
+
+        def woke_and_ran(mask: int, waking: str, sent: str) -> None:
+            woke(mask, waking, sent)
+            ring.set_waiting(wire.WAIT_OFF)  # the consumer ran at once (on another core): nothing to hand over
+
+        monkeypatch.setattr(tx, "_wake", woke_and_ran)
+        send()
+        assert yields == [wire.WOKEN_AHEAD], yields
+        monkeypatch.setattr(tx, "_wake", woke)
+        ring.set_waiting(wire.WAIT_ON)  # asleep without asking to be woken ahead: woken after the publish
+        send()
+        ring.set_waiting(wire.WAIT_OFF)
+        send()  # nobody asleep
+        assert yields == [wire.WOKEN_AHEAD], yields
+        while rx.poll() is not None:
+            pass
+
+
 def test_a_send_that_fails_after_waking_ahead_loses_nothing(pair: PairFactory) -> None:
     """The woken receiver spins, finds no frame, sleeps again (re-armed), and gets the next good one."""
     tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"wait": "block", "timeout": 10.0})

@@ -76,6 +76,7 @@ _op = st.one_of(
     # masks of consumers, with a bit beyond the table now and then (both refuse it alike)
     st.tuples(st.just("sleepers"), st.integers(0, (1 << (NCONS + 1)) - 1)),
     st.tuples(st.just("wake_ahead"), st.integers(0, (1 << (NCONS + 1)) - 1)),
+    st.tuples(st.just("woken_ahead"), st.integers(0, (1 << (NCONS + 1)) - 1)),
     st.tuples(st.just("take"), st.integers(0, NCONS - 1), st.integers(0, 40), st.booleans()),
     st.tuples(
         st.just("release"), st.integers(0, NCONS - 1), st.integers(0, NSLOTS - 1), st.integers(0, 40), st.booleans()
@@ -114,6 +115,8 @@ class _Side:
                 return self.tx.sleepers(args[0])
             if kind == "wake_ahead":
                 return self.tx.wake_ahead(args[0])
+            if kind == "woken_ahead":
+                return self.tx.woken_ahead(args[0])
             if kind == "take":
                 c, after, newest = args
                 return self.rx[c].take(after, newest)
@@ -197,18 +200,22 @@ def test_the_waiting_word_says_who_to_wake_and_when(impl: str) -> None:
     side.rx[2].set_waiting(wire.WAIT_AHEAD)
     rx.set_waiting(wire.WAIT_AHEAD)
     assert tx.sleepers(everyone) == 0b110  # a producer that does not wake ahead still wakes them after
+    assert tx.woken_ahead(everyone) == 0  # asking to be woken ahead is not being woken
     assert tx.wake_ahead(0b011) == 0b010  # consumer 2 was not asked about: it stays as it was
+    assert tx.woken_ahead(everyone) == 0b010 and tx.woken_ahead(0b101) == 0  # woken, not yet running
     assert tx.sleepers(everyone) == 0b100  # woken once: no second wake-up of either kind for consumer 1
     assert tx.wake_ahead(everyone) == 0b100 and tx.wake_ahead(everyone) == 0
-    assert tx.sleepers(everyone) == 0
-    rx.set_waiting(wire.WAIT_OFF)
-    assert tx.sleepers(everyone) == 0 and tx.wake_ahead(everyone) == 0
+    assert tx.sleepers(everyone) == 0 and tx.woken_ahead(everyone) == 0b110
+    rx.set_waiting(wire.WAIT_OFF)  # consumer 1 runs: it clears its word
+    assert tx.sleepers(everyone) == 0 and tx.wake_ahead(everyone) == 0 and tx.woken_ahead(everyone) == 0b100
     with pytest.raises(ValueError, match="cudalink: waiting state 4"):
         rx.set_waiting(4)
     with pytest.raises(IndexError, match=r"cudalink: consumer mask 0x8 names consumers outside 0\.\.2"):
         tx.sleepers(0b1000)
     with pytest.raises(IndexError, match="cudalink: consumer mask 0x9"):
         tx.wake_ahead(0b1001)
+    with pytest.raises(IndexError, match="cudalink: consumer mask 0xa"):
+        tx.woken_ahead(0b1010)
 
 
 @native

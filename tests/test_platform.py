@@ -553,3 +553,45 @@ def test_an_async_wait_on_an_fd_wakes_once_times_out_and_leaves_no_reader_behind
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_yield"), reason="no sched_yield on this OS")
+def test_a_producer_hands_its_core_over_keeping_the_gil_where_the_core_is_compiled() -> None:
+    """``yield_core`` (a send whose woken consumer has not run yet) keeps the GIL where the compiled ring is
+    built: ``os.sched_yield`` lets it go, and a busy thread of the producer's process that took it would hold
+    ``send()`` up to the switch interval. With a long switch interval, another thread gets the GIL only when
+    this one lets it go: its count does not move across compiled yields, and does across ``os.sched_yield``."""
+    from cudalink import _native
+
+    count = [0]
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)  # lets the GIL go each turn: the test thread gets it back
+
+    _platform.yield_core()  # its first call looks the compiled one up (an import): not inside the count
+    interval = sys.getswitchinterval()
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    try:
+        while count[0] < 10:
+            time.sleep(0.001)
+        sys.setswitchinterval(100.0)
+        before = count[0]
+        for _ in range(2000):
+            _platform.yield_core()
+        held = count[0] - before
+        before = count[0]
+        end = time.monotonic() + 5.0
+        while count[0] == before and time.monotonic() < end:  # it wins the GIL in some of these, not each
+            os.sched_yield()
+        let_go = count[0] - before
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        t.join(5)
+    assert let_go > 0, "os.sched_yield let the GIL go: the other thread ran"  # the test can tell
+    if _native.ring is not None:  # (the pure-Python core yields as os.sched_yield does)
+        assert held == 0, held

@@ -25,7 +25,7 @@ from cudalink.errors import ProtocolError
 from cudalink.transport import wire
 
 #: this module's interface version, which ``cudalink._native`` checks (2: ``claim(seq, skip)``)
-ABI = 2
+ABI = 3
 
 cdef extern from "atomics.h":
     uint64_t cl_load64(const void *p) nogil
@@ -39,10 +39,13 @@ cdef extern from *:
     """
     #if defined(_WIN32)
     static int cl_poll_in(int fd, int ms) { (void)fd; (void)ms; return -1; }
+    static int cl_yield(void) { return 0; }
     #define CL_EINTR 4
     #else
     #include <errno.h>
     #include <poll.h>
+    #include <sched.h>
+    static int cl_yield(void) { return sched_yield() == 0; }
     /* Wait for one fd to be readable (or to hang up): >0 ready, 0 timed out, -errno on failure. */
     static int cl_poll_in(int fd, int ms) {
         struct pollfd p;
@@ -57,7 +60,14 @@ cdef extern from *:
     #endif
     """
     int cl_poll_in(int fd, int ms) nogil
+    int cl_yield()
     int CL_EINTR
+
+
+def yield_core():
+    """``sched_yield()`` with the GIL held: True where it ran (not on Windows). ``os.sched_yield`` lets the
+    GIL go, and a busy thread of this process that takes it keeps it up to the switch interval (5 ms)."""
+    return cl_yield() != 0
 
 cdef extern from *:
     """
@@ -285,8 +295,8 @@ cdef class ProducerCore:
             )
         return 0
 
-    def sleepers(self, uint64_t among):
-        """Of the consumers in ``among`` (bit i: consumer i), those asleep with no wake-up on its way."""
+    cdef uint64_t _waiting(self, uint64_t among, uint32_t mask, uint32_t value) except? 0:
+        """Of the consumers in ``among``, those whose waiting word has ``word & mask == value``."""
         cdef Py_buffer v
         cdef uint64_t out = 0
         cdef Py_ssize_t i
@@ -294,10 +304,14 @@ cdef class ProducerCore:
         cdef uint8_t *base = _map(self.buf, &v, self.o.size)
         cdef uint8_t *words = base + self.o.consumers + OFF_WAITING
         for i in range(self.o.ncons):
-            if (among >> i) & 1 and cl_load32(words + self.o.consumer_size * i) & WAIT_ON:
+            if (among >> i) & 1 and cl_load32(words + self.o.consumer_size * i) & mask == value:
                 out |= (<uint64_t>1) << i
         PyBuffer_Release(&v)
         return out
+
+    def sleepers(self, uint64_t among):
+        """Of the consumers in ``among`` (bit i: consumer i), those asleep with no wake-up on its way."""
+        return self._waiting(among, WAIT_ON, WAIT_ON)
 
     def wake_ahead(self, uint64_t among):
         """Of the consumers in ``among``, those that asked to be woken ahead; each is marked ``WOKEN_AHEAD``."""
@@ -315,6 +329,10 @@ cdef class ProducerCore:
                     out |= (<uint64_t>1) << i
         PyBuffer_Release(&v)
         return out
+
+    def woken_ahead(self, uint64_t among):
+        """Of the consumers in ``among``, those still marked ``WOKEN_AHEAD``: woken, not yet running."""
+        return self._waiting(among, 0xFFFFFFFF, WOKEN_AHEAD)
 
 
 cdef class ConsumerCore:

@@ -183,14 +183,18 @@ class PyProducerRing(_ProducerCold):
             )
         return mask_bits(among)
 
+    def _waiting(self, among: int, mask: int, value: int) -> int:
+        """Of the consumers in ``among``, those whose waiting word has ``word & mask == value``."""
+        buf, offs, out = self.buf, self._waiting_off, 0
+        for i in self._bits(among):
+            if _get32(buf, offs[i])[0] & mask == value:
+                out |= 1 << i
+        return out
+
     def sleepers(self, among: int) -> int:
         """Of the consumers in ``among`` (bit i: consumer i), those asleep with no wake-up on its way:
         wake them after a publish."""
-        buf, offs, out = self.buf, self._waiting_off, 0
-        for i in self._bits(among):
-            if _get32(buf, offs[i])[0] & wire.WAIT_ON:
-                out |= 1 << i
-        return out
+        return self._waiting(among, wire.WAIT_ON, wire.WAIT_ON)
 
     def wake_ahead(self, among: int) -> int:
         """Of the consumers in ``among``, those that asked to be woken ahead of the frame; each is marked
@@ -205,11 +209,7 @@ class PyProducerRing(_ProducerCold):
     def woken_ahead(self, among: int) -> int:
         """Of the consumers in ``among``, those still marked ``WOKEN_AHEAD``: woken ahead, and not yet run
         since (a woken consumer sets its word as soon as it runs)."""
-        buf, offs, out = self.buf, self._waiting_off, 0
-        for i in self._bits(among):
-            if _get32(buf, offs[i])[0] == wire.WOKEN_AHEAD:
-                out |= 1 << i
-        return out
+        return self._waiting(among, 0xFFFFFFFF, wire.WOKEN_AHEAD)
 
 
 class PyConsumerRing:

@@ -266,6 +266,7 @@ class CudaSlots:
     def __init__(self, ordinal: int, nslots: int, capacity: int, handles: str) -> None:
         self.dev = devices.device(ordinal)
         self.device = ordinal
+        self.ctx = devices.primary_context(ordinal)  # where DLPack's default streams (1, 2) are this GPU's
         self.device_uuid = devices.uuid_of(self.dev)
         self.stream = self.dev.create_stream()
         self.stream_int = driver.stream_handle(self.stream)
@@ -388,6 +389,13 @@ class CudaSlots:
 
     def _copy(self, slot: int, spec: FrameSpec, src: int, pitch: int, s: int, owner: object) -> None:
         """The tail both paths share: one copy into the slot, its ready event, the source kept alive."""
+        if driver.current_context() != self.ctx:
+            # Another GPU current since this thread's first send (the user's set_device): the driver queues a
+            # copy only on a stream of the current context (else CUDA_ERROR_INVALID_VALUE), and reads a default
+            # stream (torch's, say: 1) as the current context's, where the copy would not follow the source's
+            # producer on this GPU. So for this frame, this GPU's context is current; the caller's comes back.
+            devices.in_context(self.ctx, self._copy, slot, spec, src, pitch, s, owner)
+            return
         self._settle(slot)
         dst = self._ptrs[slot]
         if pitch == 0 and SEND_GRAPH and not self.graph_error and self._graph_copy(slot, dst, src, spec.nbytes, s):
@@ -467,6 +475,9 @@ class CudaSlots:
 
     def commit(self, slot: int, streams: list[int], stream: object) -> None:
         s = self._stream(stream)
+        if driver.current_context() != self.ctx:
+            devices.in_context(self.ctx, self.commit, slot, streams, stream)  # another GPU current: see _copy
+            return
         if any(x != s for x in streams):
             if self._join is None:
                 self._join = driver.new_event()
@@ -578,6 +589,7 @@ class CudaView:
     def __init__(self, fixed: wire.Fixed, client: Client, fds: list[int]) -> None:
         self.dev = devices.device_by_uuid(fixed.device_uuid, fixed.device)
         self.device = int(self.dev.device_id)
+        self.ctx = devices.primary_context(self.device)  # where DLPack's default streams (1, 2) are this GPU's
         self.stream = self.dev.create_stream()
         self.stream_int = driver.stream_handle(self.stream)
         importer = memory.LegacyImporter if fixed.backend == wire.BACKEND_CUDA_LEGACY else memory.PoolImporter
@@ -666,6 +678,15 @@ class CudaView:
             if not devices.has_current():  # a thread with no context gets ours; never move a user's device
                 self.dev.set_current()
             self._tls.current = True
+        if min(streams) <= 2 and driver.current_context() != self.ctx:
+            # DLPack's default streams are this GPU's, whatever the releasing thread has current (see
+            # frames.frame._default_stream); the release event, made in this GPU's context, is recorded there
+            devices.in_context(self.ctx, self._fence, slot, streams)
+        else:
+            self._fence(slot, streams)
+        return True
+
+    def _fence(self, slot: int, streams: list[int]) -> None:
         target = streams[0]
         if len(streams) > 1:
             if self._join is None:
@@ -674,7 +695,6 @@ class CudaView:
                     self._join = driver.new_event()
             driver.join_streams(target, streams[1:], self._join)
         driver.record(self._release_raw[slot], target)
-        return True
 
     def close(self) -> None:
         """Unmap what we imported, before the producer frees it (the driver's rule).

@@ -290,3 +290,105 @@ def test_one_stream_normalisation_with_dlpacks_rules_on_request() -> None:
     for bad, text in ((0, "forbids stream=0"), (-2, "invalid DLPack stream"), ("s", "must be an int")):
         with pytest.raises(BufferError, match=text):
             driver.stream_handle(bad, dlpack=True)
+
+
+# -- DLPack's default streams (1: legacy, 2: per-thread) name the frame's GPU's, whatever is current ----------
+
+
+class _Contexts:
+    """The driver's current-context calls, faked: ``now`` is the calling thread's context (0: none)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, now: int) -> None:
+        from cudalink.cuda import devices, driver
+
+        self.now = now
+        self.log: list[tuple[str, int, int]] = []
+        monkeypatch.setattr(driver, "current_context", lambda: self.now)
+        monkeypatch.setattr(driver, "set_context", self._set)
+        monkeypatch.setitem(devices._primaries, 0, OURS)  # GPU 0's primary context, as devices.context made it
+
+    def _set(self, ctx: int) -> None:
+        self.now = ctx
+
+
+OURS, OTHER = 111, 222
+
+
+class _Sync:
+    def __init__(self, ctx: _Contexts) -> None:
+        self.ctx = ctx
+
+    def wait(self, stream: int) -> None:
+        self.ctx.log.append(("wait", stream, self.ctx.now))
+
+    def cai_stream(self) -> int | None:
+        return None
+
+
+class _Export:
+    def capsule(self, hold: object, writable: bool, versioned: bool) -> str:
+        return "capsule"
+
+
+def _cuda_frame(ctx: _Contexts) -> Frame:
+    from cudalink.frames.frame import _Hold
+
+    spec = FrameSpec((4, 4), "uint8")
+    return Frame._received(spec, _Hold(None, 0x1000), 0, 1, 0, b"", _Sync(ctx), 1, None, _Export())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("current", [OTHER, 0, OURS], ids=["another-gpu-current", "none-current", "ours-current"])
+@pytest.mark.parametrize("stream", [None, 1, 2])
+def test_dlpacks_default_streams_are_waited_on_in_the_frames_gpu_context(
+    monkeypatch: pytest.MonkeyPatch, current: int, stream: int | None
+) -> None:
+    """torch's from_dlpack passes 1 for a frame on GPU 0 while GPU 1 is current, and switches nothing: the wait
+    on the frame's ready event must go to GPU 0's stream (its context current for the call, the caller's put
+    back after); the release fence goes on that same default stream (recorded in the frame's GPU context too)."""
+    ctx = _Contexts(monkeypatch, current)
+    frame = _cuda_frame(ctx)
+    assert frame.__dlpack__(stream=stream) == "capsule"
+    assert ctx.log == [("wait", 1 if stream is None else stream, OURS)]
+    assert ctx.now == (current or OURS)  # the caller's context back; a thread that had none keeps ours
+    assert frame._export_streams() == [1 if stream is None else stream]
+
+
+def test_a_stream_of_its_own_is_waited_on_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real stream handle carries its context: no switch, and the fence goes on that very stream."""
+    ctx = _Contexts(monkeypatch, OTHER)
+    frame = _cuda_frame(ctx)
+    frame.__dlpack__(stream=0x7F00)
+    assert ctx.log == [("wait", 0x7F00, OTHER)] and ctx.now == OTHER
+    assert frame._export_streams() == [0x7F00]
+
+
+def test_release_fences_on_default_streams_are_recorded_in_the_frames_gpu_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer's release runs on whichever thread drops the frame, with whatever GPU it has current: the
+    slot's release event (made in the slot GPU's context) goes on that GPU's default stream, and a landing
+    buffer's fence on the landing GPU's; real streams are recorded on as they are."""
+    import threading
+
+    from cudalink import _backends
+    from cudalink.cuda import devices, driver, landing
+
+    ctx = _Contexts(monkeypatch, OTHER)
+    recorded: list[tuple[object, int, int]] = []
+    monkeypatch.setattr(driver, "record", lambda ev, s: recorded.append((ev, s, ctx.now)))
+    monkeypatch.setattr(devices, "has_current", lambda: ctx.now != 0)
+
+    view = object.__new__(_backends.CudaView)
+    view.ctx, view._closed, view._tls, view._join = OURS, False, threading.local(), None
+    view._release_raw = ["release-0"]
+    assert view.fence(0, [1])
+    assert view.fence(0, [0x7F00])
+    assert recorded == [("release-0", 1, OURS), ("release-0", 0x7F00, OTHER)] and ctx.now == OTHER
+
+    recorded.clear()
+    ops = object.__new__(landing.CudaOps)
+    ops.dst_ctx = OURS
+    assert ops.context_of(1) == OURS and ops.context_of(2) == OURS  # where the fence event must be made
+    ops.record("fence", 1)
+    ops.record("fence", 0x7F00)
+    assert recorded == [("fence", 1, OURS), ("fence", 0x7F00, OTHER)] and ctx.now == OTHER

@@ -107,6 +107,57 @@ def test_in_process_frames_land_on_gpu_1(pair: PairFactory) -> None:
     torch.cuda.set_device(0)
 
 
+def test_dlpacks_default_streams_are_the_frames_gpus_while_another_gpu_is_current(pair: PairFactory) -> None:
+    """With GPU 1 current, frames of a link on GPU 0 still order GPU 0's default stream: torch's ``from_dlpack``
+    passes 1 (DLPack: the frame's GPU's legacy stream) and switches no device. The producer's copy runs behind
+    ~100 ms of GPU 0 work on its own stream, so a wait queued on GPU 1's stream instead lets the read see the
+    slot before the copy; the consumer's read of the frame then runs behind ~100 ms more while the frame is
+    released with GPU 1 current, so a fence on GPU 1's stream lets the next frames overwrite the slot first.
+    A send() from torch's default stream with GPU 1 current copies after the tensor's writer on GPU 0."""
+    torch = need_gpus(2)
+    shape = (256, 256, 4)
+    tx, rx = pair(DEFAULT, shape=shape, dtype="uint8", device=0, slots=2, rx={"device": 0, "timeout": 5.0})
+    with torch.cuda.device(0):
+        tx.send(torch.zeros(shape, dtype=torch.uint8, device="cuda:0"))  # its first send makes GPU 0 current
+        rx.recv(timeout=5.0).release()
+        slow = torch.cuda.Stream(device=0)
+        with torch.cuda.stream(slow):
+            torch.cuda._sleep(200_000_000)  # ~100 ms of GPU 0 time before the copy
+            src = _content.pattern(2, shape, "uint8", torch)
+    torch.cuda.set_device(1)
+    try:
+        tx.send(src, stream=slow)
+        f = rx.recv(timeout=5.0)
+        t = torch.from_dlpack(f)
+        assert torch.cuda.current_device() == 1
+        with torch.cuda.device(0):
+            first = t.clone()  # GPU 0's default stream: after the ready event, or it reads the zeros of seq 1
+            torch.cuda._sleep(200_000_000)  # ~100 ms of GPU 0 time before the read the release fence covers
+            later = t.clone()
+        del t
+        f.release()  # GPU 1 current: the fence still goes on GPU 0's default stream
+        assert torch.cuda.current_device() == 1
+        for seq in (3, 4):  # slot reuse: the copy into frame 2's slot waits for the fence
+            with torch.cuda.device(0):
+                want_seq = _content.pattern(seq, shape, "uint8", torch)
+                nxt = torch.zeros(shape, dtype=torch.uint8, device="cuda:0")
+                torch.cuda._sleep(20_000_000)  # the tensor's writer still runs when send() queues the copy
+                nxt.copy_(want_seq)
+            tx.send(nxt)  # torch's default stream with GPU 1 current: the copy must follow nxt's writer
+            with rx.recv(timeout=5.0) as g:
+                g_t = torch.from_dlpack(g)
+                with torch.cuda.device(0):
+                    assert torch.equal(g_t, want_seq), f"frame {seq} copied before its writer ran"
+                del g_t
+        torch.cuda.synchronize(0)
+        with torch.cuda.device(0):
+            want = _content.pattern(2, shape, "uint8", torch)
+        assert torch.equal(first, want), "read before the producer's copy (the wait went to GPU 1's stream)"
+        assert torch.equal(later, want), "overwritten under the read (the release fence went to GPU 1's stream)"
+    finally:
+        torch.cuda.set_device(0)
+
+
 def test_fan_out_to_both_gpus_through_torch_cupy_and_jax(spawned: Spawned, name: str) -> None:
     """One producer on GPU 0, six consumers: torch, cupy and jax on GPU 0 (zero copy) and on GPU 1 (landed);
     12,000 distinct frames, each one a consumer takes verified on that consumer's GPU: 0 mismatches, and over

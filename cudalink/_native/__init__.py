@@ -22,8 +22,8 @@ missing: dict[str, str] = {}
 #: each compiled module's interface version (its ``ABI``; 1 where it has none). A build older than its source
 #: (an editable install after a ``git pull``, not rebuilt) is left unused, not called with arguments it lacks:
 #: ring 2 is ``claim(seq, skip)``, and ring 1's ``claim(seq)`` raised TypeError on every send; ring 3 adds
-#: ``woken_ahead``
-ABI = {"ring": 3, "exchange": 1, "dlpack": 1, "driver": 1}
+#: ``woken_ahead``; driver 2 adds ``current_context`` and ``set_context``
+ABI = {"ring": 3, "exchange": 1, "dlpack": 1, "driver": 2}
 
 
 def _load(name: str) -> ModuleType | None:

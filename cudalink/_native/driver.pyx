@@ -20,6 +20,7 @@ cdef extern from "driver_api.h":
     ctypedef int cl_CUresult
     ctypedef void *cl_CUevent
     ctypedef void *cl_CUstream
+    ctypedef void *cl_CUcontext
     ctypedef unsigned long long cl_CUdeviceptr
     int CL_CUDA_SUCCESS, CL_CUDA_ERROR_NOT_READY, CL_CU_MEMORYTYPE_DEVICE
     ctypedef struct cl_MEMCPY2D:
@@ -36,6 +37,11 @@ cdef extern from "driver_api.h":
     ctypedef cl_CUresult (*cl_EventQuery_t)(cl_CUevent)
     ctypedef cl_CUresult (*cl_MemcpyDtoDAsync_t)(cl_CUdeviceptr, cl_CUdeviceptr, size_t, cl_CUstream)
     ctypedef cl_CUresult (*cl_Memcpy2DAsync_t)(const cl_MEMCPY2D *, cl_CUstream)
+    ctypedef cl_CUresult (*cl_CtxGetCurrent_t)(cl_CUcontext *)
+    ctypedef cl_CUresult (*cl_CtxSetCurrent_t)(cl_CUcontext)
+
+#: this module's interface (``cudalink._native.ABI``): 2 adds ``current_context`` and ``set_context``
+ABI = 2
 
 
 cdef uintptr_t _entry(drv, str name) except 0:
@@ -66,6 +72,8 @@ cdef cl_StreamWaitEvent_t _wait = <cl_StreamWaitEvent_t>_entry(_drv, "cuStreamWa
 cdef cl_EventQuery_t _query = <cl_EventQuery_t>_entry(_drv, "cuEventQuery")
 cdef cl_MemcpyDtoDAsync_t _dtod = <cl_MemcpyDtoDAsync_t>_entry(_drv, "cuMemcpyDtoDAsync")
 cdef cl_Memcpy2DAsync_t _copy2d = <cl_Memcpy2DAsync_t>_entry(_drv, "cuMemcpy2DAsync")
+cdef cl_CtxGetCurrent_t _ctx_get = <cl_CtxGetCurrent_t>_entry(_drv, "cuCtxGetCurrent")
+cdef cl_CtxSetCurrent_t _ctx_set = <cl_CtxSetCurrent_t>_entry(_drv, "cuCtxSetCurrent")
 
 
 cdef int _fail(cl_CUresult err, str what) except -1:
@@ -86,6 +94,22 @@ def wait(uintptr_t stream, uintptr_t event):
     cdef cl_CUresult err = _wait(<cl_CUstream>stream, <cl_CUevent>event, 0)
     if err != CL_CUDA_SUCCESS:
         _fail(err, "cuStreamWaitEvent")
+
+
+def current_context():
+    """cuCtxGetCurrent: the calling thread's current context as an int (0: none)."""
+    cdef cl_CUcontext ctx = NULL
+    cdef cl_CUresult err = _ctx_get(&ctx)
+    if err != CL_CUDA_SUCCESS:
+        _fail(err, "cuCtxGetCurrent")
+    return <uintptr_t>ctx
+
+
+def set_context(uintptr_t ctx):
+    """cuCtxSetCurrent."""
+    cdef cl_CUresult err = _ctx_set(<cl_CUcontext>ctx)
+    if err != CL_CUDA_SUCCESS:
+        _fail(err, "cuCtxSetCurrent")
 
 
 def done(uintptr_t event):

@@ -11,6 +11,7 @@
 typedef int cl_CUresult;
 typedef void *cl_CUevent;
 typedef void *cl_CUstream;
+typedef void *cl_CUcontext;
 typedef uint64_t cl_CUdeviceptr;
 #define CL_CUDA_SUCCESS 0
 #define CL_CUDA_ERROR_NOT_READY 600
@@ -37,5 +38,7 @@ typedef cl_CUresult (*cl_StreamWaitEvent_t)(cl_CUstream, cl_CUevent, unsigned in
 typedef cl_CUresult (*cl_EventQuery_t)(cl_CUevent);
 typedef cl_CUresult (*cl_MemcpyDtoDAsync_t)(cl_CUdeviceptr, cl_CUdeviceptr, size_t, cl_CUstream);
 typedef cl_CUresult (*cl_Memcpy2DAsync_t)(const cl_MEMCPY2D *, cl_CUstream);
+typedef cl_CUresult (*cl_CtxGetCurrent_t)(cl_CUcontext *);
+typedef cl_CUresult (*cl_CtxSetCurrent_t)(cl_CUcontext);
 
 #endif

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -14,6 +14,8 @@ from . import driver
 
 if TYPE_CHECKING:
     from .objects import Device
+
+T = TypeVar("T")
 
 
 def parse_device(device: object) -> int:
@@ -73,6 +75,37 @@ def keep_current() -> Iterator[None]:
     finally:
         if not err and int(ctx):
             drv.cuCtxSetCurrent(ctx)
+
+
+#: DLPack's ``stream=`` values that name a default stream (1: the legacy one, 2: the per-thread one) of the
+#: array's own GPU. The driver reads them in the calling thread's current context, which may be another GPU's:
+#: torch's ``from_dlpack`` passes 1 for a tensor on GPU 0 while GPU 1 is current, and switches nothing.
+DEFAULT_STREAMS = (1, 2)
+_primaries: dict[int, int] = {}
+
+
+def primary_context(ordinal: int) -> int:
+    """GPU ``ordinal``'s primary context, as an int (made once; the caller's current context stays)."""
+    got = _primaries.get(ordinal)
+    if got is None:
+        with keep_current():
+            got = _primaries[ordinal] = context(ordinal)
+    return got
+
+
+def in_context(ctx: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with context ``ctx`` current, the caller's put back after; where ``ctx`` already is current,
+    one driver call more than ``fn`` itself (this runs per frame for DLPack's default streams). A thread that had
+    no context keeps ``ctx``, as :func:`keep_current` does."""
+    cur = driver.current_context()
+    if cur == ctx:
+        return fn(*args)
+    driver.set_context(ctx)
+    try:
+        return fn(*args)
+    finally:
+        if cur:
+            driver.set_context(cur)
 
 
 def has_current() -> bool:

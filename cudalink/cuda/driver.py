@@ -290,13 +290,25 @@ def wait(stream: int, h: RawEvent) -> None:
         check((err,), "cuStreamWaitEvent")
 
 
+def current_context() -> int:
+    """cuCtxGetCurrent: the calling thread's current context as an int (0: none)."""
+    return int(check(bindings().cuCtxGetCurrent(), "cuCtxGetCurrent"))
+
+
+def set_context(ctx: int) -> None:
+    """cuCtxSetCurrent of a context given as an int (:func:`current_context`)."""
+    drv = bindings()
+    check(drv.cuCtxSetCurrent(drv.CUcontext(ctx)), "cuCtxSetCurrent")
+
+
 def _use_fast(mod: ModuleType | None) -> None:
     """Route the per-frame driver calls to the compiled module (same names, same errors)."""
-    global _fast, record, wait, event_done, memcpy_dtod, memcpy_2d_dtod
+    global _fast, record, wait, event_done, memcpy_dtod, memcpy_2d_dtod, current_context, set_context
     if mod is None:
         return
     _fast = mod
     record, wait, event_done = mod.record, mod.wait, mod.done
+    current_context, set_context = mod.current_context, mod.set_context
     memcpy_dtod, memcpy_2d_dtod = mod.memcpy_dtod, mod.memcpy_2d_dtod
 
 

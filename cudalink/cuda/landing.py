@@ -444,17 +444,14 @@ class CudaOps:
         self._in(self.dst_ctx, lambda: drv.cuMemFree(drv.CUdeviceptr(ptr)))
 
     def context_of(self, stream: int) -> int:
+        if stream <= 2:  # DLPack's default streams: the landing GPU's (see frames.frame._default_stream)
+            return self.dst_ctx
         got = self._ctx_of.get(stream)
         if got is None:
-            drv = self._drv
-            if stream in (0, 1, 2):  # the legacy / per-thread default streams: the current context's
-                ctx = driver.check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-            else:
-                ctx = driver.check(drv.cuStreamGetCtx(driver.cu_stream(stream)), "cuStreamGetCtx")
-                if len(self._ctx_of) > 256:
-                    self._ctx_of.clear()
-                self._ctx_of[stream] = int(ctx)
-            got = int(ctx)
+            ctx = driver.check(self._drv.cuStreamGetCtx(driver.cu_stream(stream)), "cuStreamGetCtx")
+            if len(self._ctx_of) > 256:
+                self._ctx_of.clear()
+            got = self._ctx_of[stream] = int(ctx)
         return got
 
     def new_event(self, ctx: int) -> RawEvent:
@@ -469,10 +466,16 @@ class CudaOps:
             driver.destroy_event(obj)
 
     def record(self, ev: RawEvent, stream: int) -> None:
-        driver.record(ev, stream)
+        if stream <= 2:  # a release may run on any thread, with any GPU current: see context_of
+            devices.in_context(self.dst_ctx, driver.record, ev, stream)
+        else:
+            driver.record(ev, stream)
 
     def wait(self, stream: int, ev: RawEvent) -> None:
-        driver.wait(stream, ev)
+        if stream <= 2:
+            devices.in_context(self.dst_ctx, driver.wait, stream, ev)
+        else:
+            driver.wait(stream, ev)
 
     def done(self, ev: RawEvent) -> bool:
         return driver.event_done(ev)

@@ -18,7 +18,8 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import DTypeLike
 
-from ..cuda import arrays, driver  # downward only: the CUDA glue never imports frames (they describe themselves)
+# downward only: the CUDA glue never imports frames (they describe themselves)
+from ..cuda import arrays, devices, driver
 from ..errors import ArgumentTypeError, FormatError, LinkClosed, int_arg
 from .spec import FrameSpec, PixelFormat, RowOrigin
 
@@ -78,6 +79,15 @@ class _Hold:
                 cb(self.streams)
             except Exception:  # a finalizer must never raise; the owner logs what matters
                 pass
+
+
+def _default_stream(sync: FrameSync | None, s: int, device: int) -> None:
+    """Order DLPack's default stream ``s`` (1: legacy, 2: per-thread) of the frame's GPU after the frame's
+    producer. Those values name the default streams of the array's own GPU, but the driver reads them in the
+    calling thread's current context: with another GPU current (torch's ``from_dlpack`` switches nothing) the
+    wait would order that GPU's stream, not the one the consumer's kernels run on."""
+    if sync is not None:
+        devices.in_context(devices.primary_context(device), sync.wait, s)
 
 
 _U64 = (1 << 64) - 1  # the largest seq and timestamp a link's frames carry
@@ -456,8 +466,12 @@ class Frame:
         s = driver.stream_handle(stream, dlpack=True)
         hold = self._live()
         if s != -1:
-            if self._sync is not None:
-                self._sync.wait(s)
+            sync = self._sync
+            if s > 2:
+                if sync is not None:
+                    sync.wait(s)
+            else:  # a default stream: see _default_stream
+                _default_stream(sync, s, self._device_id)
             if s not in hold.streams:
                 hold.streams.append(s)
         export = self._export

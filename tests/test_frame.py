@@ -392,3 +392,28 @@ def test_release_fences_on_default_streams_are_recorded_in_the_frames_gpu_contex
     ops.record("fence", 1)
     ops.record("fence", 0x7F00)
     assert recorded == [("fence", 1, OURS), ("fence", 0x7F00, OTHER)] and ctx.now == OTHER
+
+
+def test_a_send_with_another_gpu_current_queues_its_copy_in_the_links_gpu_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer thread whose user switched GPUs after its first send: the driver queues a copy only on a
+    stream of the current context (CUDA_ERROR_INVALID_VALUE on two H200s), and reads torch's default stream (1)
+    as the current GPU's. The copy and the ready event go in the link GPU's context; the caller's comes back."""
+    from cudalink import _backends
+    from cudalink.cuda import driver
+
+    ctx = _Contexts(monkeypatch, OTHER)
+    calls: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(driver, "memcpy_dtod", lambda dst, src, n, s: calls.append(("copy", s, ctx.now)))
+    monkeypatch.setattr(driver, "record", lambda ev, s: calls.append(("record", s, ctx.now)))
+    monkeypatch.setattr(driver, "event_done", lambda ev: True)  # the slot's last copy has run
+    slots = object.__new__(_backends.CudaSlots)
+    slots.ctx, slots.graph_error, slots._last = OURS, "", -1
+    slots._sources, slots._ptrs, slots._ready_raw = [None], [0x100], ["ready-0"]
+    slots._copy(0, FrameSpec((4, 4), "uint8"), 0x200, 0, 1, object())
+    assert calls == [("copy", 1, OURS), ("record", 1, OURS)] and ctx.now == OTHER
+    calls.clear()
+    ctx.now = OURS  # the usual case: no switch
+    slots._copy(0, FrameSpec((4, 4), "uint8"), 0x200, 0, 0x7F00, object())
+    assert calls == [("copy", 0x7F00, OURS), ("record", 0x7F00, OURS)]

@@ -264,32 +264,34 @@ class CudaSlots:
     data_size = 0
 
     def __init__(self, ordinal: int, nslots: int, capacity: int, handles: str) -> None:
-        self.dev = devices.device(ordinal)
-        self.device = ordinal
-        self.ctx = devices.primary_context(ordinal)  # where DLPack's default streams (1, 2) are this GPU's
-        self.device_uuid = devices.uuid_of(self.dev)
-        self.stream = self.dev.create_stream()
-        self.stream_int = driver.stream_handle(self.stream)
-        self.nslots = nslots
-        exporter = memory.LegacyExporter if handles == "legacy" else memory.PoolExporter
-        self.mem = exporter(self.dev, nslots, capacity, self.stream)
-        self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
-        self.ready = [driver.new_ipc_event(self.stream) for _ in range(nslots)]
-        self._ready_raw = [driver.raw(ev) for ev in self.ready]
-        # While the GPU is behind, ready events go on a stream of ours instead of the copy's: see _mark_ready
-        self.ready_stream = self.dev.create_stream()
-        self._ready_s = driver.stream_handle(self.ready_stream)
-        self._last = -1  # the slot of the newest ready event
-        self._copied = driver.new_event()
-        self._ptrs = [s.ptr for s in self.mem.slots]
-        self._want_spec: FrameSpec | None = None  # the spec ``_want`` was built for
-        self._want: arrays.SourceWant | None = None
-        self._sources: list[object] = [None] * nslots  # what each slot's pending copy reads from
-        self._join: RawEvent | None = None
-        self._tls = threading.local()
-        self._graphs: list[driver.CopyGraph | None] = [None] * nslots  # SEND_GRAPH's, per slot, lazily
-        #: why SEND_GRAPH fell back to the plain calls for good on this link (the driver refused a graph)
-        self.graph_error = ""
+        # made in this GPU's context; the caller's current GPU stays theirs (a thread with none keeps ours)
+        with devices.keep_current():
+            self.dev = devices.device(ordinal)
+            self.device = ordinal
+            self.ctx = devices.primary_context(ordinal)  # where DLPack's default streams (1, 2) are this GPU's
+            self.device_uuid = devices.uuid_of(self.dev)
+            self.stream = self.dev.create_stream()
+            self.stream_int = driver.stream_handle(self.stream)
+            self.nslots = nslots
+            exporter = memory.LegacyExporter if handles == "legacy" else memory.PoolExporter
+            self.mem = exporter(self.dev, nslots, capacity, self.stream)
+            self.backend = wire.BACKEND_CUDA_LEGACY if handles == "legacy" else wire.BACKEND_CUDA_POOL
+            self.ready = [driver.new_ipc_event(self.stream) for _ in range(nslots)]
+            self._ready_raw = [driver.raw(ev) for ev in self.ready]
+            # While the GPU is behind, ready events go on a stream of ours instead of the copy's: see _mark_ready
+            self.ready_stream = self.dev.create_stream()
+            self._ready_s = driver.stream_handle(self.ready_stream)
+            self._last = -1  # the slot of the newest ready event
+            self._copied = driver.new_event()
+            self._ptrs = [s.ptr for s in self.mem.slots]
+            self._want_spec: FrameSpec | None = None  # the spec ``_want`` was built for
+            self._want: arrays.SourceWant | None = None
+            self._sources: list[object] = [None] * nslots  # what each slot's pending copy reads from
+            self._join: RawEvent | None = None
+            self._tls = threading.local()
+            self._graphs: list[driver.CopyGraph | None] = [None] * nslots  # SEND_GRAPH's, per slot, lazily
+            #: why SEND_GRAPH fell back to the plain calls for good on this link (the driver refused a graph)
+            self.graph_error = ""
 
     def bind(self, region: Region | None) -> None:
         pass
@@ -308,9 +310,11 @@ class CudaSlots:
         return self.stream_int if stream is None else driver.stream_handle(stream)
 
     def _current(self) -> None:
-        """Make our device current once per thread (send_async and TD callbacks run on other threads)."""
+        """Give a thread with no CUDA context ours, once per thread (send_async and TD callbacks run on other
+        threads); a user's current GPU is never moved (``copy_in`` runs in ours where another one is current)."""
         if getattr(self._tls, "ok", False) is False:
-            self.dev.set_current()
+            if not devices.has_current():
+                self.dev.set_current()
             self._tls.ok = True
 
     def source(self, spec: FrameSpec, src: object, stream: object) -> object:
@@ -366,6 +370,13 @@ class CudaSlots:
         consumer's release fence is still pending does it go on the link's stream instead, so that waiting
         for a slow consumer never stalls the caller's own stream. ``checked`` is what :meth:`source` made.
         """
+        if driver.current_context() != self.ctx:
+            # Another GPU is current (the user's): the driver queues a copy only on a stream of the current
+            # context (else CUDA_ERROR_INVALID_VALUE), and reads a default stream (torch's, say: 1) as the
+            # current context's, where the copy would not follow the source's producer on this GPU. So this
+            # frame's calls run in this GPU's context, and the caller's comes back.
+            devices.in_context(self.ctx, self.copy_in, slot, spec, src, stream, fences, checked)
+            return
         got: _Source | None
         if type(checked) is _Source:
             got = None if fences and checked.own else checked
@@ -389,13 +400,6 @@ class CudaSlots:
 
     def _copy(self, slot: int, spec: FrameSpec, src: int, pitch: int, s: int, owner: object) -> None:
         """The tail both paths share: one copy into the slot, its ready event, the source kept alive."""
-        if driver.current_context() != self.ctx:
-            # Another GPU current since this thread's first send (the user's set_device): the driver queues a
-            # copy only on a stream of the current context (else CUDA_ERROR_INVALID_VALUE), and reads a default
-            # stream (torch's, say: 1) as the current context's, where the copy would not follow the source's
-            # producer on this GPU. So for this frame, this GPU's context is current; the caller's comes back.
-            devices.in_context(self.ctx, self._copy, slot, spec, src, pitch, s, owner)
-            return
         self._settle(slot)
         dst = self._ptrs[slot]
         if pitch == 0 and SEND_GRAPH and not self.graph_error and self._graph_copy(slot, dst, src, spec.nbytes, s):
@@ -476,7 +480,7 @@ class CudaSlots:
     def commit(self, slot: int, streams: list[int], stream: object) -> None:
         s = self._stream(stream)
         if driver.current_context() != self.ctx:
-            devices.in_context(self.ctx, self.commit, slot, streams, stream)  # another GPU current: see _copy
+            devices.in_context(self.ctx, self.commit, slot, streams, stream)  # another GPU current: see copy_in
             return
         if any(x != s for x in streams):
             if self._join is None:

@@ -411,9 +411,34 @@ def test_a_send_with_another_gpu_current_queues_its_copy_in_the_links_gpu_contex
     slots = object.__new__(_backends.CudaSlots)
     slots.ctx, slots.graph_error, slots._last = OURS, "", -1
     slots._sources, slots._ptrs, slots._ready_raw = [None], [0x100], ["ready-0"]
-    slots._copy(0, FrameSpec((4, 4), "uint8"), 0x200, 0, 1, object())
+    spec = FrameSpec((4, 4), "uint8")
+    slots.copy_in(0, spec, object(), None, [], (0x200, 1))  # torch's default stream, read in one pass
     assert calls == [("copy", 1, OURS), ("record", 1, OURS)] and ctx.now == OTHER
     calls.clear()
     ctx.now = OURS  # the usual case: no switch
-    slots._copy(0, FrameSpec((4, 4), "uint8"), 0x200, 0, 0x7F00, object())
+    slots.copy_in(0, spec, object(), None, [], (0x200, 0x7F00))
     assert calls == [("copy", 0x7F00, OURS), ("record", 0x7F00, OURS)]
+
+
+def test_a_producer_gives_its_gpu_only_to_a_thread_with_none_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first send() on a thread used to make the link's GPU current for good, moving the user's current GPU
+    (torch's next tensor then landed on it). Now only a thread with no context gets ours."""
+    import threading
+
+    from cudalink import _backends
+    from cudalink.cuda import devices
+
+    made: list[str] = []
+
+    class Dev:
+        def set_current(self) -> None:
+            made.append("ours")
+
+    for current, want in ((True, []), (False, ["ours"])):
+        made.clear()
+        monkeypatch.setattr(devices, "has_current", lambda current=current: current)
+        slots = object.__new__(_backends.CudaSlots)
+        slots.dev, slots._tls = Dev(), threading.local()
+        slots._current()
+        slots._current()  # once per thread
+        assert made == want

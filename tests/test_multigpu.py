@@ -118,7 +118,7 @@ def test_dlpacks_default_streams_are_the_frames_gpus_while_another_gpu_is_curren
     shape = (256, 256, 4)
     tx, rx = pair(DEFAULT, shape=shape, dtype="uint8", device=0, slots=2, rx={"device": 0, "timeout": 5.0})
     with torch.cuda.device(0):
-        tx.send(torch.zeros(shape, dtype=torch.uint8, device="cuda:0"))  # its first send makes GPU 0 current
+        tx.send(torch.zeros(shape, dtype=torch.uint8, device="cuda:0"))  # a first frame, with GPU 0 current
         rx.recv(timeout=5.0).release()
         slow = torch.cuda.Stream(device=0)
         with torch.cuda.stream(slow):
@@ -154,6 +154,41 @@ def test_dlpacks_default_streams_are_the_frames_gpus_while_another_gpu_is_curren
             want = _content.pattern(2, shape, "uint8", torch)
         assert torch.equal(first, want), "read before the producer's copy (the wait went to GPU 1's stream)"
         assert torch.equal(later, want), "overwritten under the read (the release fence went to GPU 1's stream)"
+    finally:
+        torch.cuda.set_device(0)
+
+
+def test_a_producer_and_a_consumer_on_gpu_0_made_and_used_while_gpu_1_is_current(pair: PairFactory) -> None:
+    """With GPU 1 current throughout: making a Sender and a Receiver of a GPU 0 link, sending (the copy runs behind
+    ~100 ms of GPU 0 work on the source's stream), receiving, asking for ``__cuda_array_interface__`` (a stream
+    of ours on GPU 0 where the data is ready), exporting and releasing it never move the caller's current GPU,
+    and a read on GPU 0's default stream sees the producer's copy. (torch refuses the frame's read-only CAI.)"""
+    torch = need_gpus(2)
+    shape = (256, 256, 4)
+    with torch.cuda.device(0):
+        slow = torch.cuda.Stream(device=0)
+        with torch.cuda.stream(slow):
+            torch.cuda._sleep(200_000_000)  # ~100 ms of GPU 0 time before the copy
+            src = _content.pattern(1, shape, "uint8", torch)
+            want = src.clone()
+    torch.cuda.set_device(1)
+    try:
+        tx, rx = pair(DEFAULT, shape=shape, dtype="uint8", device=0, slots=2, rx={"device": 0, "timeout": 5.0})
+        assert torch.cuda.current_device() == 1
+        tx.send(src, stream=slow)
+        assert torch.cuda.current_device() == 1
+        f = rx.recv(timeout=5.0)
+        cai = f.__cuda_array_interface__
+        assert torch.cuda.current_device() == 1
+        assert cai["data"][0] and cai["stream"] not in (None, 1, 2)  # a stream of ours, on GPU 0
+        t = torch.from_dlpack(f)  # GPU 1 current: torch passes GPU 0's default stream (1)
+        with torch.cuda.device(0):
+            got = t.clone()  # GPU 0's default stream, ordered after the copy
+        del t
+        f.release()
+        assert torch.cuda.current_device() == 1
+        torch.cuda.synchronize(0)
+        assert torch.equal(got, want), "read before the producer's copy"
     finally:
         torch.cuda.set_device(0)
 

@@ -68,8 +68,11 @@ def keep_current() -> Iterator[None]:
     producer on GPU 0 must not find its current device moved to 0 by attaching. A thread that had no context
     keeps the one set inside (it needs one for what follows, as before).
     """
-    drv = driver.bindings()
-    err, ctx = drv.cuCtxGetCurrent()
+    try:
+        drv = driver.bindings()
+        err, ctx = drv.cuCtxGetCurrent()
+    except Exception:  # no driver here: nothing to give back, and the block's first CUDA call says why
+        err, ctx = 1, 0
     try:
         yield
     finally:

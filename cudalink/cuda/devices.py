@@ -80,15 +80,14 @@ def keep_current() -> Iterator[None]:
             drv.cuCtxSetCurrent(ctx)
 
 
-#: DLPack's ``stream=`` values that name a default stream (1: the legacy one, 2: the per-thread one) of the
-#: array's own GPU. The driver reads them in the calling thread's current context, which may be another GPU's:
-#: torch's ``from_dlpack`` passes 1 for a tensor on GPU 0 while GPU 1 is current, and switches nothing.
-DEFAULT_STREAMS = (1, 2)
 _primaries: dict[int, int] = {}
 
 
 def primary_context(ordinal: int) -> int:
-    """GPU ``ordinal``'s primary context, as an int (made once; the caller's current context stays)."""
+    """GPU ``ordinal``'s primary context, as an int (made once; the caller's current context stays): where
+    DLPack's default streams (1: legacy, 2: per-thread) of an array on that GPU live. The driver reads those
+    values in the calling thread's current context, which may be another GPU's: torch's ``from_dlpack`` passes
+    1 for a tensor on GPU 0 while GPU 1 is current, and switches nothing."""
     got = _primaries.get(ordinal)
     if got is None:
         with keep_current():

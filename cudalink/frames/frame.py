@@ -489,7 +489,11 @@ class Frame:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, object]:
-        """CAI v3 fast path (torch.as_tensor, cupy.asarray). ``stream`` is one of ours on which data is ready."""
+        """CAI v3, for libraries that read it (cupy, numba). ``stream`` is one of ours on which data is ready.
+
+        It says read-only unless the frame is writable (``reserve()``), and torch's ``as_tensor`` refuses a
+        read-only CAI ("the read only flag is not supported"): torch takes received frames through DLPack
+        (``torch.from_dlpack(frame)``)."""
         if not self._is_cuda:
             raise AttributeError("cudalink: __cuda_array_interface__ exists only on CUDA frames; use np.from_dlpack")
         hold = self._live()

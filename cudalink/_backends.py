@@ -684,7 +684,7 @@ class CudaView:
             self._tls.current = True
         if min(streams) <= 2 and driver.current_context() != self.ctx:
             # DLPack's default streams are this GPU's, whatever the releasing thread has current (see
-            # frames.frame._default_stream); the release event, made in this GPU's context, is recorded there
+            # frames.frame._order); the release event, made in this GPU's context, is recorded there
             devices.in_context(self.ctx, self._fence, slot, streams)
         else:
             self._fence(slot, streams)

@@ -353,6 +353,19 @@ def test_dlpacks_default_streams_are_waited_on_in_the_frames_gpu_context(
     assert frame._export_streams() == [1 if stream is None else stream]
 
 
+@pytest.mark.parametrize("stream", [1, 0x7F00])
+def test_a_frame_sent_on_orders_the_senders_stream_as_an_export_does(
+    monkeypatch: pytest.MonkeyPatch, stream: int
+) -> None:
+    """A relay sends a received frame on: the send's stream waits for the frame's producer by the same rule as a
+    DLPack export (a default stream in the frame's GPU context, a real one as it is), and -1 orders nothing."""
+    ctx = _Contexts(monkeypatch, OTHER)
+    frame = _cuda_frame(ctx)
+    frame._cudalink_array_info(stream)
+    frame._cudalink_array_info(-1)
+    assert ctx.log == [("wait", stream, OURS if stream <= 2 else OTHER)] and ctx.now == OTHER
+
+
 def test_a_stream_of_its_own_is_waited_on_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real stream handle carries its context: no switch, and the fence goes on that very stream."""
     ctx = _Contexts(monkeypatch, OTHER)

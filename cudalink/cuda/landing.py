@@ -444,7 +444,7 @@ class CudaOps:
         self._in(self.dst_ctx, lambda: drv.cuMemFree(drv.CUdeviceptr(ptr)))
 
     def context_of(self, stream: int) -> int:
-        if stream <= 2:  # DLPack's default streams: the landing GPU's (see frames.frame._default_stream)
+        if stream <= 2:  # DLPack's default streams: the landing GPU's (see frames.frame._order)
             return self.dst_ctx
         got = self._ctx_of.get(stream)
         if got is None:

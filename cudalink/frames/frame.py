@@ -81,12 +81,17 @@ class _Hold:
                 pass
 
 
-def _default_stream(sync: FrameSync | None, s: int, device: int) -> None:
-    """Order DLPack's default stream ``s`` (1: legacy, 2: per-thread) of the frame's GPU after the frame's
-    producer. Those values name the default streams of the array's own GPU, but the driver reads them in the
-    calling thread's current context: with another GPU current (torch's ``from_dlpack`` switches nothing) the
-    wait would order that GPU's stream, not the one the consumer's kernels run on."""
-    if sync is not None:
+def _order(sync: FrameSync | None, s: int, device: int) -> None:
+    """Make stream ``s`` wait (GPU-side) for the frame's producer, whoever asks: a DLPack export or a send of
+    the frame on (a relay). DLPack's default streams (1: legacy, 2: per-thread) name those of the frame's own
+    GPU, but the driver reads them in the calling thread's current context: with another GPU current (torch's
+    ``from_dlpack`` switches nothing) the wait would order that GPU's stream, not the one the consumer's kernels
+    run on. Real stream handles carry their own context."""
+    if sync is None:
+        return
+    if s > 2:
+        sync.wait(s)
+    else:
         devices.in_context(devices.primary_context(device), sync.wait, s)
 
 
@@ -405,8 +410,8 @@ class Frame:
         and the frame's own sync orders its producer before ``stream_ptr`` (-1: no ordering)."""
         if not self._is_cuda:
             return arrays.host_info(self.numpy())
-        if stream_ptr != -1 and self._sync is not None:
-            self._sync.wait(stream_ptr)
+        if stream_ptr != -1:
+            _order(self._sync, stream_ptr, self._device_id)
         spec = self._spec
         return arrays.ArrayInfo(self.ptr, spec.shape, spec.dtype, spec.strides, self._device_id, False, self)
 
@@ -466,12 +471,7 @@ class Frame:
         s = driver.stream_handle(stream, dlpack=True)
         hold = self._live()
         if s != -1:
-            sync = self._sync
-            if s > 2:
-                if sync is not None:
-                    sync.wait(s)
-            else:  # a default stream: see _default_stream
-                _default_stream(sync, s, self._device_id)
+            _order(self._sync, s, self._device_id)
             if s not in hold.streams:
                 hold.streams.append(s)
         export = self._export

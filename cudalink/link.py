@@ -960,10 +960,11 @@ class Receiver:
     or ``"spin"``. A source whose frames are landed by a thread of this process (``ucx://``) is never
     spun on, whatever the mode: a spinning caller holds the GIL that thread needs to land the frame.
 
-    ``wake_ahead=True`` (default) asks a sleeping ``recv`` to be woken when the producer's ``send`` has
-    claimed a slot rather than after it publishes: the OS wake-up then overlaps the producer's copy, and
-    the woken receiver spins for what is left of the send (at most ``wire.AHEAD_SPIN_NS``, typically a
-    few microseconds). ``False`` sleeps until the frame is published and never spins after a wake.
+    ``wake_ahead=True`` (default) asks a sleeping ``recv`` or ``recv_async`` to be woken when the producer's
+    ``send`` has claimed a slot rather than after it publishes: the OS wake-up then overlaps the producer's
+    copy, and the woken receiver spins for what is left of the send (at most ``wire.AHEAD_SPIN_NS``,
+    typically a few microseconds; ``recv_async`` spins on its event loop's thread). ``False`` sleeps until
+    the frame is published and never spins after a wake.
 
     Where frames come from is a :class:`~cudalink.transport.source.Source` chosen by ``name``
     (``transport.sources``): a link of this host by default. ``source=`` takes any other. ``device`` and
@@ -1333,7 +1334,8 @@ class Receiver:
 
     async def recv_async(self, timeout: float | None = _RECEIVER_TIMEOUT) -> Frame:
         """Await the next frame: the event loop watches the source's fd, no thread and no polling. ``timeout``
-        as for :meth:`recv`."""
+        as for :meth:`recv`. Woken ahead of a frame (``wake_ahead``), it takes the frame as it is published,
+        holding the loop for the rest of that send instead of sleeping for a second wake-up."""
         if self._busy:
             self._check_second_waiter()
         import asyncio
@@ -1358,6 +1360,7 @@ class Receiver:
         deadline = loop.time() + limit
         if self._att is None:
             await self._join_async(limit)
+        woken = False
         while True:
             frame = self.poll()
             if frame is not None:
@@ -1369,7 +1372,16 @@ class Receiver:
             left = deadline - loop.time()
             if left <= 0:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {_secs(limit)}")
-            att.set_waiting(wire.WAIT_ON)
+            ahead = self.wake_ahead and self._spins and not self._sticky_wake
+            if woken and ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
+                woken = False
+                frame = self._spin_ahead(att)
+                if frame is not None:
+                    return frame
+                if self._closed:
+                    raise self._closed_meanwhile()
+                continue
+            att.set_waiting(wire.WAIT_AHEAD if ahead else wire.WAIT_ON)
             try:
                 try:
                     frame = self._try_take(att)  # published before our flag was visible
@@ -1378,11 +1390,31 @@ class Receiver:
                 if frame is not None:
                     return frame
                 await att.wait_async(None if left == float("inf") else left)
+                woken = True
             finally:
                 if self._busy_loop is loop:  # not a stale waiter's end (see _check_second_waiter)
                     self._unwait(att)
             if self._closed:  # closed by another task or thread while we waited: said as recv() says it
                 raise self._closed_meanwhile()
+
+    def _spin_ahead(self, att: Attachment) -> Frame | None:
+        """After a wake-up with no frame yet (a producer wakes ahead as its ``send()`` starts), take until the
+        frame is there, for at most ``wire.AHEAD_SPIN_NS``: on the event loop's thread, so the loop is held
+        for what is left of that send (microseconds) instead of a second OS wake-up (tens of microseconds).
+        None at the end of the spin, or where the link is closing: the caller looks again and sleeps."""
+        take = self._try_take
+        until = time.monotonic() + _AHEAD_SPIN_S
+        try:
+            while True:
+                for _ in range(_SPIN_BURST):
+                    frame = take(att)
+                    if frame is not None:
+                        return frame
+                if self._closed or att.closing() or time.monotonic() >= until:
+                    return None
+                _platform.yield_cpu()  # the producer may be a thread of this process
+        except ProducerGone as exc:  # a source found its producer gone mid-take
+            raise self._gone("died") from exc
 
     def _start_join(self, limit: float) -> tuple[concurrent.futures.Future[None], threading.Event]:
         """``_join`` on a daemon thread of its own; (its end, the event that makes it stop at its next try)."""

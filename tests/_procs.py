@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -69,16 +70,22 @@ def host_consumer(
     deadline_s: float = 60.0,
     wait: str = "hybrid",
 ) -> None:
-    """Receive until the producer goes away; verify every frame's checksum against its content."""
+    """Receive until the producer goes away; verify every frame's checksum against its content. ``wait``: the
+    Receiver's mode, or ``"async"``: ``recv_async`` on an event loop of this process."""
     got = mismatches = 0
     seqs: list[int] = []
     held: list[Any] = []
     end = time.monotonic() + deadline_s
+    loop = asyncio.new_event_loop() if wait == "async" else None
+    mode = "block" if loop is not None else wait
     try:
-        with cudalink.Receiver(name, timeout=20.0, latest=latest, wait=wait) as rx:  # type: ignore[arg-type]
+        with cudalink.Receiver(name, timeout=20.0, latest=latest, wait=mode) as rx:  # type: ignore[arg-type]
             while time.monotonic() < end:
                 try:
-                    frame = rx.recv(timeout=5.0)
+                    if loop is not None:
+                        frame = loop.run_until_complete(rx.recv_async(timeout=5.0))
+                    else:
+                        frame = rx.recv(timeout=5.0)
                 except cudalink.ProducerGone:
                     break
                 arr = np.from_dlpack(frame)
@@ -104,6 +111,9 @@ def host_consumer(
             result.put((os.getpid(), got, mismatches, seqs[-50:], rx.skipped, sorted(seqs) == seqs))
     except Exception as exc:  # report, so the parent's assertion says what happened
         result.put((os.getpid(), -1, -1, repr(exc), 0, False))
+    finally:
+        if loop is not None:
+            loop.close()
 
 
 def hold_lease_forever(name: str, ready: Any) -> None:

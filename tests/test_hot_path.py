@@ -4,6 +4,7 @@ GPU side of the same path is in test_gpu.py."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -384,14 +385,35 @@ class _Catcher(threading.Thread):
             self.got.append(exc)
 
 
+class _AsyncCatcher(_Catcher):
+    """The same, awaiting ``recv_async()`` on an event loop of its thread."""
+
+    def run(self) -> None:
+        async def main() -> None:
+            for _ in range(self.n):
+                with await self.rx.recv_async(timeout=10.0) as f:
+                    self.got.append((f.seq, np.from_dlpack(f).tolist()))
+
+        try:
+            asyncio.run(main())
+        except Exception as exc:
+            self.got.append(exc)
+
+
+#: a receiver blocked in recv(), or awaiting recv_async() on an event loop: both are woken ahead alike
+CATCHERS = pytest.mark.parametrize("catcher", [_Catcher, _AsyncCatcher], ids=["recv", "recv_async"])
+
+
+@CATCHERS
 @pytest.mark.parametrize("ahead", [True, False])
 def test_a_sleeping_receiver_is_woken_as_the_send_starts_only_if_it_asked(
-    pair: PairFactory, traced: object, ahead: bool
+    pair: PairFactory, traced: object, ahead: bool, catcher: type[_Catcher]
 ) -> None:
-    """wake_ahead: the wake-up goes out once the slot is claimed (before the copy), and none after the publish."""
+    """wake_ahead: the wake-up goes out once the slot is claimed (before the copy), and none after the publish:
+    the woken receiver (an event loop's too) takes the frame as it is published."""
     tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"wait": "block", "wake_ahead": ahead})
     with tx, rx:
-        t = _Catcher(rx)
+        t = catcher(rx)
         t.start()
         _until(lambda: _waiting_word(tx) == (wire.WAIT_AHEAD if ahead else wire.WAIT_ON))
         _trace.take()
@@ -454,11 +476,12 @@ def test_a_consumer_woken_ahead_that_has_not_run_by_the_publish_gets_the_core(
             pass
 
 
-def test_a_send_that_fails_after_waking_ahead_loses_nothing(pair: PairFactory) -> None:
+@CATCHERS
+def test_a_send_that_fails_after_waking_ahead_loses_nothing(pair: PairFactory, catcher: type[_Catcher]) -> None:
     """The woken receiver spins, finds no frame, sleeps again (re-armed), and gets the next good one."""
     tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"wait": "block", "timeout": 10.0})
     with tx, rx:
-        t = _Catcher(rx)
+        t = catcher(rx)
         t.start()
         _until(lambda: _waiting_word(tx) == wire.WAIT_AHEAD)
         with pytest.raises(cudalink.FormatError, match="cudalink"):
@@ -505,12 +528,14 @@ def test_a_sender_whose_sends_stay_slow_wakes_late_in_the_copy(pair: PairFactory
         assert len(t.got) == 1 and not isinstance(t.got[0], Exception)
 
 
-def test_a_selector_user_is_never_woken_ahead(pair: PairFactory) -> None:
-    """After fileno(), a wake-up must mean a frame is there: recv() then sleeps with WAIT_ON only."""
+@CATCHERS
+def test_a_selector_user_is_never_woken_ahead(pair: PairFactory, catcher: type[_Catcher]) -> None:
+    """After fileno(), a wake-up must mean a frame is there: recv() and recv_async() then sleep with WAIT_ON
+    only."""
     tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"wait": "block"})
     with tx, rx:
         rx.fileno()
-        t = _Catcher(rx)
+        t = catcher(rx)
         t.start()
         time.sleep(0.05)
         assert _waiting_word(tx) == wire.WAIT_ON
@@ -520,14 +545,16 @@ def test_a_selector_user_is_never_woken_ahead(pair: PairFactory) -> None:
         assert _waiting_word(tx) == wire.WAIT_ON  # still set for the selector
 
 
-def test_frames_cross_processes_intact_when_woken_ahead(spawned: object, name: str, traced: object) -> None:
-    """A spawned block-mode consumer over the real SharedMemory transport: every frame, in order, intact."""
+@pytest.mark.parametrize("wait", ["block", "async"])
+def test_frames_cross_processes_intact_when_woken_ahead(spawned: object, name: str, traced: object, wait: str) -> None:
+    """A spawned block-mode consumer (or one awaiting ``recv_async``) over the real SharedMemory transport:
+    every frame, in order, intact."""
     from . import _procs
     from ._content import stamp
 
     result = spawned.queue()  # type: ignore[attr-defined]
     with cudalink.Sender(name, shape=(64, 64), dtype="uint16", slots=4) as tx:
-        spawned(_procs.host_consumer, name, 300, result, 0.0, False, wait="block")  # type: ignore[operator]
+        spawned(_procs.host_consumer, name, 300, result, 0.0, False, wait=wait)  # type: ignore[operator]
         _until(lambda: tx.stats()["consumers"] == 1, 30.0)
         ahead = 0
         for seq in range(1, 301):
@@ -539,6 +566,25 @@ def test_frames_cross_processes_intact_when_woken_ahead(spawned: object, name: s
     _pid, got, mismatches, tail, skipped, ordered = result.get(timeout=60)
     assert (got, mismatches, skipped, ordered) == (300, 0, 0, True), tail
     assert ahead >= 75, ahead  # the consumer sleeps between frames 2 ms apart: most sends woke it ahead
+
+
+@CATCHERS
+def test_a_receiver_closed_while_it_waits_for_a_frame_it_was_woken_for_says_closed(
+    pair: PairFactory, catcher: type[_Catcher]
+) -> None:
+    """A close() on another thread while the woken receiver (or event loop) waits for the rest of a send that
+    never comes ends that wait with LinkClosed, as it ends a sleep."""
+    tx, rx = pair(DEFAULT, shape=(4,), dtype="uint8", rx={"wait": "block", "timeout": 10.0})
+    with tx:
+        t = catcher(rx)
+        t.start()
+        _until(lambda: _waiting_word(tx) == wire.WAIT_AHEAD)
+        with pytest.raises(cudalink.FormatError, match="cudalink"):
+            tx.send(np.zeros(5, np.uint8))  # woken, and no frame comes
+        rx.close()
+        t.join(5)
+        assert not t.is_alive()
+        assert len(t.got) == 1 and isinstance(t.got[0], cudalink.LinkClosed), t.got
 
 
 def test_a_late_wake_splits_the_copy_without_changing_a_byte(pair: PairFactory) -> None:

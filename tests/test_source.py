@@ -290,7 +290,7 @@ def test_recv_async_and_async_for_wait_on_the_sources_fd() -> None:
         return got
 
     assert asyncio.run(main()) == [1, 2]
-    assert wire.WAIT_ON in att.waiting
+    assert wire.WAIT_AHEAD in att.waiting  # asleep, asking to be woken ahead as recv() does (WAIT_ON | 2)
 
 
 def test_fileno_asks_the_source_for_every_wake_up() -> None:

@@ -5,6 +5,8 @@ The frames are ``_content``'s, the same the CPU tests send: torch and cupy make 
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import os
 import time
 from typing import Any
@@ -77,11 +79,26 @@ def gpu_producer_forever(name: str, shape: tuple[int, ...], ready: Any, handles:
 def gpu_consumer(
     name: str, framework: str, result: Any, slow: bool = False, latest: bool = False, max_s: float = 120.0
 ) -> None:
-    """Verify each frame against the seq's pattern on the GPU; accumulate mismatches on the device."""
+    """Verify each frame against the seq's pattern on the GPU; accumulate mismatches on the device.
+    ``framework``: torch, cupy or jax; ``torch-async`` takes each frame with ``recv_async`` on an event loop."""
     got = 0
+    loop = asyncio.new_event_loop() if framework.endswith("-async") else None
     try:
+        # the framework loads before we join: a producer that waits for its consumers then finds us ready, and
+        # a consumer with latest=False misses none of its first frames while torch imports
+        importlib.import_module(framework.split("-")[0])
         with cudalink.Receiver(name, timeout=30.0, latest=latest) as rx:
-            if framework == "torch":
+            runs: list[list[int]] = []  # [first, last] seq of each run of consecutive frames taken
+
+            def take() -> cudalink.Frame:
+                f = rx.recv(timeout=10.0) if loop is None else loop.run_until_complete(rx.recv_async(timeout=10.0))
+                if runs and f.seq == runs[-1][1] + 1:
+                    runs[-1][1] = f.seq
+                else:
+                    runs.append([f.seq, f.seq])
+                return f
+
+            if framework.startswith("torch"):
                 import torch
 
                 s = torch.cuda.Stream()
@@ -90,7 +107,7 @@ def gpu_consumer(
                 with torch.cuda.stream(s):
                     while time.monotonic() < end:
                         try:
-                            frame = rx.recv(timeout=10.0)
+                            frame = take()
                         except cudalink.ProducerGone:
                             break
                         t = torch.from_dlpack(frame)
@@ -113,7 +130,7 @@ def gpu_consumer(
                 with s:
                     while True:
                         try:
-                            frame = rx.recv(timeout=10.0)
+                            frame = take()
                         except cudalink.ProducerGone:
                             break
                         a = cp.from_dlpack(frame)
@@ -134,7 +151,7 @@ def gpu_consumer(
                 mism = 0
                 while True:
                     try:
-                        frame = rx.recv(timeout=10.0)
+                        frame = take()
                     except cudalink.ProducerGone:
                         break
                     x = jax.dlpack.from_dlpack(frame)
@@ -144,11 +161,14 @@ def gpu_consumer(
                     del x
                     frame.release()
                     got += 1
-            result.put((framework, got, mism, ""))
+            result.put((framework, got, mism, f"skipped {rx.skipped} runs {runs[-20:]}"))
     except Exception:
         import traceback
 
         result.put((framework, got, -1, traceback.format_exc()))
+    finally:
+        if loop is not None:
+            loop.close()
 
 
 def gpu_hold_forever(name: str, ready: Any) -> None:

@@ -5,7 +5,6 @@ The frames are ``_content``'s, the same the CPU tests send: torch and cupy make 
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import os
 import time
@@ -16,6 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import cudalink
 
 from ._content import CHAOS_SHAPE, checksum, content, pattern
+from ._procs import taker
 
 INT_VIEW = {"float32": "int32", "float16": "int16", "uint8": "uint8", "uint16": "int16"}
 
@@ -82,16 +82,18 @@ def gpu_consumer(
     """Verify each frame against the seq's pattern on the GPU; accumulate mismatches on the device.
     ``framework``: torch, cupy or jax; ``torch-async`` takes each frame with ``recv_async`` on an event loop."""
     got = 0
-    loop = asyncio.new_event_loop() if framework.endswith("-async") else None
     try:
         # the framework loads before we join: a producer that waits for its consumers then finds us ready, and
         # a consumer with latest=False misses none of its first frames while torch imports
         importlib.import_module(framework.split("-")[0])
-        with cudalink.Receiver(name, timeout=30.0, latest=latest) as rx:
+        with (
+            cudalink.Receiver(name, timeout=30.0, latest=latest) as rx,
+            taker(rx, framework.endswith("-async"), 10.0) as recv,
+        ):
             runs: list[list[int]] = []  # [first, last] seq of each run of consecutive frames taken
 
             def take() -> cudalink.Frame:
-                f = rx.recv(timeout=10.0) if loop is None else loop.run_until_complete(rx.recv_async(timeout=10.0))
+                f = recv()
                 if runs and f.seq == runs[-1][1] + 1:
                     runs[-1][1] = f.seq
                 else:
@@ -166,9 +168,6 @@ def gpu_consumer(
         import traceback
 
         result.put((framework, got, -1, traceback.format_exc()))
-    finally:
-        if loop is not None:
-            loop.close()
 
 
 def gpu_hold_forever(name: str, ready: Any) -> None:

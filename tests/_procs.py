@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,20 @@ def host_producer_forever(name: str, shape: tuple[int, ...], dtype: str, ready: 
             time.sleep(0.0005)
 
 
+@contextlib.contextmanager
+def taker(rx: cudalink.Receiver, use_async: bool, timeout: float) -> Iterator[Callable[[], cudalink.Frame]]:
+    """A call that takes ``rx``'s next frame: ``recv(timeout)``, or with ``use_async`` ``recv_async(timeout)``
+    awaited on an event loop of this thread, closed at the end of the block."""
+    if not use_async:
+        yield lambda: rx.recv(timeout=timeout)
+        return
+    loop = asyncio.new_event_loop()
+    try:
+        yield lambda: loop.run_until_complete(rx.recv_async(timeout=timeout))
+    finally:
+        loop.close()
+
+
 def host_consumer(
     name: str,
     n_expected: int,
@@ -76,16 +91,15 @@ def host_consumer(
     seqs: list[int] = []
     held: list[Any] = []
     end = time.monotonic() + deadline_s
-    loop = asyncio.new_event_loop() if wait == "async" else None
-    mode = "block" if loop is not None else wait
+    mode = "block" if wait == "async" else wait
     try:
-        with cudalink.Receiver(name, timeout=20.0, latest=latest, wait=mode) as rx:  # type: ignore[arg-type]
+        with (
+            cudalink.Receiver(name, timeout=20.0, latest=latest, wait=mode) as rx,  # type: ignore[arg-type]
+            taker(rx, wait == "async", 5.0) as take,
+        ):
             while time.monotonic() < end:
                 try:
-                    if loop is not None:
-                        frame = loop.run_until_complete(rx.recv_async(timeout=5.0))
-                    else:
-                        frame = rx.recv(timeout=5.0)
+                    frame = take()
                 except cudalink.ProducerGone:
                     break
                 arr = np.from_dlpack(frame)
@@ -111,9 +125,6 @@ def host_consumer(
             result.put((os.getpid(), got, mismatches, seqs[-50:], rx.skipped, sorted(seqs) == seqs))
     except Exception as exc:  # report, so the parent's assertion says what happened
         result.put((os.getpid(), -1, -1, repr(exc), 0, False))
-    finally:
-        if loop is not None:
-            loop.close()
 
 
 def hold_lease_forever(name: str, ready: Any) -> None:

@@ -478,10 +478,10 @@ class CudaSlots:
         return Frame._received(spec, hold, self.device, seq, ts, b"", sync, 0, writable=True)
 
     def commit(self, slot: int, streams: list[int], stream: object) -> None:
-        s = self._stream(stream)
         if driver.current_context() != self.ctx:
             devices.in_context(self.ctx, self.commit, slot, streams, stream)  # another GPU current: see copy_in
             return
+        s = self._stream(stream)
         if any(x != s for x in streams):
             if self._join is None:
                 self._join = driver.new_event()
@@ -682,12 +682,9 @@ class CudaView:
             if not devices.has_current():  # a thread with no context gets ours; never move a user's device
                 self.dev.set_current()
             self._tls.current = True
-        if min(streams) <= 2 and driver.current_context() != self.ctx:
-            # DLPack's default streams are this GPU's, whatever the releasing thread has current (see
-            # frames.frame._order); the release event, made in this GPU's context, is recorded there
-            devices.in_context(self.ctx, self._fence, slot, streams)
-        else:
-            self._fence(slot, streams)
+        # a default stream among them is this GPU's, whatever the releasing thread has current; the release
+        # event, made in this GPU's context, is recorded there
+        devices.on_stream(self.ctx, min(streams), self._fence, slot, streams)
         return True
 
     def _fence(self, slot: int, streams: list[int]) -> None:

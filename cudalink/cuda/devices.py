@@ -110,6 +110,21 @@ def in_context(ctx: int, fn: Callable[..., T], *args: Any) -> T:
             driver.set_context(cur)
 
 
+#: DLPack's default stream values (1: legacy, 2: per-thread; 0 too, for the null stream): each names a stream of
+#: whatever context is current in the calling thread, not of a GPU of its own
+LAST_DEFAULT_STREAM = 2
+
+
+def on_stream(ctx: int, stream: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a call that queues work on ``stream`` of the GPU whose context is ``ctx``: the one place
+    that knows DLPack's default streams name that GPU's only once its context is current (a consumer's
+    ``from_dlpack`` or ``release()`` may run with another GPU current, and torch's switches nothing). A real
+    stream handle carries its own context, so the common case costs nothing more."""
+    if stream > LAST_DEFAULT_STREAM:
+        return fn(*args)
+    return in_context(ctx, fn, *args)
+
+
 def has_current() -> bool:
     """Whether the calling thread has a current CUDA context."""
     drv = driver.bindings()

@@ -444,7 +444,7 @@ class CudaOps:
         self._in(self.dst_ctx, lambda: drv.cuMemFree(drv.CUdeviceptr(ptr)))
 
     def context_of(self, stream: int) -> int:
-        if stream <= 2:  # DLPack's default streams: the landing GPU's (see frames.frame._order)
+        if stream <= devices.LAST_DEFAULT_STREAM:  # DLPack's default streams: the landing GPU's (devices.on_stream)
             return self.dst_ctx
         got = self._ctx_of.get(stream)
         if got is None:
@@ -466,16 +466,10 @@ class CudaOps:
             driver.destroy_event(obj)
 
     def record(self, ev: RawEvent, stream: int) -> None:
-        if stream <= 2:  # a release may run on any thread, with any GPU current: see context_of
-            devices.in_context(self.dst_ctx, driver.record, ev, stream)
-        else:
-            driver.record(ev, stream)
+        devices.on_stream(self.dst_ctx, stream, driver.record, ev, stream)  # a release runs on any thread
 
     def wait(self, stream: int, ev: RawEvent) -> None:
-        if stream <= 2:
-            devices.in_context(self.dst_ctx, driver.wait, stream, ev)
-        else:
-            driver.wait(stream, ev)
+        devices.on_stream(self.dst_ctx, stream, driver.wait, stream, ev)
 
     def done(self, ev: RawEvent) -> bool:
         return driver.event_done(ev)

@@ -83,16 +83,9 @@ class _Hold:
 
 def _order(sync: FrameSync | None, s: int, device: int) -> None:
     """Make stream ``s`` wait (GPU-side) for the frame's producer, whoever asks: a DLPack export or a send of
-    the frame on (a relay). DLPack's default streams (1: legacy, 2: per-thread) name those of the frame's own
-    GPU, but the driver reads them in the calling thread's current context: with another GPU current (torch's
-    ``from_dlpack`` switches nothing) the wait would order that GPU's stream, not the one the consumer's kernels
-    run on. Real stream handles carry their own context."""
-    if sync is None:
-        return
-    if s > 2:
-        sync.wait(s)
-    else:
-        devices.in_context(devices.primary_context(device), sync.wait, s)
+    the frame on (a relay). ``s`` may be a default stream of the frame's GPU (see :func:`devices.on_stream`)."""
+    if sync is not None:
+        devices.on_stream(devices.primary_context(device), s, sync.wait, s)
 
 
 _U64 = (1 << 64) - 1  # the largest seq and timestamp a link's frames carry

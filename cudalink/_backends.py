@@ -56,6 +56,9 @@ class ProducerSlots(Protocol):
     device_uuid: bytes
     data_size: int  #: bytes of the transport's host data region this backend needs (0 on the GPU)
     stream_int: int
+    #: a closing producer waits (up to its timeout) for consumers to unmap before it frees the slots: the
+    #: driver's rule for GPU memory. A host consumer's mapping outlives the producer's, so none is waited for.
+    unmap_first: bool
 
     @property
     def stream(self) -> Stream | None:
@@ -123,6 +126,7 @@ class HostSlots:
     """Slots in the transport's shared data region."""
 
     backend = wire.BACKEND_HOST
+    unmap_first = False
     device = -1
     device_uuid = b"\0" * 16
     stream = None
@@ -262,6 +266,7 @@ class CudaSlots:
     """Slots on the GPU: a cuda.core IPC pool (or legacy cuIpc handles), one IPC ready-event per slot."""
 
     data_size = 0
+    unmap_first = True
 
     def __init__(self, ordinal: int, nslots: int, capacity: int, handles: str) -> None:
         # made in this GPU's context; the caller's current GPU stays theirs (a thread with none keeps ours)

@@ -403,9 +403,11 @@ class CudaLinkSender:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # not contextlib.suppress: modules may be torn down at interpreter exit
             if not self._closed:
                 self.close()
+        except Exception:
+            pass
 
 
 #: how long a new writer watches an existing segment for another writer's frames before it takes it over

@@ -12,6 +12,7 @@ __all__ = [
     "ArgumentTypeError",
     "CudaError",
     "CudaUnavailable",
+    "ExportError",
     "FormatError",
     "LandingFull",
     "LinkClosed",
@@ -39,6 +40,11 @@ class FormatError(LinkError, ValueError):
     """A frame, array or spec does not match what the link carries."""
 
 
+class ExportError(LinkError, BufferError):
+    """A frame cannot be exported as asked (released, another device, a stream DLPack forbids): DLPack's own
+    error kind, which ``from_dlpack`` callers expect, and a LinkError as every other of ours."""
+
+
 class ArgumentError(LinkError, ValueError):
     """An argument's value is out of range or not one of its choices (``slots=0``, ``policy="never"``)."""
 
@@ -57,9 +63,13 @@ def seconds_arg(value: object, what: str, example: str, none_ok: bool = False, u
             f"cudalink: {what} must be a number of {unit}{' or None (no limit)' if none_ok else ''}, "
             f"got {type(value).__name__} {value!r}; pass e.g. {example}"
         )
-    if math.isnan(value) or value < 0:
+    try:
+        out = float(value)
+    except OverflowError:  # an integer past float's range: longer than any wait, as inf is
+        out = math.inf if value > 0 else -math.inf
+    if math.isnan(out) or out < 0:
         raise ArgumentError(f"cudalink: {what} must be >= 0 {unit}, got {value!r}; pass e.g. {example}")
-    return float(value)
+    return out
 
 
 def int_arg(value: object, what: str, lo: int, hi: int, example: str) -> int:

@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -34,7 +34,7 @@ from .errors import (
 )
 from .errors import seconds_arg as _seconds_arg
 from .frames.frame import Frame
-from .frames.spec import FrameSpec, PixelFormat, RowOrigin
+from .frames.spec import MAX_NBYTES, META_MAX, FrameSpec, PixelFormat, RowOrigin
 from .transport import ring_source, ucx_engine, wire
 from .transport.base import UNVERIFIED_UID, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
@@ -67,7 +67,8 @@ _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-ov
 #: a consumer that always finds a frame waiting never sleeps, where it tells monitors its counts: it tells them
 #: every 8th frame instead (a mask on ``received``)
 _COUNT_EVERY = 7
-_META_MAX = wire.META_MAX
+_META_MAX = META_MAX
+T = TypeVar("T")
 
 
 #: Senders still open, closed at interpreter exit (a script that simply ends leaves nothing behind); weak,
@@ -78,6 +79,11 @@ _atexit_registered = False
 
 def _close_at_exit() -> None:
     pid = os.getpid()
+    # this process's own consumers first: a Sender closing waits for its GPU consumers to unmap, and one of
+    # ours, idle as the interpreter ends, would never answer (a forked child's set holds only its own)
+    for rx in list(_open_receivers):
+        with contextlib.suppress(Exception):
+            rx.close()
     for tx in list(_open_senders):
         if tx._pid != pid:  # a forked child exiting must not tear down its parent's link
             continue
@@ -123,6 +129,7 @@ def _register_open(tx: Sender) -> None:
 
 def _secs(value: float) -> str:
     """A duration for a message: ``0.3s``, not ``0.2999986300001183s`` (what is left of a deadline)."""
+    value += 0.0  # -0.0 reads as 0
     return f"{value:.3g}s" if value < 100 else f"{value:.0f}s"
 
 
@@ -162,6 +169,33 @@ def _bool_arg(value: object, what: str) -> bool:
     if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
         return bool(value)
     raise ArgumentTypeError(f"cudalink: {what} must be True or False, got {type(value).__name__} {value!r}")
+
+
+class _NoName:
+    """``name`` left out: refused as a missing argument of ours (an ArgumentTypeError, a LinkError) rather than
+    Python's bare TypeError, which an ``except cudalink.LinkError`` would let through."""
+
+    def __repr__(self) -> str:
+        return "<no name>"
+
+    @staticmethod
+    def check(name: object, what: str) -> None:
+        if isinstance(name, _NoName):
+            raise ArgumentTypeError(f"cudalink: {what} needs a link name first, e.g. {what}('cam0', ...)")
+
+
+_NO_NAME: Any = _NoName()
+
+
+def _plugin_arg(value: T, what: str, needs: tuple[str, ...], example: str) -> T:
+    """A pluggable part (``transport=``, ``source=``), duck-typed as the protocols are: one without the methods
+    it must have is refused here, not with an AttributeError from deep inside the first call that uses it."""
+    if value is not None and not all(callable(getattr(value, n, None)) for n in needs):
+        raise ArgumentTypeError(
+            f"cudalink: {what}= takes an object with {', '.join(f'{n}()' for n in needs)}, got "
+            f"{type(value).__name__} {value!r}; pass e.g. {example}, or leave it out for the default"
+        )
+    return value
 
 
 def default_transport() -> Transport:
@@ -256,9 +290,10 @@ class Sender:
     ``"block"`` up to ``timeout`` seconds.
     """
 
-    def __new__(cls, name: str, *args: object, protocol: str = "cudalink", **kwargs: object) -> Sender:
+    def __new__(cls, name: str = _NO_NAME, *args: object, protocol: str = "cudalink", **kwargs: object) -> Sender:
         """``protocol="cuda-link"`` makes a :class:`~cudalink.cuda_link.CudaLinkSender` (same API, cuda-link's
         segment layout, for its TouchDesigner components and importers)."""
+        _NoName.check(name, "Sender")
         if protocol == "cuda-link":
             from .cuda_link import CudaLinkSender
 
@@ -269,7 +304,7 @@ class Sender:
 
     def __init__(
         self,
-        name: str,
+        name: str = _NO_NAME,
         *,
         shape: tuple[int, ...] | list[int] | None = None,
         dtype: DTypeLike = "uint8",
@@ -304,13 +339,16 @@ class Sender:
         slots = int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
         max_consumers = int_arg(max_consumers, "max_consumers", 1, wire.MAX_CONSUMERS, "max_consumers=16")
         nbytes = self._spec.nbytes
-        cap = nbytes if capacity is None else int_arg(capacity, "capacity", 0, 2**62, f"capacity={nbytes}")
+        cap = (
+            nbytes if capacity is None else int_arg(capacity, "capacity", 0, MAX_NBYTES, f"capacity={nbytes}")
+        )  # a frame's limit
         if cap < nbytes:
             raise ArgumentError(
                 f"cudalink: capacity {cap} is smaller than one frame ({nbytes} bytes); pass capacity={nbytes} or more"
             )
         timeout = _seconds_arg(timeout, "timeout", "timeout=1.0", none_ok=True)
         _choice_arg(handles, "handles", ("auto", "pool", "legacy"))
+        transport = _plugin_arg(transport, "transport", ("serve", "connect"), "SharedMemoryTransport('tcp')")
         if not (isinstance(device, str) and device == "cpu"):
             from .cuda import devices
 
@@ -698,6 +736,9 @@ class Sender:
         first waits for consumers still reading the slot); the ready event is recorded when the block
         ends. If the block raises, nothing is published. When consumers hold every slot it raises
         :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
+        Inside the block the frame's ``seq`` is the one it gets if nothing is published before it (a ``send()``
+        or another block inside this one goes first); after the block, its ``seq``, ``timestamp_ns`` and
+        ``meta`` are what it was published with.
         """
         self._check_open()  # here, not only when the block begins
         return _Reservation(self, stream, _meta_bytes(meta), None if timeout is None else _call_timeout(timeout))
@@ -709,7 +750,12 @@ class Sender:
         slot = self._claim(timeout)
         if slot is None:
             self._ring.count_drop()
-            raise LinkTimeout(f"cudalink: every slot of {self.name!r} is held by consumers; nothing to reserve")
+            waited = "within the timeout" if self.policy == "block" else "(policy='drop' waits for none)"
+            raise LinkTimeout(
+                f"cudalink: every slot of {self.name!r} is held by consumers; nothing to reserve {waited}: make the "
+                "link with more slots= than consumers hold at once, have them release frames sooner"
+                + ("" if self.policy == "block" else ", or use policy='block' to wait up to a timeout")
+            )
         try:
             fences = self._fences(slot, self._ring.take_fences(slot))
             frame = self._slots.writable_frame(slot, spec, self._seq + 1, time.time_ns(), fences)
@@ -732,7 +778,9 @@ class Sender:
         except BaseException:
             self._ring.abort(slot)
             raise
-        self._publish(slot, spec, None, meta)
+        ts = time.time_ns()
+        # the frame now says what it went out as: inside the block a send() or a nested block may go first
+        frame._seq, frame._timestamp_ns, frame._meta = self._publish(slot, spec, ts, meta), ts, meta
 
     def reconfigure(
         self,
@@ -788,9 +836,11 @@ class Sender:
     # -- teardown ------------------------------------------------------------------------------------------
 
     def close(self, timeout: float | None = 2.0) -> None:
-        """Tell consumers, give them ``timeout`` seconds to unmap (the driver's rule; ``None``: as long as they
-        take), then free everything. Called inside a ``reserve()`` block on the block's own thread (a signal
-        handler, say), it closes the link as that block ends: the block still writes its slot."""
+        """Tell consumers, give GPU consumers ``timeout`` seconds to unmap (the driver's rule; ``None``: as long
+        as they take; one not inside a call does so at its next), then free everything. Consumers of a CPU link
+        are not waited for: their mappings outlive ours, and they still read the frames published before.
+        Called inside a ``reserve()`` block on the block's own thread (a signal handler, say), it closes the link
+        as that block ends: the block still writes its slot."""
         timeout = _seconds_arg(timeout, "timeout", "close(timeout=2.0)", none_ok=True)
         if self._closed:
             return
@@ -812,7 +862,7 @@ class Sender:
             try:
                 self._ring.set_flag(wire.FLAG_SHUTDOWN, True)
                 self._server.wake(b"\x00")
-                deadline = time.monotonic() + timeout
+                deadline = time.monotonic() + (timeout if self._slots.unmap_first else 0.0)
                 while self._server.connection_count() and time.monotonic() < deadline:
                     self._released.wait(0.01)
                     self._released.clear()
@@ -852,9 +902,11 @@ class Sender:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # not contextlib.suppress: modules may be torn down at interpreter exit
             if not self._closed:
                 self.close(timeout=0.2)
+        except Exception:
+            pass
 
 
 def _meta_bytes(meta: object) -> bytes:
@@ -982,7 +1034,7 @@ class Receiver:
 
     def __init__(
         self,
-        name: str,
+        name: str = _NO_NAME,
         *,
         timeout: float = 5.0,
         latest: bool = True,
@@ -995,12 +1047,15 @@ class Receiver:
         source: Source | None = None,
         connect: bool = True,
     ) -> None:
+        _NoName.check(name, "Receiver")
         wait = _choice_arg(wait, "wait", ("spin", "block", "hybrid"))  # type: ignore[assignment]
         latest = _bool_arg(latest, "latest")
         wake_ahead = _bool_arg(wake_ahead, "wake_ahead")
         connect = _bool_arg(connect, "connect")
         self.timeout = _seconds_arg(timeout, "timeout", "timeout=5.0", none_ok=True)
         spin_s = _seconds_arg(spin_us, "spin_us", "spin_us=50", unit="microseconds") / 1e6
+        transport = _plugin_arg(transport, "transport", ("serve", "connect"), "SharedMemoryTransport('tcp')")
+        source = _plugin_arg(source, "source", ("attach", "close"), "a RingSource of cudalink.transport.ring_source")
         self._source: Source = source or open_source(
             name, transport=transport or default_transport(), device=device, copy=copy_mode(copy), latest=latest
         )
@@ -1611,8 +1666,10 @@ class Receiver:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # not contextlib.suppress: modules may be torn down at interpreter exit
             self.close()
+        except Exception:
+            pass
 
 
 #: the Python references of the local ring's per-frame take and sleep, kept by name for the tests that compare

@@ -165,6 +165,10 @@ class _Consumer:
         if self.server.name is not None and name != self.server.name:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"this server serves {self.server.name!r}"))
             return False
+        if self.server.closing is not None:  # goodbye said: a WELCOME now would be cut off by our exit
+            log.info("cudalink serve: refused a consumer that connected while stopping")
+            await self._send(ucx_wire.pack_reject(*self.server.closing))
+            return False
         same_host = hello.host == _platform.host_id()
         srv = self.server
         self.staged = ucx_engine.stage_on_host(hello.device, same_host, srv.rdma, srv.stage_mode, srv.ipc)
@@ -560,6 +564,8 @@ class Server:
         self.stage_mode = ucx_engine.stage_mode()
         self.rdma = False  # UCX found a transport that moves GPU memory across hosts itself
         self.ipc = False  # UCX found cuda_ipc: it moves GPU memory between processes of this host itself
+        #: the goodbye's (reason, text) once it is said: a consumer that connects after it is refused with them
+        self.closing: tuple[int, str] | None = None
 
     async def run(self, ready: Any = None) -> None:
         # a server restarted after a crash takes its port back at once (else: busy for TIME_WAIT, 60 s)
@@ -618,7 +624,10 @@ class Server:
     async def goodbye(self, reason: int, text: str) -> None:
         """Tell each consumer why its connection ends, then give them a moment to read it and hang up (a
         reset at once may discard what they have not read yet): they hear "server closing", not "connection
-        lost (UCXXCanceledError ...)", which blamed the producer. Bounded: half a second in all."""
+        lost (UCXXCanceledError ...)", which blamed the producer. Bounded: half a second in all. One that
+        connects meanwhile is refused with the same words (welcomed, it took a frame or two before our exit,
+        and a relay said its upstream "is back" while nothing served it)."""
+        self.closing = (reason, text)
         consumers = list(self.consumers)
         if not consumers:
             return

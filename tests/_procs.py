@@ -242,7 +242,11 @@ def forking_while_busy(name: str, result: Any) -> None:
     result.close()
     result.join_thread()
     del held
-    os._exit(0)  # the threads still wait: leave without joining them
+    with contextlib.suppress(Exception):  # ends the waiting threads' calls too; os._exit would leave the link
+        rx.close()
+        hog.close()
+        tx.close(timeout=0)
+    os._exit(0)  # the threads may still be on their way out: leave without joining them
 
 
 def waiting_consumer_that_stops_while_it_looks(name: str, looking: Any) -> None:

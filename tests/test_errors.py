@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 
@@ -64,6 +65,9 @@ SENDER_BAD = [
     ({"handles": "ipc"}, ValueError, "handles must be one of"),
     ({"capacity": 3}, ValueError, "capacity 3 is smaller than one frame"),
     ({"capacity": "big"}, TypeError, "capacity must be an integer"),
+    ({"capacity": 2**61}, ValueError, "capacity must be 0.."),  # overflowed shared_memory, leaving a segment
+    ({"timeout": -(10**400)}, ValueError, "timeout must be >= 0"),  # past float's range: raw OverflowError
+    ({"transport": "x"}, TypeError, "transport= takes an object with serve()"),
     ({"pixel_format": "NOPE"}, ValueError, "pixel"),
     ({"pixel_format": "RGBA", "shape": (4, 4, 3)}, ValueError, "channel"),
     ({"origin": "left"}, ValueError, "origin must be"),
@@ -95,6 +99,7 @@ RECEIVER_BAD = [
     ({"name": "a/b"}, ValueError, "invalid link name"),
     ({"name": "tcp://host:5000/cam"}, ValueError, "ucx://HOST:PORT/NAME"),  # an address of a kind we do not speak
     ({"name": "UCX://host:5000/cam"}, ValueError, "ucx://HOST:PORT/NAME"),
+    ({"name": "cudalink_ipc_TD>>Python"}, ValueError, "read as 'cuda-link:cudalink_ipc_TD>>Python'"),
     ({"name": None}, TypeError, "link name is a str"),
     ({"wait": "sleep"}, ValueError, "wait must be one of"),
     ({"wait": 3}, TypeError, "wait must be one of"),
@@ -109,6 +114,8 @@ RECEIVER_BAD = [
     ({"latest": None}, TypeError, "latest must be True or False"),
     ({"wake_ahead": "off"}, TypeError, "wake_ahead must be True or False"),
     ({"connect": "no"}, TypeError, "connect must be True or False"),  # a truthy word: it connected
+    ({"source": "x"}, TypeError, "source= takes an object with attach()"),
+    ({"transport": 3}, TypeError, "transport= takes an object with serve()"),
 ]
 
 
@@ -143,6 +150,23 @@ def test_a_bad_close_timeout_is_refused_and_none_waits_without_limit(timeout: ob
     assert tx.closed
 
 
+def test_a_link_made_without_a_name_is_a_cudalink_argument_error() -> None:
+    """``Sender()`` and ``Receiver()`` raised Python's bare "missing 1 required positional argument", which an
+    ``except cudalink.LinkError`` lets through; the README promises ArgumentTypeError for a missing argument."""
+    for make in (lambda: cudalink.Sender(shape=(4, 4)), lambda: cudalink.Receiver(connect=False)):  # type: ignore[call-arg]
+        with pytest.raises(cudalink.ArgumentTypeError, match=r"^cudalink: (Sender|Receiver) needs a link name"):
+            make()
+
+
+def test_a_timeout_past_floats_range_is_no_limit() -> None:
+    """``10**400`` seconds raised a raw OverflowError from every timeout argument; it is as long as inf."""
+    from cudalink.errors import seconds_arg
+
+    assert seconds_arg(10**400, "timeout", "timeout=1.0") == math.inf
+    with cudalink.Sender(f"argtest-huge-{os.getpid()}", device="cpu", timeout=10**400, **_OK_TX) as tx:  # type: ignore[arg-type]
+        assert tx.send(np.zeros((4, 4), np.uint8), timeout=10**400) == 1
+
+
 @pytest.mark.parametrize(
     "thing",
     [None, b"\x00" * 16, "pixels", object(), np.zeros((4, 4), object), np.full((4, 4), "a"), np.zeros((4, 4), "V1")],
@@ -155,6 +179,43 @@ def test_sending_what_is_not_an_array_says_so(thing: object) -> None:
         ) as info:
             tx.send(thing)
         assert "reconfigure" not in str(info.value)
+        assert tx.stats()["published"] == 0
+
+
+class _RefusingExporter:
+    """A host array whose own DLPack export refuses, as a CPU torch tensor with ``requires_grad`` does."""
+
+    def __dlpack__(self, **kw: object) -> object:
+        raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+class _DatetimeExporter:
+    """numpy's own exporter refusing a dtype DLPack has no code for."""
+
+    a = np.zeros((4, 4), "M8[ns]")
+
+    def __dlpack__(self, **kw: object) -> object:
+        return self.a.__dlpack__(**kw)  # type: ignore[arg-type]
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+class _NoData:
+    __array_interface__ = {"shape": (4, 4), "typestr": "|u1", "version": 3}
+
+
+@pytest.mark.parametrize("thing", [_RefusingExporter(), _DatetimeExporter(), _NoData()], ids=lambda t: type(t).__name__)
+def test_a_host_array_whose_own_export_fails_is_a_format_error_naming_it(thing: object) -> None:
+    """The GPU path said "cudalink: cannot read X through DLPack/CAI"; a host array's failing export escaped
+    raw (RuntimeError, BufferError, ValueError), from send() and Frame.from_array alike."""
+    with cudalink.Sender(f"argtest-host-{os.getpid()}", device="cpu", **_OK_TX) as tx:  # type: ignore[arg-type]
+        for call in (tx.send, cudalink.Frame.from_array):
+            with pytest.raises(cudalink.FormatError, match=rf"^cudalink: cannot read {type(thing).__name__} through"):
+                call(thing)
         assert tx.stats()["published"] == 0
 
 

@@ -111,6 +111,19 @@ def test_frame_metadata() -> None:
 
 
 @pytest.mark.parametrize(
+    "view",
+    [np.arange(48, dtype=np.uint8).reshape(4, 4, 3)[::-1], np.broadcast_to(np.uint8(1), (4, 4))],
+    ids=["flip", "broadcast"],
+)
+def test_from_array_says_how_to_wrap_what_it_cannot_wrap_as_is(view: np.ndarray) -> None:
+    """A flip or a broadcast has strides no frame can have (send() copies them right); the error named none
+    of the ways out."""
+    with pytest.raises(cudalink.FormatError, match=r"np\.ascontiguousarray\(x\).*send\(\) copies"):
+        Frame.from_array(view)
+    assert Frame.from_array(np.ascontiguousarray(view)).shape == view.shape
+
+
+@pytest.mark.parametrize(
     ("kw", "kind", "words"),
     [
         ({"meta": 5}, TypeError, "meta must be bytes"),  # was five zero bytes
@@ -121,6 +134,7 @@ def test_frame_metadata() -> None:
         ({"seq": -3}, ValueError, "seq must be 0.."),  # was seq -3
         ({"timestamp_ns": 1.5}, TypeError, "timestamp_ns must be an integer"),  # was 1
         ({"timestamp_ns": -1}, ValueError, "timestamp_ns must be 0.."),  # was -1
+        ({"meta": b"x" * 65}, ValueError, "at most 64 travel with a frame"),  # was kept whole: send() refuses it
     ],
 )
 def test_from_array_refuses_what_a_frame_cannot_carry(kw: dict[str, object], kind: type, words: str) -> None:
@@ -137,10 +151,10 @@ def test_from_array_refuses_what_a_frame_cannot_carry(kw: dict[str, object], kin
 def test_dlpack_arguments_follow_the_rules() -> None:
     arr = np.arange(6, dtype=np.float32)
     frame = Frame.from_array(arr)
-    with pytest.raises(BufferError, match="stream"):
-        frame.__dlpack__(stream=5)
-    with pytest.raises(BufferError, match="device"):
-        frame.__dlpack__(dl_device=(2, 0))
+    for kw, words in (({"stream": 5}, "stream"), ({"dl_device": (2, 0)}, "device")):
+        with pytest.raises(BufferError, match=words) as info:  # DLPack's kind, and one of ours
+            frame.__dlpack__(**kw)  # type: ignore[arg-type]
+        assert isinstance(info.value, cudalink.ExportError) and isinstance(info.value, cudalink.LinkError)
     copied = np.from_dlpack(frame, copy=True)
     assert copied.ctypes.data != arr.ctypes.data and np.array_equal(copied, arr)
     assert np.from_dlpack(frame, device="cpu").ctypes.data == arr.ctypes.data
@@ -223,7 +237,7 @@ def test_release_waits_for_every_view() -> None:
     assert released == [] and view.sum() == 28  # the view still holds the memory
     with pytest.raises(cudalink.LinkClosed):
         frame.numpy()
-    with pytest.raises(BufferError):
+    with pytest.raises(cudalink.ExportError, match="released"):  # a BufferError too, as DLPack callers expect
         np.from_dlpack(frame)
     del view
     gc.collect()

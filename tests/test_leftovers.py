@@ -146,6 +146,109 @@ def test_a_script_that_never_closes_its_sender_leaves_nothing(control: str) -> N
     assert nothing_left(name), leftovers(name)
 
 
+def _exit_lag(device: str) -> float:
+    """Seconds from a script's last line to its exit, with a Sender and an idle Receiver of its own still open."""
+    name = f"left-lag-{os.getpid()}-{device.strip(chr(39))}"
+    code = (
+        "import time, cudalink\n"
+        f"tx = cudalink.Sender({name!r}, shape=(4, 4), dtype='uint8', device={device})\n"
+        f"rx = cudalink.Receiver({name!r})  # attached, never used again\n"
+        "keep = [tx, rx]\n"
+        "print(time.monotonic(), flush=True)\n"
+    )
+    proc = run_python(code, timeout=120)
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert nothing_left(name), leftovers(name)
+    return ended - float(proc.stdout.split()[-1])
+
+
+def test_a_script_ending_with_its_own_sender_and_receiver_open_exits_without_waiting_for_itself() -> None:
+    """The exit-time close used to wait its whole 2 s for the script's own idle Receiver to hang up (which it
+    never does while the interpreter is closing the Sender): its Receivers now close first."""
+    assert _exit_lag("'cpu'") < 1.5
+
+
+@pytest.mark.gpu
+def test_a_gpu_script_ending_with_its_own_sender_and_receiver_open_exits_without_waiting_for_itself() -> None:
+    """On a GPU link the Sender does wait for consumers to unmap: the script's own Receiver unmaps first."""
+    assert _exit_lag("0") < 1.5
+
+
+def test_a_cpu_sender_closes_at_once_beside_an_idle_consumer_which_still_reads_its_last_frames() -> None:
+    """A host consumer's mapping outlives the producer's, so close() waits for nobody, even with
+    ``timeout=None`` (it used to wait forever for a consumer that was not inside a call); the consumer,
+    calling again later, still gets every frame published before the close, then ProducerGone."""
+    import threading
+
+    name = f"left-idle-{os.getpid()}"
+    consumer = (
+        "import sys, cudalink\n"
+        "rx = cudalink.Receiver(sys.argv[1], latest=False, timeout=10)\n"
+        "print('attached', flush=True)\n"
+        "sys.stdin.readline()  # idle: no call under way while the producer closes\n"
+        "try:\n"
+        "    while True:\n"
+        "        with rx.recv() as f:\n"
+        "            print('frame', f.seq, int(f.numpy()[0, 0]), flush=True)\n"
+        "except cudalink.ProducerGone:\n"
+        "    print('gone', flush=True)\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    tx = cudalink.Sender(name, shape=(4, 4), dtype="uint8", device="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", consumer, name],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "attached"
+        for i in range(3):
+            tx.send(np.full((4, 4), 10 + i, np.uint8))
+        closer = threading.Thread(target=tx.close, kwargs={"timeout": None}, daemon=True)
+        closer.start()
+        closer.join(5.0)
+        assert not closer.is_alive(), "close(timeout=None) waited for a consumer that was not inside a call"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        tx.close()
+    assert out.split("\n")[:4] == ["frame 1 10", "frame 2 11", "frame 3 12", "gone"], out + err
+    assert nothing_left(name), leftovers(name)
+
+
+def test_finalizers_run_at_interpreter_exit_with_their_modules_torn_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closed Sender, Receiver or segment collected during interpreter teardown printed "Exception ignored
+    in __del__ ... 'NoneType' object has no attribute 'suppress'": by then the module's globals (contextlib)
+    may be None. The finalizers need none of them."""
+    from cudalink import link
+    from cudalink.transport import shm
+
+    name = f"left-del-{os.getpid()}"
+    tx = cudalink.Sender(name, shape=(4,), dtype="uint8", device="cpu")
+    rx = cudalink.Receiver(name, timeout=1.0)
+    tx.send(np.zeros(4, np.uint8))
+    rx.recv().release()
+    rx.close()
+    tx.close()
+    for module in (link, shm):
+        monkeypatch.setattr(module, "contextlib", None)
+    tx.__del__()
+    rx.__del__()
+    shm.Segment.__del__(object.__new__(shm.Segment))  # a half-made one: its attributes never set
+
+
 def test_the_exit_registry_holds_senders_weakly_and_forgets_closed_ones() -> None:
     from cudalink import link
 

@@ -178,6 +178,27 @@ def test_a_send_inside_a_reserve_block_never_writes_the_reserved_slot(pair: Pair
         assert got == [[3] * 4, [2] * 4, [1] * 4]  # published as each ended: the send, the inner, the outer
 
 
+def test_a_reserved_frame_says_what_it_was_published_as_once_its_block_ends(
+    pair: PairFactory, transport: Transport
+) -> None:
+    """Inside a block the seq is the one the frame gets if nothing goes first; a send() and a nested block
+    did go first here, and the outer frame kept saying seq 1 after it went out as seq 3."""
+    tx, rx = pair(transport, shape=(4,), dtype="uint8", slots=3, rx={"latest": False})
+    with tx, rx:
+        with tx.reserve(meta=b"outer") as outer:
+            assert outer.seq == 1
+            with tx.reserve(meta=b"inner") as inner:
+                pass
+            tx.send(np.zeros(4, np.uint8), meta=b"sent")
+        got = []
+        for _ in range(3):
+            with rx.recv(1) as f:
+                got.append((f.seq, f.timestamp_ns, f.meta))
+        assert [(g[0], g[2]) for g in got] == [(1, b"inner"), (2, b"sent"), (3, b"outer")]
+        assert (inner.seq, inner.timestamp_ns, inner.meta) == got[0]
+        assert (outer.seq, outer.timestamp_ns, outer.meta) == got[2]
+
+
 def test_leaving_a_reserve_block_twice_publishes_once(pair: PairFactory, transport: Transport) -> None:
     tx, rx = pair(transport, shape=(4,), dtype="uint8", rx={"latest": False})
     with tx, rx:

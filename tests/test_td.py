@@ -233,14 +233,15 @@ def test_tdsender_cpu_publishes_td_layout_and_follows_format_changes(live_mem: A
         frame.release()
         first = tx.sender
         # larger than the slots: a new link that the receiver re-attaches to. The old link closes on a thread of
-        # its own: the receiver (here on TD's thread, as a Script TOP's is) lets go only once TD runs again, so
-        # a close on TD's thread waited out its 2 s. Meanwhile frames are dropped, and counted.
+        # its own: a GPU link's close waits for the receiver (here on TD's thread, as a Script TOP's is) to
+        # unmap, which it does only once TD runs again. Frames sent meanwhile are dropped, and counted (a CPU
+        # link's close waits for nobody: this one may be sent at once).
         big = texture(32, 32, 4, np.uint16, seed=3)
         top.texture = big
         t0 = time.monotonic()
-        assert tx.send_top(top) is None
+        got = tx.send_top(top)
         assert time.monotonic() - t0 < 0.5, "growing the TOP froze TD's thread"
-        assert tx.sender is not first and tx.dropped == 1
+        assert tx.sender is not first and tx.dropped == (1 if got is None else 0)
         frame = None
         for _ in range(200):  # TD's frames go on: each one sends
             tx.send_top(top)

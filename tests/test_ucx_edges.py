@@ -219,9 +219,14 @@ def test_the_relay_keeps_each_frames_timestamp_and_meta() -> None:
             relay.stop()
 
 
-def test_a_relay_says_when_its_upstream_goes_and_comes_back() -> None:
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_relay_says_when_its_upstream_goes_and_comes_back(how: str) -> None:
     """A relay whose server went away said nothing at all while its local consumers waited, nor when it was back:
-    its log showed only the first 'relaying' line."""
+    its log showed only the first 'relaying' line. A stopped server (SIGTERM) still took consumers in while it
+    said goodbye: the relay, told "server closing", connected again at once, took a frame and said its
+    upstream "is back" 10 ms before the server exited."""
+    import signal
+
     name = unique("w")
     local = unique("wl")
     prod = producer(name, "--frames", "1000000", "--fps", "100")
@@ -230,9 +235,17 @@ def test_a_relay_says_when_its_upstream_goes_and_comes_back() -> None:
     relay = Proc(["-m", "cudalink", "relay", url, "--as", local])
     try:
         relay.expect("cudalink: relaying", 20.0)
-        srv.kill()
+        if how == "killed":
+            srv.kill()
+        else:
+            srv.p.send_signal(signal.SIGTERM)
+            assert srv.p.wait(10) == 0, "".join(srv.log)
         line = relay.expect("cudalink: lost", 10.0)
         assert url in line and f"{local!r} stays up" in line and "recv() again" not in line, line
+        if how == "stopped":
+            assert "server closing" in line, line
+            time.sleep(1.0)  # the false "back" came within the server's goodbye (GOODBYE_S)
+            assert not any("is back" in ln for ln in relay.log), "".join(relay.log)
         srv, _ = server(name, port)
         assert "(32x32x4 uint8)" in relay.expect(f"cudalink: {url} is back", 30.0)
         assert sum("cudalink: lost" in ln for ln in relay.log) == 1, "".join(relay.log)
@@ -705,3 +718,16 @@ def test_a_relay_whose_output_reader_went_away_keeps_relaying() -> None:
             relay.kill()
         srv.stop()
         prod.stop()
+
+
+def test_a_relay_whose_server_is_down_stops_within_its_seconds_and_says_why() -> None:
+    """``relay ... --seconds 2`` against no server ran 6 s: its first connection was given 5 s whatever
+    --seconds said. It now stops within them, with the same advice."""
+    url = f"ucx://127.0.0.1:{free_port()}/{unique('sd')}"
+    relay = Proc(["-m", "cudalink", "relay", url, "--as", unique("sdl"), "--seconds", "1"])
+    started = time.monotonic()
+    assert relay.p.wait(30) == 1, "".join(relay.log)
+    took = time.monotonic() - started
+    said = "".join(relay.log)
+    assert "within 1s" in said and "no cudalink server answered" in said and "start it, then the relay" in said, said
+    assert took < 4.5, f"{took:.1f}s for --seconds 1 (the first connection took 5 s):\n{said}"

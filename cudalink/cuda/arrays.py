@@ -4,7 +4,8 @@ with no copy, and building the typed views CUDA frames export."""
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -12,6 +13,8 @@ import numpy.typing as npt
 from .. import _native
 from ..errors import FormatError
 from . import devices, driver
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # the CUDA glue imports nothing of cudalink's above errors and _native (no import cycle)
     from .._native.dlpack import Exporter
@@ -54,12 +57,14 @@ def describe_array(obj: object, stream_ptr: int = -1) -> ArrayInfo:
         except Exception as exc:
             raise FormatError(f"cudalink: cannot read {cls.__name__} through cuda.core: {exc}") from exc
     has_cai = hasattr(cls, "__cuda_array_interface__")  # on the type: never evaluate a property here
-    if cls is np.ndarray or (not has_cai and hasattr(cls, "__array_interface__")):
-        return host_info(_pixels(np.asarray(obj), cls))
+    if cls is np.ndarray:
+        return host_info(_pixels(cast("npt.NDArray[np.generic]", obj), cls))
+    if not has_cai and hasattr(cls, "__array_interface__"):
+        return host_info(_pixels(_host_read(lambda: np.asarray(obj), cls.__name__, "the array interface"), cls))
     dl_dev = getattr(obj, "__dlpack_device__", None)
     if dl_dev is not None:
-        if int(dl_dev()[0]) in (1, 3):  # CPU or pinned host memory (a torch CPU tensor, say)
-            return host_info(np.from_dlpack(obj))  # type: ignore[arg-type]  # it has __dlpack_device__
+        if int(_host_read(dl_dev, cls.__name__, "DLPack")[0]) in (1, 3):  # CPU or pinned host memory (torch CPU)
+            return host_info(_host_read(lambda: np.from_dlpack(obj), cls.__name__, "DLPack"))  # type: ignore[arg-type]
     elif not has_cai:
         try:
             arr = np.asarray(obj)
@@ -77,6 +82,18 @@ def describe_array(obj: object, stream_ptr: int = -1) -> ArrayInfo:
     except Exception as exc:
         raise FormatError(f"cudalink: cannot read {type(obj).__name__} through DLPack/CAI: {exc}") from exc
     return _device_info(obj, view)
+
+
+def _host_read(read: Callable[[], T], name: str, how: str) -> T:
+    """``read()``: a host array's own export failing (a torch tensor that requires grad, a dtype DLPack has no
+    code for) is a FormatError naming the array, as a GPU array's is."""
+    try:
+        return read()
+    except Exception as exc:
+        raise FormatError(
+            f"cudalink: cannot read {name} through {how}: {str(exc).rstrip('.')}; pass a plain array of numbers "
+            "(torch: x.detach(); numpy: np.ascontiguousarray(x))"
+        ) from exc
 
 
 def _pixels(arr: npt.NDArray[np.generic], cls: type) -> npt.NDArray[np.generic]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, SupportsInt, cast
 import numpy as np
 
 from .. import _native
-from ..errors import CudaError, CudaUnavailable, LinkError
+from ..errors import CudaError, CudaUnavailable, ExportError, LinkError
 
 if TYPE_CHECKING:
     from .objects import Event, Stream, StridedView, ViewFactory
@@ -160,8 +160,8 @@ def stream_handle(stream: object, *, dlpack: bool = False) -> int:
 
     ``dlpack=True`` applies DLPack's rules for the ``stream=`` argument of ``__dlpack__``: None is the
     legacy default stream (1), -1 (no synchronisation) passes through, 0 is refused, and errors are
-    ``BufferError`` (what DLPack consumers expect). Otherwise a 0 from a framework means its default
-    stream, which is the legacy one (1).
+    :class:`ExportError`, a ``BufferError`` (what DLPack consumers expect). Otherwise a 0 from a framework
+    means its default stream, which is the legacy one (1).
     """
     if type(stream) is int and stream > 0:  # what torch and cupy pass to __dlpack__: checked first
         return stream
@@ -179,14 +179,14 @@ def stream_handle(stream: object, *, dlpack: bool = False) -> int:
     elif isinstance(stream, (int, np.integer)):
         value, framework = int(stream), True
     elif dlpack:
-        raise BufferError(f"cudalink: stream must be an int stream handle, got {stream!r}")
+        raise ExportError(f"cudalink: stream must be an int stream handle, got {stream!r}")
     else:
         raise LinkError(f"cudalink: {stream!r} is not a stream (pass a cuda.core/torch/cupy stream or an int handle)")
     if dlpack:
         if value == 0:
-            raise BufferError("cudalink: DLPack forbids stream=0; pass 1 for the legacy default stream")
+            raise ExportError("cudalink: DLPack forbids stream=0; pass 1 for the legacy default stream")
         if value < -1:
-            raise BufferError(f"cudalink: invalid DLPack stream {value}")
+            raise ExportError(f"cudalink: invalid DLPack stream {value}")
         return value
     return (value or 1) if framework else value
 

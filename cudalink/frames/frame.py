@@ -20,8 +20,8 @@ from numpy.typing import DTypeLike
 
 # downward only: the CUDA glue never imports frames (they describe themselves)
 from ..cuda import arrays, devices, driver
-from ..errors import ArgumentTypeError, FormatError, LinkClosed, int_arg
-from .spec import FrameSpec, PixelFormat, RowOrigin
+from ..errors import ArgumentTypeError, ExportError, FormatError, LinkClosed, int_arg
+from .spec import META_MAX, FrameSpec, PixelFormat, RowOrigin
 
 if TYPE_CHECKING:
     from typing_extensions import CapsuleType
@@ -275,8 +275,21 @@ class Frame:
                 f"cudalink: meta must be bytes, bytearray or memoryview (or None), got {type(meta).__name__}"
                 + ("; encode it first, e.g. meta=text.encode()" if isinstance(meta, str) else "")
             )
+        if meta is not None and len(meta) > META_MAX:
+            raise FormatError(
+                f"cudalink: meta is {len(meta)} bytes; at most {META_MAX} travel with a frame (put more in the frame)"
+            )
         info = arrays.describe_array(obj)
-        spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)
+        try:
+            spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)
+        except FormatError as exc:
+            if "strides" not in str(exc):
+                raise
+            # a frame's strides are what its memory is: a flip or a broadcast cannot be wrapped without a copy
+            raise FormatError(
+                f"{exc}; Frame.from_array wraps memory as it is: pass a copy (np.ascontiguousarray(x), "
+                "torch: x.contiguous()). Sender.send() copies such arrays right by itself"
+            ) from exc
         device: str | int = "cpu" if info.device_id < 0 else info.device_id
         return cls(
             spec,
@@ -422,7 +435,7 @@ class Frame:
         copy: bool | None = None,
     ) -> CapsuleType:
         if self._released:
-            raise BufferError("cudalink: this frame was released; cannot export it")
+            raise ExportError("cudalink: this frame was released; cannot export it")
         try:
             legacy = max_version is None or max_version[0] < 1  # a DLPack 0.x consumer: no versioned capsule
         except (TypeError, LookupError):
@@ -431,12 +444,12 @@ class Frame:
             copy = _copy_arg(copy)
         if not self._is_cuda:
             if stream is not None:
-                raise BufferError("cudalink: a CPU frame takes no stream (DLPack requires stream=None on CPU)")
+                raise ExportError("cudalink: a CPU frame takes no stream (DLPack requires stream=None on CPU)")
             if dl_device is not None and _dl_device(dl_device) != (DLDeviceType.CPU, 0):
-                raise BufferError(f"cudalink: a CPU frame cannot be exported to device {dl_device}")
+                raise ExportError(f"cudalink: a CPU frame cannot be exported to device {dl_device}")
             hold = self._hold
             if hold is None:
-                raise BufferError("cudalink: this frame was released; cannot export it")
+                raise ExportError("cudalink: this frame was released; cannot export it")
             export = self._export
             if export is not None and not copy:  # one C call; only a versioned capsule can say read-only
                 return export.capsule(hold, not legacy and not self._writable, not legacy)
@@ -455,12 +468,12 @@ class Frame:
             arr = self.numpy()
             return cast("npt.NDArray[np.number]", arr).__dlpack__(max_version=_DLPACK_V1, copy=bool(copy))
         if dl_device is not None and _dl_device(dl_device) != self.__dlpack_device__():
-            raise BufferError(
+            raise ExportError(
                 f"cudalink: frame lives on {self.device}; it cannot be exported to DLPack device {tuple(dl_device)}"
                 " without a copy. Use frame.to_numpy() for a host copy."
             )
         if copy:
-            raise BufferError("cudalink: copy=True is not supported for CUDA frames; copy in your framework")
+            raise ExportError("cudalink: copy=True is not supported for CUDA frames; copy in your framework")
         s = driver.stream_handle(stream, dlpack=True)
         hold = self._live()
         if s != -1:

@@ -12,9 +12,11 @@ from numpy.typing import DTypeLike
 
 from ..errors import FormatError
 
-__all__ = ["MAX_NDIM", "SUPPORTED_DTYPES", "FrameSpec", "PixelFormat", "RowOrigin", "as_dtype"]
+__all__ = ["MAX_NDIM", "META_MAX", "SUPPORTED_DTYPES", "FrameSpec", "PixelFormat", "RowOrigin", "as_dtype"]
 
 MAX_NDIM = 8
+#: Bytes of ``meta`` a frame carries: a tag or a small struct, kept beside the frame in every slot.
+META_MAX = 64
 #: Frames larger than this are refused: no real image is, and it keeps every size a safe u64.
 MAX_NBYTES = 1 << 40
 

@@ -47,7 +47,10 @@ def relay(
         )
     stop = None if seconds is None else time.monotonic() + seconds
     relayed = 0
-    with Receiver(url, device=device, latest=latest, timeout=5.0) as rx:
+    # the first connection gets 5 s, no more than --seconds leaves: `--seconds 2` against a server that is down
+    # ran 6 s before it said so
+    first = 5.0 if stop is None else min(5.0, max(0.0, stop - time.monotonic()))
+    with Receiver(url, device=device, latest=latest, timeout=first) as rx:
         tx: Sender | None = None
 
         def make(spec: FrameSpec) -> Sender:

@@ -156,8 +156,10 @@ class _LandedHold(_Hold):
         landed = self.landed
         if landed is not None:
             self.landed = None
-            with contextlib.suppress(Exception):
+            try:  # not contextlib.suppress: modules may be torn down at interpreter exit
                 landed.give_back(self.streams)
+            except Exception:
+                pass
 
 
 class _SlotHold(_Hold):
@@ -176,8 +178,10 @@ class _SlotHold(_Hold):
         mem = self.mem
         if mem is not None:
             self.mem = None
-            with contextlib.suppress(Exception):
+            try:  # not contextlib.suppress: modules may be torn down at interpreter exit
                 mem.gone()
+            except Exception:
+                pass
 
 
 #: landing buffers a copying Receiver may hold at once (frames held + copies in flight)

@@ -131,9 +131,11 @@ class Segment:
             mm.madvise(advice)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # not contextlib.suppress: modules may be torn down at interpreter exit
             self.buf = memoryview(b"")
             self._shm.close()
+        except Exception:
+            pass
 
 
 class _ShmServer(Server):

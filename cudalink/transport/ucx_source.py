@@ -276,8 +276,10 @@ class _Landing(_Hold):
             att.give_back(self.slot)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # not contextlib.suppress: modules may be torn down at interpreter exit
             self.end()
+        except Exception:
+            pass
 
 
 def _receive(rx: Counters, att: Any) -> Frame | None:
@@ -716,8 +718,10 @@ class UcxAttachment:
     def __del__(self) -> None:
         self._close_pipe()
         if self.pinned is not None and not sys.is_finalizing():  # nothing receives into it: the reader held us
-            with contextlib.suppress(Exception):
+            try:  # not contextlib.suppress: modules may be torn down at interpreter exit
                 self.pinned.close()
+            except Exception:
+                pass
 
 
 def error_without_ucx(url: str) -> LinkError:

@@ -107,7 +107,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import ProtocolError, ProtocolReason
-from ..frames.spec import MAX_NDIM, SUPPORTED_DTYPES, FrameSpec, PixelFormat, RowOrigin
+from ..frames.spec import MAX_NDIM, META_MAX, SUPPORTED_DTYPES, FrameSpec, PixelFormat, RowOrigin
 
 #: what a header is written in: a SharedMemory's memoryview, or a bytearray in tests
 Buf = memoryview | bytearray
@@ -118,7 +118,6 @@ MAGIC = b"CUDALINK"
 LAYOUT_VERSION = 1
 MAX_SLOTS = 64
 MAX_CONSUMERS = 64
-META_MAX = 64
 HANDLE_BYTES = 64
 
 BACKEND_HOST = 0

@@ -9,6 +9,7 @@ the bytes that were sent, whichever frames it skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -18,6 +19,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -97,7 +99,7 @@ def wait_for_consumers(tx: cudalink.Sender, n: int, timeout: float) -> None:
     while tx.stats()["consumers"] < n:
         if time.monotonic() > deadline:
             got = tx.stats()["consumers"]
-            raise TimeoutError(f"{got} of {n} consumers attached to {tx.name!r} in {timeout}s")
+            raise cudalink.LinkTimeout(f"cudalink: {got} of {n} consumers attached to {tx.name!r} within {timeout:g}s")
         time.sleep(0.005)
 
 
@@ -162,6 +164,31 @@ def skip(who: str, why: str) -> None:
     sys.exit(SKIP)
 
 
+def missing(who: str, why: str) -> NoReturn:
+    """The one-line, exit-code-2 answer to a wrong flag or a missing other side, on stderr as argparse's own."""
+    print(f"{who}: {why}", file=sys.stderr, flush=True)
+    sys.exit(SKIP)
+
+
+@contextlib.contextmanager
+def other_side(args: argparse.Namespace) -> Iterator[None]:
+    """With ``--role`` the other side runs in another terminal, and may not come within ``--wait``: that is one
+    line and exit code 2, as anything missing is (the README's promise), not a LinkTimeout traceback. With
+    ``--role both`` the other side is our own child: its failing to come is a failure, and raises."""
+    try:
+        yield
+    except cudalink.LinkTimeout as exc:
+        if args.role == "both":
+            raise
+        other = "consumer" if args.role == "producer" else "producer"
+        why = str(exc).removeprefix("cudalink: ").replace("; start the Sender first, or pass a longer timeout", "")
+        missing(
+            args.who,
+            f"{why}; start the {other} side (python examples/{args.who}.py --role {other} --name {args.name}), "
+            "or wait longer with --wait SECONDS",
+        )
+
+
 def torch_cuda_problem(torch: Any) -> str | None:
     """Why this torch cannot reach a GPU, told apart: a CPU-only build, or a CUDA build with no driver or GPU."""
     built = getattr(torch.version, "cuda", None)
@@ -209,32 +236,31 @@ def example_args(who: str, doc: str | None, device: str = "cpu") -> argparse.Arg
     roles = ("both", "producer", "consumer")
     add("--role", choices=roles, default="both", help="both: spawn the producer (default); else run one side")
     add("--name", help="link name (default: unique per run; give both sides the same with --role)")
+    add("--wait", type=float, default=30.0, help="seconds to wait for the other side, and for each frame (default 30)")
     return p
 
 
 def finish_args(args: argparse.Namespace, who: str) -> argparse.Namespace:
     """The flags checked before any process starts: a bad one is one line and exit 2, as argparse's own."""
-
-    def bad(why: str) -> NoReturn:
-        print(f"{who}: {why}", file=sys.stderr)
-        sys.exit(2)
-
+    args.who = who  # for other_side()
     hw = args.size.lower().split("x")
     if len(hw) != 2 or not all(v.isdigit() and int(v) > 0 for v in hw):
-        bad(f"--size must be HEIGHTxWIDTH in pixels, e.g. 240x320; got {args.size!r}")
+        missing(who, f"--size must be HEIGHTxWIDTH in pixels, e.g. 240x320; got {args.size!r}")
     args.shape = (int(hw[0]), int(hw[1]), 3)
     if args.frames < 1:
-        bad(f"--frames must be at least 1; got {args.frames}")
+        missing(who, f"--frames must be at least 1; got {args.frames}")
     if not args.fps >= 0:
-        bad(f"--fps must be 0 (flat out) or more; got {args.fps}")
+        missing(who, f"--fps must be 0 (flat out) or more; got {args.fps}")
+    if not 0 < args.wait < 1e6:
+        missing(who, f"--wait must be a number of seconds more than 0; got {args.wait}")
     if getattr(args, "consumers", 1) < 1:
-        bad(f"--consumers must be at least 1; got {args.consumers}")
+        missing(who, f"--consumers must be at least 1; got {args.consumers}")
     if args.name is None:  # unique per run, so parallel runs (and tests) never meet on one link
         args.name = f"{who}-{os.getpid()}" if args.role == "both" else f"{who}-demo"
     try:
         cudalink.Receiver(args.name, connect=False).close()  # the name's rules, before anything starts
     except cudalink.LinkError as exc:
-        bad(f"--name: {exc}")
+        missing(who, f"--name: {exc}")
     return args
 
 
@@ -248,7 +274,8 @@ def spawn_producer(args: argparse.Namespace, consumers: int = 1) -> Any:
         "consumers": consumers,
     }
     if args.role == "producer":
-        produce(args.name, wait=3600.0, **kwargs)
+        with other_side(args):
+            produce(args.name, wait=args.wait, **kwargs)
         print(f"producer: sent {args.frames} frames on {args.name!r}")
         sys.exit(0)
     if args.role == "consumer":

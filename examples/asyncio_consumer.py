@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from _demo_producer import Tally, example_args, finish_args, frame_ok, require_device, spawn_producer
+from _demo_producer import Tally, example_args, finish_args, frame_ok, other_side, require_device, spawn_producer
 
 import cudalink
 
@@ -59,7 +59,7 @@ async def run(args: argparse.Namespace) -> int:
     lag: list[float] = []
     beat = asyncio.create_task(heartbeat(0.005, lag))
     # connect=False: attaching then happens inside recv_async, in a thread, not on the loop.
-    with cudalink.Receiver(args.name, timeout=30, connect=False) as rx:
+    with cudalink.Receiver(args.name, timeout=args.wait, connect=False) as rx:
         await asyncio.gather(receive(rx, tally, stats), report(stats, 0.25))
     beat.cancel()
     return tally.finish(args.producer, f", event-loop max lag {1e3 * max(lag, default=0):.1f} ms")
@@ -69,7 +69,8 @@ def main() -> int:
     args = finish_args(example_args(WHO, __doc__).parse_args(), WHO)
     require_device(args.device, WHO)
     args.producer = spawn_producer(args)
-    return asyncio.run(run(args))
+    with other_side(args):
+        return asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Each array's sum is checked against the checksum sent in frame.meta.
 
 from __future__ import annotations
 
-from _demo_producer import META, Tally, example_args, finish_args, require_device, skip, spawn_producer
+from _demo_producer import META, Tally, example_args, finish_args, other_side, require_device, skip, spawn_producer
 
 import cudalink
 
@@ -18,17 +18,17 @@ WHO = "cupy_consumer"
 
 def main() -> int:
     args = finish_args(example_args(WHO, __doc__, device="0").parse_args(), WHO)
+    if args.device == "cpu":  # before the import: without cupy it said "cupy is not installed" to --device cpu
+        skip(WHO, "cupy reads GPU frames; run with --device 0 (CPU frames: see torch_consumer.py or numpy)")
     try:
         import cupy
     except ImportError:
         skip(WHO, "cupy is not installed (pip install cupy-cuda13x)")
-    if args.device == "cpu":
-        skip(WHO, "cupy reads GPU frames; run with --device 0 (CPU frames: see torch_consumer.py or numpy)")
     require_device(args.device, WHO)
 
     producer = spawn_producer(args)
     tally = Tally(WHO, args.frames, args.device)
-    with cupy.cuda.Device(args.device), cudalink.Receiver(args.name, timeout=30) as rx:
+    with cupy.cuda.Device(args.device), other_side(args), cudalink.Receiver(args.name, timeout=args.wait) as rx:
         for frame in rx:  # newest frame each time; the loop ends when the producer closes
             with frame:
                 a = cupy.from_dlpack(frame)  # a view of the producer's slot

@@ -12,17 +12,17 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
-from _demo_producer import Tally, device_label, example_args, finish_args, frame_ok, produce, require_device
+from _demo_producer import Tally, device_label, example_args, finish_args, frame_ok, other_side, produce, require_device
 
 import cudalink
 
 WHO = "fanout"
 
 
-def consume(name: str, index: int, frames: int, device: str | int, results: Any) -> None:
+def consume(name: str, index: int, frames: int, device: str | int, results: Any, wait: float = 30.0) -> None:
     """One consumer process: check every frame it gets against the checksum in its meta."""
     tally = Tally(f"{WHO}[{index}]", frames, device)
-    with cudalink.Receiver(name, timeout=30) as rx:
+    with cudalink.Receiver(name, timeout=wait) as rx:
         for frame in rx:
             with frame:
                 tally.add(frame, frame_ok(frame))
@@ -31,12 +31,20 @@ def consume(name: str, index: int, frames: int, device: str | int, results: Any)
 
 def main() -> int:
     p = example_args(WHO, __doc__)
-    p.add_argument("--consumers", type=int, default=3, help="consumer processes (default %(default)s)")
-    args = finish_args(p.parse_args(), WHO)
+    p.add_argument(
+        "--consumers",
+        type=int,
+        help="consumer processes (default 3); with --role producer, how many it waits for (default 1)",
+    )
+    args = p.parse_args()
+    if args.consumers is None:  # --role producer: the one consumer of the README's two terminals
+        args.consumers = 3 if args.role == "both" else 1
+    args = finish_args(args, WHO)
     require_device(args.device, WHO)
     if args.role == "consumer":  # one consumer here; start more in other terminals
         mine = mp.SimpleQueue()
-        consume(args.name, 0, args.frames, args.device, mine)
+        with other_side(args):
+            consume(args.name, 0, args.frames, args.device, mine, args.wait)
         print(f"{WHO}: consumer got {mine.get()[1]} frames")
         return 0
 
@@ -45,10 +53,13 @@ def main() -> int:
     procs = []
     if args.role == "both":
         for i in range(args.consumers):
-            procs.append(ctx.Process(target=consume, args=(args.name, i, args.frames, args.device, results)))
+            consumer = (args.name, i, args.frames, args.device, results, args.wait)
+            procs.append(ctx.Process(target=consume, args=consumer))
             procs[-1].start()
     # This process is the producer: it waits until all consumers attached, then publishes.
-    produce(args.name, args.device, args.frames, args.fps, args.shape, consumers=args.consumers, wait=60.0)
+    with other_side(args):
+        wait = 60.0 if procs else args.wait
+        produce(args.name, args.device, args.frames, args.fps, args.shape, consumers=args.consumers, wait=wait)
     if not procs:
         print(f"{WHO}: producer sent {args.frames} frames to {args.consumers} consumers")
         return 0

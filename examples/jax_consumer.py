@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from _demo_producer import META, Tally, example_args, finish_args, require_device, skip, spawn_producer
+from _demo_producer import META, Tally, example_args, finish_args, other_side, require_device, skip, spawn_producer
 
 import cudalink
 
@@ -37,7 +37,7 @@ def main() -> int:
     checksum = jax.jit(lambda x: jnp.sum(x, dtype=jnp.uint32))  # uint32 wraps mod 2**32, like the meta
     producer = spawn_producer(args)
     tally = Tally(WHO, args.frames, args.device)
-    with cudalink.Receiver(args.name, timeout=30) as rx:
+    with other_side(args), cudalink.Receiver(args.name, timeout=args.wait) as rx:
         for frame in rx:  # newest frame each time; the loop ends when the producer closes
             with frame:
                 try:

@@ -27,10 +27,12 @@ from _demo_producer import (
     device_label,
     example_args,
     finish_args,
+    other_side,
     pattern,
     publish,
     require_device,
     skip,
+    wait_for_consumers,
 )
 
 import cudalink
@@ -68,15 +70,16 @@ def torch_model(device: str | int) -> Any:
     return run
 
 
-def app(name: str, device: str | int, frames: int, fps: float, shape: tuple[int, ...], results: Any) -> None:
+def app(
+    name: str, device: str | int, frames: int, fps: float, shape: tuple[int, ...], results: Any, wait: float = 30.0
+) -> None:
     """Send frame k at ``fps``, wait for the model's answer to it, compare with :func:`reference`."""
     good, rtt_ms = 0, []
     with (
         cudalink.Sender(f"{name}-cam", shape=shape, device=device, pixel_format="RGB") as cam,
-        cudalink.Receiver(f"{name}-out", timeout=30) as out,
+        cudalink.Receiver(f"{name}-out", timeout=wait) as out,
     ):
-        while cam.stats()["consumers"] < 1:  # the model must be listening before frame 0
-            time.sleep(0.005)
+        wait_for_consumers(cam, 1, wait)  # the model must be listening before frame 0
         tick = time.monotonic()
         for k in range(frames):
             host = pattern(k, shape)
@@ -94,12 +97,12 @@ def app(name: str, device: str | int, frames: int, fps: float, shape: tuple[int,
         print(f"app: {good}/{frames} results match the reference")
 
 
-def serve(name: str, device: str | int, shape: tuple[int, ...], model: Any) -> int:
+def serve(name: str, device: str | int, shape: tuple[int, ...], model: Any, wait: float = 30.0) -> int:
     """The model process: NAME-cam in, NAME-out back, until the app closes its Sender."""
     n = 0
     with (
         cudalink.Sender(f"{name}-out", shape=shape, device=device, pixel_format="RGB", policy="block") as out,
-        cudalink.Receiver(f"{name}-cam", timeout=30) as cam,
+        cudalink.Receiver(f"{name}-cam", timeout=wait) as cam,
     ):
         for frame in cam:
             with frame, out.reserve(meta=frame.meta) as dst:  # dst is published when the block ends
@@ -114,7 +117,8 @@ def main() -> int:
     args = finish_args(p.parse_args(), WHO)
     require_device(args.device, WHO)  # before anything touches the GPU: no GPU is a skip (exit 2), not a crash
     if args.role == "producer":
-        app(args.name, args.device, args.frames, args.fps, args.shape, None)
+        with other_side(args):
+            app(args.name, args.device, args.frames, args.fps, args.shape, None, args.wait)
         return 0
     kind = args.model
     if kind == "auto":
@@ -138,10 +142,11 @@ def main() -> int:
     results = ctx.SimpleQueue()
     child = None
     if args.role == "both":  # the app's Receiver waits for NAME-out, which serve() creates
-        app_args = (args.name, args.device, args.frames, args.fps, args.shape, results)
+        app_args = (args.name, args.device, args.frames, args.fps, args.shape, results, args.wait)
         child = ctx.Process(target=app, args=app_args)
         child.start()
-    n = serve(args.name, args.device, args.shape, model)
+    with other_side(args):
+        n = serve(args.name, args.device, args.shape, model, args.wait)
     if child is None:
         print(f"{WHO}: served {n} frames")
         return 0

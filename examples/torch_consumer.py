@@ -15,6 +15,7 @@ from _demo_producer import (
     Tally,
     example_args,
     finish_args,
+    other_side,
     require_device,
     skip,
     spawn_producer,
@@ -39,7 +40,7 @@ def main() -> int:
 
     producer = spawn_producer(args)
     tally = Tally(WHO, args.frames, args.device)
-    with cudalink.Receiver(args.name, timeout=30) as rx:
+    with other_side(args), cudalink.Receiver(args.name, timeout=args.wait) as rx:
         for frame in rx:  # newest frame each time; the loop ends when the producer closes (ProducerGone)
             with frame:
                 t = torch.from_dlpack(frame)  # shares the producer's slot: no copy

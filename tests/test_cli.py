@@ -123,6 +123,97 @@ def test_demo_pattern_checksums_are_exact() -> None:
         assert not np.array_equal(src[0 : pat.n][pat.sample_idx], pat.expected(1))  # a stale frame is caught
 
 
+def _start_demo(name: str, *args: str) -> tuple[subprocess.Popen[str], int, list[int]]:
+    """A CPU demo on link ``name``, streaming to one consumer: (its process, its producer's pid, its children)."""
+    from cudalink.tools.monitor import read_snapshot
+
+    cmd = [sys.executable, "-m", "cudalink", "demo", "--device", "cpu", "--name", name, "--consumers", "1", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(COLUMNS="200"), stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the demo never streamed"
+        with contextlib.suppress(cudalink.LinkError):
+            snap = read_snapshot(name)
+            if snap.consumers and snap.fixed.published > 30:
+                break
+        time.sleep(0.1)
+    return proc, snap.fixed.pid, [snap.fixed.pid, snap.consumers[0].pid]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (one whose parent is gone waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the children's state in /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_demo_stopped_by_a_signal_stops_its_children(sig: str) -> None:
+    """Killed by SIGTERM (``timeout``, a service manager) or SIGHUP (a closed terminal), the demo's parent died
+    where it stood and its producer and consumers ran on to the end of --seconds. It stops them as on Ctrl-C now,
+    and exits with the status a shell gives that signal."""
+    import signal
+
+    signum = getattr(signal, sig)
+    proc, _, children = _start_demo(f"clitest-demosig-{os.getpid()}-{sig}", "--seconds", "60", "--shape", "8,8,3")
+    try:
+        proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(map(_running, children)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in children if _running(pid)]
+    finally:
+        proc.kill()
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"children still running after {sig}: {left}"
+    assert proc.returncode == 128 + signum, (proc.returncode, out[-2000:])
+    assert "OK: 1 consumer(s) verified" in out, out[-2000:]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILLs the demo's producer")
+def test_demo_summary_after_its_producer_is_killed_counts_what_it_published() -> None:
+    """The summary took the producer's count from its last report (every 0.25 s): "107 frames published"
+    while each consumer had received 118. A crashed producer's count comes from the link's header now."""
+    import signal
+
+    from cudalink.transport.shm import clean
+
+    name = f"clitest-demokill-{os.getpid()}"
+    proc, producer, _ = _start_demo(name, "--seconds", "60", "--fps", "240", "--shape", "32,32,3")
+    try:
+        os.kill(producer, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        clean(only=[name])  # what the killed producer left
+    assert proc.returncode == 1, out[-2000:]
+    published = re.search(r"summary: ([\d,]+) frames published", out)
+    received = re.search(r"consumer 0 \(pid \d+\): \w+, received ([\d,]+), skipped ([\d,]+)", out)
+    assert published and received, out[-2000:]
+    got, skipped = (int(v.replace(",", "")) for v in received.groups())
+    assert int(published.group(1).replace(",", "")) >= got + skipped, out[-2000:]
+
+
+def test_demo_summary_says_when_a_crashed_producer_count_is_lost() -> None:
+    """Its header gone too, the most a consumer saw is a floor, and the summary says so."""
+    from rich.console import Console
+
+    cfg = demo.DemoConfig("d", (2, 2), "uint8", 4, -1, "numpy", 1, 1.0, None, 60.0)
+    prod = demo._ProducerState(status="crashed", error="exit code -9", stats={"published": 10, "elapsed": 1.0})
+    cons = [demo._ConsumerState(0, status="done", received=15, skipped=2)]
+    demo._recount_crashed(prod, cons, f"nosuchlink-{os.getpid()}")
+    console = Console(width=200, record=True)
+    assert demo._demo_summary(console, cfg, "cpu", prod, cons) == 1
+    text = console.export_text()
+    assert "summary: at least 17 frames published" in text and "its own count was lost" in text, text
+
+
 # -- info -------------------------------------------------------------------------------------------
 
 
@@ -135,6 +226,18 @@ def test_info_prints_a_verdict() -> None:
     if not gpu_usable():
         assert "no CUDA driver" in proc.stdout or "no GPU" in proc.stdout
         assert "CPU backend works" in proc.stdout
+
+
+def test_info_lists_the_live_links_here(pair: PairFactory) -> None:
+    """``monitor NAME`` of a missing link says "python -m cudalink info lists the links here": it listed none."""
+    tx, rx = pair(DEFAULT, shape=(24, 32, 4), dtype="uint8", pixel_format="RGBA", device="cpu")
+    with tx, rx:
+        tx.send(np.zeros((24, 32, 4), np.uint8))
+        proc = run_cli("info", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.replace("│", " ").split())  # the table's cells, wrapped lines joined
+    want = f"link {tx.name} 24x32x4 uint8 RGBA · cpu · 1 consumer(s) · producer pid {os.getpid()}"
+    assert want in text and f"monitor {tx.name}" in text, text
 
 
 def test_demo_rates_are_timed_on_the_counting_process_clock(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,6 +325,31 @@ def test_monitor_counts_a_consumer_that_never_waits(pair: PairFactory, how: str)
             frame.release()
         (consumer,) = read_snapshot(tx.name).consumers
         assert 32 <= consumer.received <= 40, consumer
+
+
+def test_monitor_says_its_counts_are_as_the_consumer_last_reported_them(pair: PairFactory) -> None:
+    """A consumer writes its counts into the header only when it waits, or every 8th frame: one that took 5 frames
+    without waiting, holding the last, read "received 0, last recv never". The column is what it is now, the
+    time of the consumer's last report, and a note under the table says how the counts lag."""
+    from rich.console import Console
+
+    from cudalink.tools.monitor import read_snapshot, render_snapshot
+
+    tx, rx = pair(DEFAULT, shape=(4, 4), dtype="uint8", device="cpu")
+    with tx, rx:
+        for i in range(5):
+            tx.send(np.zeros((4, 4), np.uint8))
+            frame = rx.recv()  # there already: it never waits, so never reports
+            if i < 4:
+                frame.release()
+        snap = read_snapshot(tx.name)
+        frame.release()
+    console = Console(width=250, record=True)
+    console.print(render_snapshot(snap, None))
+    text = console.export_text()
+    row = next(ln for ln in text.splitlines() if f"│ {os.getpid()} │" in ln)
+    assert "never" not in row and "not yet" in row, row
+    assert "reported" in text and "counts as it last reported them" in text, text
 
 
 def test_monitor_piped_prints_a_line_per_interval_and_exits_on_sigterm() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,11 +85,20 @@ def test_framework_example_cpu(name: str, module: str) -> None:
 def test_missing_framework_is_one_clear_line(name: str, module: str) -> None:
     if has(module):
         pytest.skip(f"{module} is installed")
-    proc = run_example(name, "--device", "cpu", *QUICK)
+    device = "0" if name == "cupy_consumer" else "cpu"  # cupy_consumer on cpu: see the next test
+    proc = run_example(name, "--device", device, *QUICK)
     assert proc.returncode == SKIP_CODE, proc.stdout + proc.stderr
     out = proc.stdout.strip()
     assert out.startswith(f"{name}: SKIP {module} is not installed") and "\n" not in out, out
     assert not proc.stderr.strip(), proc.stderr
+
+
+def test_cupy_consumer_on_cpu_says_it_needs_gpu_frames() -> None:
+    """It said "cupy is not installed" to --device cpu, where cupy would not help: the example reads GPU frames."""
+    proc = run_example("cupy_consumer", "--device", "cpu", *QUICK)
+    assert proc.returncode == SKIP_CODE, proc.stdout + proc.stderr
+    out = proc.stdout.strip()
+    assert out.startswith("cupy_consumer: SKIP cupy reads GPU frames") and "\n" not in out, out
 
 
 @pytest.mark.parametrize(
@@ -178,6 +188,41 @@ def test_roles_in_two_processes() -> None:
         out, _ = model.communicate(timeout=60)
     assert app.returncode == 0 and "app: 30/30 results match" in app.stdout, app.stdout + app.stderr
     assert model.returncode == 0 and "served 30 frames" in out, out
+
+
+@pytest.mark.parametrize(
+    ("name", "role", "other"),
+    [
+        ("asyncio_consumer", "consumer", "producer"),
+        ("asyncio_consumer", "producer", "consumer"),
+        ("model_roundtrip", "consumer", "producer"),
+        ("model_roundtrip", "producer", "consumer"),
+        ("fanout", "consumer", "producer"),
+        ("fanout", "producer", "consumer"),
+    ],
+)
+def test_a_role_whose_other_side_never_comes_is_one_line(name: str, role: str, other: str) -> None:
+    """With no other side, ``--role`` ended in a LinkTimeout (or TimeoutError) traceback after 30 s (60 s) and
+    exit code 1; the README promises one line and exit code 2 for anything missing."""
+    t0 = time.monotonic()
+    proc = run_example(name, "--device", "cpu", "--role", role, "--name", f"nobody-{os.getpid()}", "--wait", "1")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == SKIP_CODE and len(lines) == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert lines[0].startswith(f"{name}: ") and f"--role {other}" in lines[0] and "--wait" in lines[0], lines
+    assert time.monotonic() - t0 < 20
+
+
+def test_fanout_roles_as_the_readme_runs_them() -> None:
+    """``fanout.py --role producer`` waited for --consumers (3 by default) of which the README starts one: it
+    died after 60 s, its consumer after 30 s. With --role it waits for one unless told how many."""
+    args = ("--name", f"fanroles-{os.getpid()}", "--device", "cpu", *QUICK)
+    cmd = [sys.executable, str(EXAMPLES / "fanout.py"), "--role", "consumer", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT) as consumer:
+        producer = run_example("fanout", "--role", "producer", *args, timeout=60)
+        out, _ = consumer.communicate(timeout=60)
+    assert producer.returncode == 0 and "sent 30 frames to 1 consumers" in producer.stdout, producer
+    got = re.search(r"fanout: consumer got (\d+) frames", out)
+    assert consumer.returncode == 0 and got and 0 < int(got.group(1)) <= 30, out  # the newest each time: may skip
 
 
 # -- notebooks ---------------------------------------------------------------------------------------------

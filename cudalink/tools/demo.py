@@ -11,10 +11,13 @@ import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import struct
 import sys
+import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -305,7 +308,29 @@ class _ProducerState:
     stats: dict[str, float] = field(default_factory=dict)
     error: str = ""
     fps: float = 0.0
+    since: float = 0.0  #: ``time.time()`` when it started streaming
+    counted: bool = True  #: False: it crashed and its count could not be read back: ``published`` is a floor
     _mark: tuple[float, int] = (0.0, 0)
+
+
+def _recount_crashed(prod: _ProducerState, cons: list[_ConsumerState], name: str) -> None:
+    """A crashed producer's counts from the link's header, which its every send updated: its last report (up to
+    ``report_s`` old) said fewer frames than its consumers had received. With the header gone too, the most any
+    consumer saw is a floor, and the summary says the count is lost."""
+    try:
+        snap = read_snapshot(name)
+    except LinkError:
+        snap = None
+    if snap is not None and snap.fixed.generation == prod.generation:
+        f = snap.fixed
+        prod.stats.update(published=f.published, dropped=f.dropped)
+        if prod.since and f.last_publish_ns:
+            prod.stats["elapsed"] = max(float(prod.stats.get("elapsed", 0.0)), f.last_publish_ns / 1e9 - prod.since)
+        return
+    seen = max((c.received + c.skipped for c in cons), default=0)
+    if seen > prod.stats.get("published", 0):
+        prod.stats["published"] = seen
+    prod.counted = False
 
 
 def _average_fps(stats: dict[str, float]) -> float:
@@ -338,7 +363,8 @@ def _demo_view(
         f"{cfg.consumers} consumer(s) · {f'{cfg.fps:g} fps' if cfg.fps else 'max rate'}",
     )
     ptext = Text(
-        f"producer pid {prod.pid or '?'} [{prod.status}]: published {st.get('published', 0):,} · "
+        f"producer pid {prod.pid or '?'} [{prod.status}]: published {'' if prod.counted else 'at least '}"
+        f"{st.get('published', 0):,} · "
         f"{prod.fps:,.1f} fps {'on average' if prod.status == 'done' else 'now'} · dropped {st.get('dropped', 0):,} · "
         f"consumers attached {st.get('consumers', 0)}" + (f" · ERROR {prod.error}" if prod.error else "")
     )
@@ -378,8 +404,32 @@ def _demo_view(
     return Group(head, ptext, table)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+#: what stops the demo as Ctrl-C does: ``timeout`` and service managers send SIGTERM, a closed terminal SIGHUP
+_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
+
+@contextlib.contextmanager
+def _signals_interrupt(got: list[int]) -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise KeyboardInterrupt (noted in ``got``), so the demo stops its children
+    as on Ctrl-C: killed where it stood, its producer and consumers ran on to their own end. The command's own
+    process: the library installs no handler."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live on the main thread
+        yield
+        return
+
+    def on_signal(signum: int, frame: object) -> None:
+        got.append(signum)  # seen at the loop's next turn, even where the raise lands in a finalizer, which drops it
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
     console = _console()
     shape = _parse_shape(args.shape)
     spec = FrameSpec(shape, args.dtype)  # validates shape and dtype before any process starts
@@ -426,9 +476,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     producer_done = interrupted = False
     snap: Snapshot | None = None
     last_snap = 0.0
-    with Live(_demo_view(cfg, backend.label, prod, cons, None), console=console, auto_refresh=False) as live:
+    signals: list[int] = []
+    with (
+        _signals_interrupt(signals),
+        Live(_demo_view(cfg, backend.label, prod, cons, None), console=console, auto_refresh=False) as live,
+    ):
         while True:
             try:
+                if signals and not interrupted:  # a signal whose raise was dropped on its way
+                    raise KeyboardInterrupt
                 try:
                     msg = out.get(timeout=0.1)
                 except queue_mod.Empty:
@@ -442,7 +498,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                             c.pid = w.pid or 0
                             workers.append(w)
                     elif isinstance(msg, Streaming):
-                        prod.status = "streaming"
+                        prod.status, prod.since = "streaming", msg.since
                     elif isinstance(msg, ProducerStats):
                         prod.stats = dict(msg.stats)
                         _update_fps(prod, int(prod.stats.get("published", 0)), float(prod.stats["elapsed"]))
@@ -474,6 +530,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         c.status, c.error = "crashed", f"exit code {w.exitcode}"
                 if not producer_done and not producer.is_alive():
                     prod.status, prod.error, producer_done = "crashed", f"exit code {producer.exitcode}", True
+                    _recount_crashed(prod, cons, name)
                     stop.set()
                 now = time.monotonic()
                 if now - last_snap > 0.5:
@@ -500,12 +557,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 stop_deadline = time.monotonic() + 10.0
     if not console.is_terminal:
         console.line()  # a non-terminal Live ends its last render without a newline
-    for p in (producer, *workers):
+    for p in (producer, *workers):  # told to stop already: a signal now ends only this wait
         p.join(timeout=5.0)
         if p.is_alive():
             p.terminate()
             p.join(timeout=2.0)
-    return _demo_summary(console, cfg, backend.label, prod, cons, interrupted)
+    code = 128 + signals[0] if signals else 130  # what a shell reports for a process that signal ended
+    return _demo_summary(console, cfg, backend.label, prod, cons, code if interrupted else 0)
 
 
 def _demo_summary(
@@ -514,8 +572,10 @@ def _demo_summary(
     backend: str,
     prod: _ProducerState,
     cons: list[_ConsumerState],
-    interrupted: bool,
+    interrupted: int = 0,
 ) -> int:
+    """Print the summary; the exit status. ``interrupted``: the status of a run stopped by a signal (130 for
+    Ctrl-C, 143 for SIGTERM), returned when everything it ran was verified."""
     st = prod.stats
     elapsed = float(st.get("elapsed", 0.0)) or 1e-9
     published = int(st.get("published", 0))
@@ -525,9 +585,11 @@ def _demo_summary(
     bad = [c for c in cons if c.status != "done"]
     all_lat = [x for c in cons for x in c.lat]
     p50, p99 = _pcts(all_lat)
+    lost = "" if prod.counted else "at least "  # a crashed producer whose header was gone too
     console.print(
-        f"summary: {published:,} frames published in {elapsed:.1f} s ({average:,.1f} fps on average) "
+        f"summary: {lost}{published:,} frames published in {elapsed:.1f} s ({average:,.1f} fps on average) "
         f"on {backend}, {int(st.get('dropped', 0)):,} dropped"
+        + ("" if prod.counted else " (the producer crashed and its own count was lost)")
     )
     for c in cons:
         c50, c99 = _pcts(c.lat)
@@ -544,7 +606,7 @@ def _demo_summary(
     ok = not prod.error and not bad and mism == 0 and all(c.received > 0 for c in cons)
     if ok:
         console.print(Text(f"OK: {len(cons)} consumer(s) verified {total:,} frames, 0 mismatches", style="bold green"))
-        return 130 if interrupted else 0
+        return interrupted
     why = (
         prod.error
         or (f"{mism} mismatched frames" if mism else "")

@@ -1,5 +1,5 @@
-"""``info``: is this machine ready? Driver, GPUs, IPC support, the compiled core, shared memory, and the
-cuda-link segments present (``info cuda-link:NAME`` describes one)."""
+"""``info``: is this machine ready? Driver, GPUs, IPC support, the compiled core, shared memory, the live
+cudalink links of this user, and the cuda-link segments present (``info cuda-link:NAME`` describes one)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from .. import _native, _platform
 from .._version import __version__
 from ..cuda import devices, driver
 from ..errors import LinkError
+from ..transport import shm as shm_transport
 from . import cuda_link_view
+from .monitor import Snapshot, device_label, read_snapshot
 from .ui import _console
 
 
@@ -280,6 +282,20 @@ def _is_cudalink_link(name: str) -> bool:
         return False
 
 
+def _link_text(snap: Snapshot) -> str:
+    """One live link: its frames, where they live, its consumers, and how to watch it."""
+    f = snap.fixed
+    frames = "no frame published yet"
+    if snap.newest is not None:
+        spec = snap.newest.spec
+        fmt = f" {spec.pixel_format.value}" if spec.pixel_format else ""
+        frames = f"{'x'.join(map(str, spec.shape))} {spec.dtype.name}{fmt}"
+    return (
+        f"{frames} · {device_label(f)} · {len(snap.consumers)} consumer(s) · producer pid {f.pid} · "
+        f"python -m cudalink monitor {snap.name}"
+    )
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     console = _console()
     info = gather_info()
@@ -335,6 +351,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         table.add_row("shared memory", f"{shm['path']}: {shm.get('error')}")
     table.add_row("control sockets", info.get("runtime_dir") or f"ERROR {info.get('runtime_dir_error')}")
+    links = shm_transport.live_links() if "runtime_dir" in info else []
+    if not links:
+        table.add_row("links", "none: no producer of yours publishes a link on this machine now")
+    for name in links:
+        try:
+            line = _link_text(read_snapshot(name))
+        except LinkError as exc:  # starting, or gone since it was listed
+            line = str(exc)
+        table.add_row(f"link {escape(name)}", escape(line))
     for name in getattr(args, "segments", None) or _cuda_link_segments():
         try:
             line = cuda_link_view.summary(cuda_link_view.read_snapshot(name))

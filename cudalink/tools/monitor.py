@@ -20,6 +20,7 @@ from rich.text import Text
 from .. import _platform
 from .._ring import read_record
 from ..errors import ArgumentError, LinkError
+from ..link import _COUNT_EVERY
 from ..transport import wire
 from . import cuda_link_view
 from .ui import Stopped, _ago, _console, _us, sigterm_stops, stop_requested
@@ -123,6 +124,11 @@ def read_snapshot(name: str) -> Snapshot:
         close()
 
 
+def device_label(f: wire.Fixed) -> str:
+    """Where a link's slots live: ``cpu`` or ``cuda:N``."""
+    return "cpu" if f.backend == wire.BACKEND_HOST else f"cuda:{f.device}"
+
+
 def _flags(flags: int) -> str:
     names = [
         n
@@ -147,7 +153,7 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
     dt = snap.mono - prev.mono if same and prev is not None else 0.0
     fps = _rate(f.published, prev.fixed.published, dt) if same and prev is not None else None
     drop_rate = _rate(f.dropped, prev.fixed.dropped, dt) if same and prev is not None else None
-    device = "cpu" if f.backend == wire.BACKEND_HOST else f"cuda:{f.device}"
+    device = device_label(f)
     alive = (
         "alive"
         if snap.producer_alive
@@ -185,6 +191,14 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
             f"last publish {_ago(f.last_publish_ns, snap.now_ns)}"
         )
     )
+    # A consumer writes its counts into the header off its latency path (Receiver._publish_counts): before it sleeps,
+    # and every 8th frame while one is always waiting. The column was "last recv", but it is the time of that report;
+    # a consumer that took 5 frames without waiting read "0, never" while it held the fifth.
+    note = Text(
+        "received, skipped, fps: each consumer's counts as it last reported them (when it last waited for a frame, "
+        f"or at every {_COUNT_EVERY + 1}th frame while one is always waiting); leases: as they are now",
+        style="dim",
+    )
     table = Table(title=f"consumers ({len(snap.consumers)} joined)", title_justify="left")
     for col in (
         "#",
@@ -192,7 +206,7 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
         "received",
         "skipped",
         "fps",
-        "last recv",
+        "reported",
         "leases (slot:seq · frames behind · age)",
     ):
         table.add_column(col, justify="right" if col not in ("leases (slot:seq · frames behind · age)",) else "left")
@@ -212,10 +226,10 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
             f"{c.received:,}",
             f"{c.skipped:,}",
             f"{r:,.1f}" if r is not None else "—",
-            _ago(c.last_recv_ns, snap.now_ns),
+            _ago(c.last_recv_ns, snap.now_ns) if c.last_recv_ns else "not yet",
             leases or "none",
         )
-    return Group(*lines, table)
+    return Group(*lines, table, *([note] if snap.consumers else []))
 
 
 def plain_line(snap: Snapshot, prev: Snapshot | None) -> str:

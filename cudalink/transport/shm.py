@@ -391,6 +391,16 @@ def published(name: str) -> bool:
     return _held(name)
 
 
+def live_links() -> list[str]:
+    """This user's links a live producer holds now (``info`` lists them): a producer holds its name's lock file
+    in the runtime directory for its whole life, which ``published`` tells from one a dead producer left."""
+    try:
+        entries = os.listdir(_platform.runtime_dir())
+    except OSError:
+        return []
+    return [n for n in sorted(e.removesuffix(".lock") for e in entries if e.endswith(".lock")) if published(n)]
+
+
 def _held(name: str) -> bool:
     """Is link ``name`` held by a live producer (its lock taken)? A lock file made by this look is removed."""
     try:

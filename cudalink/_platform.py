@@ -388,9 +388,13 @@ def shm_map_readonly(segment: str) -> mmap.mmap | bytes | None:
         import _posixshmem  # type: ignore[import-not-found]
     except ImportError:
         return None
-    fd = _posixshmem.shm_open("/" + segment, os.O_RDONLY, 0)
+    # anyone may put a FIFO in /dev/shm: opened blocking, it hung ``info``/``monitor`` until a writer came
+    fd = _posixshmem.shm_open("/" + segment, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0), 0)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "a FIFO or device file")
+        size = st.st_size
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else b""
     finally:
         os.close(fd)

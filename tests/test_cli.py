@@ -987,6 +987,26 @@ def test_info_passes_over_what_anyone_may_put_in_dev_shm() -> None:
             os.unlink(f"/dev/shm/{big}")
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="a FIFO in /dev/shm")
+def test_a_fifo_named_as_a_cuda_link_segment_is_refused_at_once_and_left_where_it_is() -> None:
+    """Named outright, a FIFO hung ``info cuda-link:NAME`` and ``monitor`` (even with --seconds) in a blocking
+    open; a Receiver's failed mapping of it unlinked it (``SharedMemory`` does that to a segment it cannot map,
+    made by it or not). A name with markup in it ("[red]") was shown without it."""
+    fifo = f"cudalink_test_fifo[red]{os.getpid()}"
+    os.mkfifo(f"/dev/shm/{fifo}")
+    try:
+        for args in (("info", f"cuda-link:{fifo}"), ("monitor", f"cuda-link:{fifo}", "--once")):
+            proc = run_cli(*args, timeout=30)
+            said = " ".join((proc.stdout + proc.stderr).split())
+            assert "not a shared-memory segment (a FIFO or device file)" in said, said
+            assert f"cuda-link:{fifo}" in said or f"'{fifo}'" in said, said
+        with pytest.raises(cudalink.LinkError, match="cannot open cuda-link segment"):
+            cudalink.Receiver(f"cuda-link:{fifo}", timeout=0.3)
+        assert os.path.lexists(f"/dev/shm/{fifo}"), "a reader unlinked what it could not map"
+    finally:
+        os.unlink(f"/dev/shm/{fifo}")
+
+
 def test_monitor_missing_cuda_link_segment_is_one_line() -> None:
     proc = run_cli("monitor", f"cuda-link:nosuch_{os.getpid()}", "--once")
     assert_one_line_error(proc)

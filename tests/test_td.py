@@ -580,10 +580,42 @@ def test_script_top_shows_errors_and_keeps_the_image(receiver_dat: Any) -> None:
         op.cook(receiver_dat)
         assert len(op.errors) == 1 and "uint8, uint16 or float32" in op.errors[0]
         np.testing.assert_array_equal(op.texture, good)
-        op.cook(receiver_dat)  # the error was this cook's; the next one is clean again
-        assert op.errors == []
+        # no new frame: the newest one is still that int32 one, so the error stays (it showed for one cook and
+        # then read "no new frame": with a producer slower than TD's cooks it only flickered)
+        for _ in range(2):
+            op.cook(receiver_dat)
+            assert len(op.errors) == 1 and "uint8, uint16 or float32" in op.errors[0]
+            np.testing.assert_array_equal(op.texture, good)
+        tx.reconfigure(dtype="float32")
+        tx.send(good)
+        op.cook(receiver_dat)  # a frame TD takes clears it
+        assert op.errors == [] and op.warnings == []
         np.testing.assert_array_equal(op.texture, good)
         receiver_dat._receivers[op.id].close()
+
+
+def test_script_top_says_when_td_has_no_format_for_the_frames_channels(receiver_dat: Any) -> None:
+    """Match Resolution/Format kept the last format without a word for 3-channel frames (TD has none)."""
+    name = link_name()
+    op = script_top(receiver_dat, name)
+    src = texture(4, 4, 3, np.uint16, seed=1)
+    with cudalink.Sender(name, shape=src.shape, dtype="uint16", origin="bottom") as tx:
+        tx.send(src)
+        fakes.cook_until(receiver_dat, op, lambda: op.texture is not None)
+        assert op.warnings == [
+            "cudalink: could not match the Script TOP's format: format (TD has no 3-channel uint16 format; it "
+            "stays as it is)"
+        ], op.warnings
+        receiver_dat._receivers[op.id].close()
+
+
+def test_to_script_top_names_what_is_not_a_frame_or_not_a_script_top() -> None:
+    """A numpy array, or ``op('script1')`` returning None, raised bare AttributeErrors from inside."""
+    frame = cudalink.Frame.from_array(texture(2, 2, 4, np.uint8))
+    with pytest.raises(cudalink.ArgumentTypeError, match=r"shown a cudalink Frame.*Frame\.from_array"):
+        ctd.to_script_top(np.zeros((2, 2, 4), np.uint8), FakeScriptTOP())  # type: ignore[arg-type]
+    with pytest.raises(cudalink.ArgumentTypeError, match=r"None is not a Script TOP.*op\('script1'\)"):
+        ctd.to_script_top(frame, None)  # type: ignore[arg-type]
 
 
 def test_script_top_bad_link_name_is_an_error_not_an_exception(receiver_dat: Any) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..cuda import arrays, devices, driver
-from ..errors import LinkError, LinkTimeout, ProducerGone
+from ..errors import ArgumentTypeError, LinkError, LinkTimeout, ProducerGone
 from ..frames.frame import Frame
 from ..link import Receiver
 from ..transport.base import Transport
@@ -147,6 +147,16 @@ def _prepare(
     array_backend: str | None,
     method: Method,
 ) -> TopUpload:
+    if not isinstance(frame, Frame):
+        raise ArgumentTypeError(
+            f"cudalink: a Script TOP is shown a cudalink Frame (rx.recv()'s), got {type(frame).__name__}; "
+            "wrap an array with cudalink.Frame.from_array(x)"
+        )
+    if not (hasattr(script_op, "copyCUDAMemory") or hasattr(script_op, "copyNumpyArray")):
+        raise ArgumentTypeError(
+            f"cudalink: {script_op!r} is not a Script TOP (it has no copyCUDAMemory); pass onCook's scriptOp, "
+            "or op('script1') of a Script TOP that exists"
+        )
     if method == "auto":
         method = "cuda" if frame.is_cuda or not hasattr(script_op, "copyNumpyArray") else "numpy"
     if method not in ("cuda", "numpy"):
@@ -339,10 +349,12 @@ def sync_top_format(script_op: ScriptTOPLike, width: int, height: int, comps: in
         ("resolutionh", height),
     ]
     fmt = td_format_name(dtype, comps)
-    if fmt is not None:
-        wanted.append(("format", fmt))
     failed = []
     pars = getattr(script_op, "par", None)
+    if fmt is not None:
+        wanted.append(("format", fmt))
+    elif getattr(pars, "format", None) is not None:  # said, not silently kept: 3 channels, say
+        failed.append(f"format (TD has no {comps}-channel {np.dtype(dtype).name} format; it stays as it is)")
     for name, value in wanted:
         par = getattr(pars, name, None)
         if par is None:
@@ -401,6 +413,9 @@ class ScriptTopReceiver:
         self._refused: str | None = None
         self._format: tuple[int, int, int, str] | None = None
         self._script_error = False
+        #: why the newest frame could not be shown (a dtype TD has no texture for): said on every cook until
+        #: a frame is shown, not only on the cook that took it
+        self._bad: str | None = None
 
     @property
     def receiver(self) -> Receiver | None:
@@ -423,6 +438,7 @@ class ScriptTopReceiver:
         rx, self._rx = self._rx, None
         self._next_try = 0.0
         self._refused = None
+        self._bad = None
         try:
             self.sink.detach()
         finally:
@@ -497,6 +513,8 @@ class ScriptTopReceiver:
         self._refused = None
         if frame is None:
             self._again(script_op)
+            if self._bad is not None:  # the newest frame is one TD cannot take: said until one it can comes
+                return self._bad, "error"
             if closing:
                 return (
                     f"cudalink: the producer of {self.link!r} is closing; showing its last frame",
@@ -506,9 +524,14 @@ class ScriptTopReceiver:
                 return f"cudalink: connected to {self.link!r}; no frame yet", "warning"
             return f"showing frame {self.sink.last.seq} (no new frame)", None
         warning = None
-        if self.match_format:
-            warning = self._match_format(script_op, frame)
-        upload = self.sink.show(frame, script_op, flip=self.flip, swap_rb=self.swap_rb)
+        try:
+            if self.match_format:
+                warning = self._match_format(script_op, frame)
+            upload = self.sink.show(frame, script_op, flip=self.flip, swap_rb=self.swap_rb)
+        except LinkError as exc:
+            self._bad = _message(exc)
+            raise
+        self._bad = None
         del frame  # a zero-copy upload holds it; a converted one lets the producer have its slot back now
         if closing:
             self.sink.detach()

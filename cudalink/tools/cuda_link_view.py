@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -59,6 +60,11 @@ def _read_bytes(name: str) -> bytes:
             f"{', '.join(cw.DEFAULT_NAMES)}) and that its producer runs on this machine"
         ) from exc
     except OSError as exc:  # another user's segment, or not a segment at all
+        if exc.errno == errno.EINVAL:
+            raise LinkError(
+                f"cudalink: {name!r} in /dev/shm is not a shared-memory segment ({exc.strerror}); check the name "
+                f"cuda-link shows (its defaults: {', '.join(cw.DEFAULT_NAMES)})"
+            ) from exc
         raise LinkError(
             f"cudalink: cannot read cuda-link segment {name!r} ({exc}); run this as the user whose producer made it"
         ) from exc

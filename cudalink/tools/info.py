@@ -367,7 +367,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             line = str(exc)
             if not name.startswith(cuda_link_view.PREFIX) and _is_cudalink_link(name):
                 line += f"; {name!r} is a cudalink link: `python -m cudalink monitor {name}` shows it"
-        table.add_row(cuda_link_view.PREFIX + cuda_link_view.strip_prefix(name), line)
+        # escaped: a segment's name is anyone's text, and "[red]" in it would be read as markup, not shown
+        table.add_row(escape(cuda_link_view.PREFIX + cuda_link_view.strip_prefix(name)), escape(line))
     ucx = info.get("ucx", {})
     if ucx.get("usable"):
         names = list(map(str, ucx.get("transports", [])))  # type: ignore[call-overload]

@@ -37,18 +37,34 @@ class EmptySegment(FileNotFoundError):
     in between. To a reader it is not there yet; ``clean`` and a new producer remove it."""
 
 
+class _Opened(shared_memory.SharedMemory):
+    """A segment someone else made, opened to read: ``SharedMemory`` unlinks the segment when its own mapping
+    fails (a FIFO in its place, a 64 TiB sparse file), which a reader must never do to another's name."""
+
+    _opened = False
+
+    def __init__(self, name: str, **kw: object) -> None:
+        super().__init__(name, **kw)  # type: ignore[arg-type]
+        self._opened = True
+
+    def unlink(self) -> None:
+        if self._opened:
+            super().unlink()
+
+
 def _open_segment(name: str, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:
     """Open without the resource tracker: it would unlink a live producer's segment when a consumer exits."""
+    kind = shared_memory.SharedMemory if create else _Opened
     try:
         if sys.version_info >= (3, 13):
-            return shared_memory.SharedMemory(name, create=create, size=size, track=False)  # type: ignore[call-arg]
+            return kind(name, create=create, size=size, track=False)  # type: ignore[call-arg]
         from multiprocessing import resource_tracker
 
         with _track_lock:
             saved = resource_tracker.register
             resource_tracker.register = lambda *a, **k: None  # type: ignore[assignment]
             try:
-                return shared_memory.SharedMemory(name, create=create, size=size)
+                return kind(name, create=create, size=size)
             finally:
                 resource_tracker.register = saved  # type: ignore[assignment]
     except ValueError as exc:  # "cannot mmap an empty file" (the half-made object's __del__ closes its fd)

@@ -33,7 +33,17 @@ class LinkTimeout(LinkError, TimeoutError):
 
 
 class ProducerGone(LinkError):
-    """The producer closed or died; the next ``recv`` re-attaches to a new producer if one appears."""
+    """The producer closed or died; the next ``recv`` re-attaches to a new producer if one appears.
+
+    ``closed`` is True where it closed the link itself (every frame it published before was there to take),
+    False where it died or nobody can tell."""
+
+    def __init__(self, message: str = "", closed: bool = False) -> None:
+        super().__init__(message)
+        self.closed = closed
+
+    def __reduce__(self) -> tuple[type, tuple[str, bool]]:
+        return type(self), (str(self), self.closed)
 
 
 class FormatError(LinkError, ValueError):

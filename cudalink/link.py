@@ -216,6 +216,7 @@ class _Handler(ServerHandler):
         # cycle collector next runs
         self.sender: Sender = weakref.proxy(sender)
         self.conns: dict[int, int] = {}
+        self.pids: dict[int, int] = {}  #: each connection's process (a ``serve=`` server's are waited for at close)
         #: for the hot path, swapped whole on each change: joined consumers' indexes as a bit mask, and
         #: each index's connection
         self.joined = 0
@@ -258,6 +259,7 @@ class _Handler(ServerHandler):
                 )
             s._join_consumer(index, peer.pid or hello.pid, hello.token)
             self.conns[conn] = index
+            self.pids[conn] = peer.pid or hello.pid
             self._swap()
         fds = tuple(s._slots.fds())
         return Reply(wire.pack_welcome(wire.Welcome(index, s.generation, len(fds))), fds)
@@ -265,6 +267,7 @@ class _Handler(ServerHandler):
     def on_leave(self, conn: int) -> None:
         with self.lock, contextlib.suppress(ReferenceError):  # the Sender gone (collected): nothing to reclaim
             index = self.conns.pop(conn, None)
+            self.pids.pop(conn, None)
             self._swap()
             if index is not None:
                 self.sender._forget_consumer(index)
@@ -853,8 +856,6 @@ class Sender:
                 return
         _open_senders.discard(self)
         remote = getattr(self, "_remote", None)
-        if remote is not None:
-            ucx_engine.stop_server(remote)
         self._closing = True  # before the lock: a send waiting for a slot (policy="block") holds it, and ends now
         self._released.set()
         with self._lock:
@@ -866,6 +867,13 @@ class Sender:
                 while self._server.connection_count() and time.monotonic() < deadline:
                     self._released.wait(0.01)
                     self._released.clear()
+                if remote is not None:
+                    # our ucx server sends its remote consumers what we published before this close (as a local
+                    # consumer still reads it), then hangs up: its own bound, ucx_server.DRAIN_S
+                    deadline = time.monotonic() + min(timeout, ucx_engine.DRAIN_S + 0.5)
+                    while self._served_by(remote.pid) and time.monotonic() < deadline:
+                        self._released.wait(0.01)
+                        self._released.clear()
             finally:
                 try:
                     self._slots.settle()  # every published frame complete before we hang up (see CudaView)
@@ -881,7 +889,16 @@ class Sender:
                     if discard is not None and not unread:
                         discard()  # the frames' memory back to the OS now, not when this Sender is collected
                     self._fence_events = [None] * len(self._fence_events)
-                    self._slots.close(timeout)
+                    try:
+                        self._slots.close(timeout)
+                    finally:
+                        if remote is not None:
+                            ucx_engine.stop_server(remote)
+
+    def _served_by(self, pid: int) -> bool:
+        """Whether process ``pid`` (our ucx server) still has a consumer of this link."""
+        with self._handler.lock:
+            return pid in self._handler.pids.values()
 
     def _forget_after_fork(self) -> None:
         """In a forked child: closed here without a word to anyone (see ``_forget_in_forked_child``)."""
@@ -1236,13 +1253,21 @@ class Receiver:
 
     def _gone(self, why: str) -> ProducerGone:
         att = self._att
+        closed = False
+        if att is not None:
+            with contextlib.suppress(Exception):  # read before the drop unmaps what says it
+                closed = bool(att.closing())
+        if closed and why == "closed or died":  # seen at the hang-up (poll, EOF) rather than by the flag
+            why = "closed the link"
         said = getattr(att, "reason", "")  # what the source knows of the end (a server's goodbye, say)
         if said:
             why = f"{why} ({said})"
         if att is not None:
             self._dead_generation = att.generation
             self._drop(att)
-        return ProducerGone(f"cudalink: producer of {self.name!r} {why}; recv() again to wait for a new one")
+        return ProducerGone(
+            f"cudalink: producer of {self.name!r} {why}; recv() again to wait for a new one", closed=closed
+        )
 
     # -- receiving ------------------------------------------------------------------------------------------
 

@@ -118,6 +118,9 @@ class _Consumer:
         self.why = ""
         self.silent = False  # dropped for silence: maybe only stalled, so its endpoint outlives it a while
         self.staged = False  # GPU frames go out as host bytes (see ucx_engine.stage_on_host)
+        self.drain_until: float | None = None  # see _draining
+        self.hung_up = asyncio.Event()  # our reader of its messages ended: it left, or the connection did
+        self.told_end = False  # told its producer is gone: it is given a moment to read that and hang up
         self.inline = 0  # host bytes up to this many go in the FRAME message itself (the client's HELLO)
         self.out = bytearray()  # that one message, made once
         self.pinned: list[Any] = []  # their page-locked buffers (``cuda.ucx.Pinned``), one per GPU frame in flight
@@ -214,9 +217,16 @@ class _Consumer:
             await asyncio.wait_for(self.ep.send(ucx_wire.pack_bye(reason, text)), wait)
 
     async def _lost_producer(self, why: object) -> None:
-        """The local producer closed or died: the consumer hears so (its ProducerGone carries ``why``)."""
-        await self._bye(ucx_wire.R_PRODUCER_GONE, str(why))
+        """The local producer closed or died: the consumer hears which (its ProducerGone carries ``why``)."""
+        rx = self.rx
+        closed = getattr(why, "closed", False) or (rx is not None and rx._att is not None and rx._att.closing())
+        if closed:
+            assert rx is not None
+            await self._bye(ucx_wire.R_PRODUCER_CLOSED, f"the producer of {rx.name!r} closed the link")
+        else:
+            await self._bye(ucx_wire.R_PRODUCER_GONE, str(why))
         self.why = "lost its producer"
+        self.told_end = True
 
     async def _producer_left(self, why: object) -> None:
         """The sender found the producer gone: GPU frames it took before are posted first (their flights may
@@ -228,6 +238,16 @@ class _Consumer:
                 await asyncio.wait_for(asyncio.shield(turn), GOODBYE_S)
         if not self.halt.is_set():  # a flight that failed has said why already
             await self._lost_producer(why)
+
+    def _draining(self, rx: Receiver) -> bool:
+        """The producer closed cleanly less than ``DRAIN_S`` ago: the frames it published before are still this
+        consumer's to take once it gives credit back, so it is waited for (and pinged) a while longer."""
+        att = rx._att
+        if att is None or not att.closing():
+            return False
+        if self.drain_until is None:
+            self.drain_until = time.monotonic() + ucx_engine.DRAIN_S
+        return time.monotonic() < self.drain_until
 
     def _counts(self) -> str:
         most = f"; up to {self.most_flights} GPU frames on their way at once" if self.most_flights else ""
@@ -247,16 +267,19 @@ class _Consumer:
     async def _reader(self) -> None:
         """Credits, pings and goodbyes from the consumer; anything else closes the connection."""
         buf = bytearray(ucx_wire.MSG_SIZE)
-        while True:
-            msg = await ucx_engine.recv_msg(self.ep, buf, None)
-            self.heard = time.monotonic()
-            kind = ucx_wire.expect(msg, ucx_wire.CREDIT, ucx_wire.PING, ucx_wire.BYE)
-            if kind == ucx_wire.CREDIT:
-                self.credits = min(self.credits + ucx_wire.unpack_credit(msg), ucx_wire.MAX_CREDITS)
-                self.credit.set()
-            elif kind == ucx_wire.BYE:
-                self.why = "said goodbye"
-                return
+        try:
+            while True:
+                msg = await ucx_engine.recv_msg(self.ep, buf, None)
+                self.heard = time.monotonic()
+                kind = ucx_wire.expect(msg, ucx_wire.CREDIT, ucx_wire.PING, ucx_wire.BYE)
+                if kind == ucx_wire.CREDIT:
+                    self.credits = min(self.credits + ucx_wire.unpack_credit(msg), ucx_wire.MAX_CREDITS)
+                    self.credit.set()
+                elif kind == ucx_wire.BYE:
+                    self.why = "said goodbye"
+                    return
+        finally:
+            self.hung_up.set()
 
     async def _watchdog(self) -> None:
         """A consumer silent for DEAD_AFTER_S (a pulled cable: no RST ever comes) is gone."""
@@ -297,6 +320,9 @@ class _Consumer:
                 if exc is not None:
                     raise exc
         finally:
+            if self.told_end:  # aborted at once, it may see the reset before it reads why (the reader still runs)
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(self.hung_up.wait(), GOODBYE_S)
             # Give the leases back within the second: cancel, abort the endpoint (its pending requests
             # end), and close the local Receiver even if a task is still unwinding out of UCX. A consumer
             # that went silent may only be stalled: its endpoint lives on a while, so the goodbye that says
@@ -326,8 +352,8 @@ class _Consumer:
                         await asyncio.wait_for(self.credit.wait(), ucx_engine.PING_S)
                     except asyncio.TimeoutError:
                         # a consumer holding every frame it may takes none: see the producer's end here, or it
-                        # would hear of it only when it gave one back
-                        if _producer_gone(rx):
+                        # would hear of it only when it gave one back (after a clean close, once DRAIN_S is over)
+                        if _producer_gone(rx) and not self._draining(rx):
                             await self._producer_left(f"the producer of {rx.name!r} closed or died")
                             return
                         await self._send(ucx_wire.pack_ping())
@@ -599,15 +625,22 @@ class Server:
         while not stop.done():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(stop), 0.2)
-            if not stop.done() and self.parent and not _platform.pid_alive(self.parent):
+            if not stop.done() and self.parent and self._parent_gone():
                 log.info("cudalink serve: the producer process %d is gone; stopping", self.parent)
                 await self.goodbye(ucx_wire.R_PRODUCER_GONE, f"the producer of {self.name!r} died")
                 return
-        if self.parent:  # a Sender's own server: its close() stops us
-            await self.goodbye(ucx_wire.R_PRODUCER_GONE, f"the producer of {self.name!r} closed")
+        if self.parent:  # a Sender's own server: its close() stops us, once we have sent what it published
+            await self.goodbye(ucx_wire.R_PRODUCER_CLOSED, f"the producer of {self.name!r} closed the link")
         else:
             what = f"cudalink serve of {self.name!r}" if self.name else "cudalink serve"
             await self.goodbye(ucx_wire.R_CLOSING, f"{what} stopped ({stop.result()})")
+
+    def _parent_gone(self) -> bool:
+        """The producer that spawned us (``--parent``: our parent process) died. Killed, it may stay a zombie its
+        own parent has not reaped yet (``subprocess.run`` waiting on our inherited stdout, which we then held
+        open forever), and a zombie's pid is alive to ``kill(pid, 0)``; but we were handed to another parent
+        as it died (ucx serves on Linux only, where a parent's death does that)."""
+        return os.getppid() != self.parent or not _platform.pid_alive(self.parent)
 
     def _stop_on_signals(self, stop: asyncio.Future[str]) -> None:
         """SIGTERM (a service manager, a Sender's close()) and Ctrl-C end ``run`` through :meth:`goodbye`."""

@@ -204,6 +204,24 @@ def test_latest_wins_for_a_slow_consumer(stream: tuple[Proc, Proc, str]) -> None
         assert rx.stats()["skipped"] >= 5 * 10
 
 
+def test_a_latest_consumer_that_pauses_is_handed_the_newest_frame_not_one_as_old_as_its_pause(
+    stream: tuple[Proc, Proc, str],
+) -> None:
+    """Its landing buffers held the three frames that came as it paused: the first recv() after a 1 s pause
+    returned a frame 1 s old (a local one returns the newest). The oldest unread one now goes back as each
+    newer one lands."""
+    _, _, url = stream
+    with cudalink.Receiver(url, latest=True, timeout=10.0) as rx:
+        for _ in range(5):
+            rx.recv(timeout=5.0).release()
+        time.sleep(1.0)
+        with rx.recv(timeout=5.0) as f:
+            check(f)
+            age = (time.time_ns() - f.timestamp_ns) / 1e9
+        assert age < 0.5, f"the first frame after a 1 s pause was {age:.2f} s old"
+        assert rx.stats()["skipped"] > 0
+
+
 def test_fileno_poll_and_asyncio(stream: tuple[Proc, Proc, str]) -> None:
     import selectors
 
@@ -895,6 +913,42 @@ def test_sender_serve_starts_and_stops_its_server() -> None:
             check(f)
     t.join(5)
     assert proc.poll() is not None  # close() stopped it
+
+
+def test_a_remote_consumer_behind_at_a_clean_close_still_gets_what_was_published_then_hears_it_closed() -> None:
+    """A consumer holding every frame it may (no credit left) as its producer closed: the server left at once,
+    so the frames published before the close never came (and were not counted as skipped), ProducerGone said
+    "closed or died", and ``producer_closing`` was never True. As a local consumer still reads the ring, the
+    server now waits for its credit (``ucx_engine.DRAIN_S``), the Sender's close() for its server."""
+    name = unique("d")
+    port = free_port()
+    shape = (8, 8, 4)
+    tx = cudalink.Sender(name, shape=shape, slots=4, serve=f"ucx://127.0.0.1:{port}")
+    closer = threading.Thread(target=tx.close, daemon=True)
+    try:
+        with remote_bench.connect(port, name, within=20, latest=False) as rx:
+            held = []
+            for seq in range(1, 4):  # every landing buffer it has (ucx_source.CREDITS): the server holds back now
+                tx.send(pattern(shape, seq), meta=struct.pack("<Q", seq))
+                held.append(rx.recv(timeout=5.0))
+            for seq in range(4, 7):
+                tx.send(pattern(shape, seq), meta=struct.pack("<Q", seq))
+            closer.start()
+            time.sleep(0.3)  # the server has seen the close by now (it looks every PING_S)
+            for f in held:
+                check(f)
+                f.release()
+            got = []
+            with pytest.raises(cudalink.ProducerGone, match="closed the link") as info:
+                while True:
+                    with rx.recv(timeout=5.0) as f:
+                        check(f)
+                        got.append(f.seq)
+            assert got == [4, 5, 6] and rx.stats()["skipped"] == 0, (got, rx.stats())
+            assert info.value.closed and "died" not in str(info.value), info.value
+    finally:
+        closer.join(10) if closer.is_alive() else tx.close()
+    assert not closer.is_alive() and tx.closed and tx._remote is not None and tx._remote.poll() is not None
 
 
 @pytest.mark.parametrize("shape", [(16, 16, 4), (160, 160, 4)], ids=["inline", "two-messages"])

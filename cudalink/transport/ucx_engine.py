@@ -54,6 +54,10 @@ INSTALL_HINT = 'pip install "cudalink[ucx]" (Linux, Python 3.11+; in a checkout 
 DEAD_AFTER_S = float(os.environ.get("CUDALINK_UCX_DEAD_S", "0.9"))
 PING_S = DEAD_AFTER_S / 4
 HANDSHAKE_S = 3.0
+#: how long a server still serves a consumer after its producer closed cleanly, for the frames it published
+#: before: one that holds every frame it may (no credit left) takes them once it gives some back, as a local
+#: consumer reads them from the ring later. A producer that died leaves nothing to wait for.
+DRAIN_S = 1.0
 #: the progress mode of UCXX's asyncio API, for the bench's floor (``CUDALINK_UCX_PROGRESS`` overrides)
 PROGRESS = "thread"
 log = logging.getLogger("cudalink.ucx")

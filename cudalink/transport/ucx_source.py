@@ -286,11 +286,14 @@ def _receive(rx: Counters, att: Any) -> Frame | None:
     q = att.ready
     if not q:
         return None
-    if rx.latest:
-        while len(q) > 1:  # the newest wins: older ones go back at once (counted as skipped by seq)
-            _, old = q.popleft()
-            att.give_back(old)
-    head, idx = q.popleft()
+    try:
+        if rx.latest:
+            while len(q) > 1:  # the newest wins: older ones go back at once (counted as skipped by seq)
+                _, old = q.popleft()
+                att.give_back(old)
+        head, idx = q.popleft()
+    except IndexError:  # the UCX thread gave the oldest back meanwhile (see _land_frames): the next one comes
+        return None
     account(rx, head.seq)
     spec: FrameSpec = head.spec
     if not isinstance(idx, int):  # a GPU landing buffer (cuda.landing.Landed): its sync orders consumers
@@ -346,6 +349,7 @@ class UcxAttachment:
         self.inline = inline  # the pixel bytes a FRAME message may carry (what our HELLO asked for)
         self.ep = ep
         self.source = source  # connects again after a drop for silence (None: never)
+        self.latest = source.latest if source is not None else True
         self.generation = welcome.generation
         self.capacity = welcome.capacity
         self.staged = welcome.staged
@@ -377,6 +381,9 @@ class UcxAttachment:
         self.dead = ""  # why the connection ended ("" while it lives)
         self.leaving = False  # our goodbye is sent: the server's hang-up that follows is no loss to resume from
         self.producer_gone = False  # the server said the producer closed or died (not just: the connection ended)
+        #: the server said the producer closed cleanly, after the frames it published before: what ``closing()``
+        #: says (a local Receiver reads it off the ring's shutdown flag)
+        self.producer_closed = False
         self.heard = time.monotonic()
         self.sent = time.monotonic()
         self.tick = time.monotonic()  # the watchdog's last turn: long ago means our loop is held up right now
@@ -453,7 +460,8 @@ class UcxAttachment:
                     continue
                 if kind == ucx_wire.BYE:
                     reason, text = ucx_wire.unpack_text(msg)
-                    self.producer_gone = reason == ucx_wire.R_PRODUCER_GONE
+                    self.producer_gone = reason in (ucx_wire.R_PRODUCER_GONE, ucx_wire.R_PRODUCER_CLOSED)
+                    self.producer_closed = reason == ucx_wire.R_PRODUCER_CLOSED
                     said = ucx_wire.quoted(text)  # the Receiver's ProducerGone says "cudalink:" and what to do
                     return f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {said}", reason == ucx_wire.R_SILENT
                 head = ucx_wire.unpack_frame(msg, self.capacity, self.inline)
@@ -478,7 +486,14 @@ class UcxAttachment:
                 self.heard = time.monotonic()
                 self.fruitless = 0
                 self.last_seq = head.seq
-                self.ready.append((head, idx))
+                ready = self.ready
+                ready.append((head, idx))
+                if self.latest and not self.free and len(ready) > 1:
+                    # newest wins: with no buffer left and frames unread (a consumer that stopped calling recv
+                    # for a while), the oldest goes back, so its credit brings the next frame and the first
+                    # recv() afterwards is handed the newest, not one as old as the pause (counted as skipped)
+                    with contextlib.suppress(IndexError):  # recv() on the caller's thread took it meanwhile
+                        self._returned(ready.popleft()[1])
                 self._wake()
                 if head.inline:  # zeroed for the next receive (see above), once the consumer is woken
                     buf[ucx_wire.MSG_SIZE : ucx_wire.MSG_SIZE + head.nbytes] = bytes(head.nbytes)
@@ -681,7 +696,7 @@ class UcxAttachment:
         self.eng.call_soon(self._returned, idx)
 
     def closing(self) -> bool:
-        return False
+        return self.producer_closed
 
     @property
     def reason(self) -> str:

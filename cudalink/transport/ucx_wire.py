@@ -106,6 +106,8 @@ R_SERVER_ERROR = 9  #: the server failed to send a frame (its text says why; ret
 #: the server heard nothing from this consumer for DEAD_AFTER_S and gave its frames back; a consumer that
 #: was only stalled (its process held the GIL) connects again and carries on
 R_SILENT = 10
+#: the producer of the link closed it cleanly: the frames it published before were sent first (retryable)
+R_PRODUCER_CLOSED = 11
 REASON_TEXT = {
     R_KEY: "wrong key",
     R_NO_LINK: "no such link",
@@ -117,8 +119,9 @@ REASON_TEXT = {
     R_CLIENT_CLOSE: "client left",
     R_SERVER_ERROR: "server error",
     R_SILENT: "dropped while silent",
+    R_PRODUCER_CLOSED: "producer closed",
 }
-RETRYABLE = frozenset({R_NO_LINK, R_PRODUCER_GONE, R_CLOSING, R_FULL, R_SERVER_ERROR, R_SILENT})
+RETRYABLE = frozenset({R_NO_LINK, R_PRODUCER_GONE, R_CLOSING, R_FULL, R_SERVER_ERROR, R_SILENT, R_PRODUCER_CLOSED})
 
 _PING_BYTES: bytes | None = None
 

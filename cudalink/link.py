@@ -342,9 +342,9 @@ class Sender:
         slots = int_arg(slots, "slots", 1, wire.MAX_SLOTS, "slots=4")
         max_consumers = int_arg(max_consumers, "max_consumers", 1, wire.MAX_CONSUMERS, "max_consumers=16")
         nbytes = self._spec.nbytes
-        cap = (
-            nbytes if capacity is None else int_arg(capacity, "capacity", 0, MAX_NBYTES, f"capacity={nbytes}")
-        )  # a frame's limit
+        cap = nbytes  # at most a frame's own limit (MAX_NBYTES): past it, shared_memory overflowed
+        if capacity is not None:
+            cap = int_arg(capacity, "capacity", 0, MAX_NBYTES, f"capacity={nbytes}")
         if cap < nbytes:
             raise ArgumentError(
                 f"cudalink: capacity {cap} is smaller than one frame ({nbytes} bytes); pass capacity={nbytes} or more"
@@ -869,7 +869,7 @@ class Sender:
                     self._released.clear()
                 if remote is not None:
                     # our ucx server sends its remote consumers what we published before this close (as a local
-                    # consumer still reads it), then hangs up: its own bound, ucx_server.DRAIN_S
+                    # consumer still reads it), then hangs up: its own bound, ucx_engine.DRAIN_S
                     deadline = time.monotonic() + min(timeout, ucx_engine.DRAIN_S + 0.5)
                     while self._served_by(remote.pid) and time.monotonic() < deadline:
                         self._released.wait(0.01)

@@ -744,10 +744,13 @@ def test_the_server_of_a_killed_producer_run_by_a_parent_that_has_not_reaped_it_
         "print('serving', flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
+    from cudalink.transport.shm import clean
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    name = unique("zp")
     started = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-c", code, unique("zp"), f"ucx://127.0.0.1:{free_port()}"],
+        [sys.executable, "-c", code, name, f"ucx://127.0.0.1:{free_port()}"],
         env=env,
         capture_output=True,
         text=True,
@@ -755,3 +758,4 @@ def test_the_server_of_a_killed_producer_run_by_a_parent_that_has_not_reaped_it_
     )
     assert out.returncode == -9 and "serving" in out.stdout, out.stdout + out.stderr
     assert time.monotonic() - started < 20, "the server held the killed producer's output pipe"
+    clean(only=[name])  # what the killed producer left

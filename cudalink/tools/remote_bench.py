@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import struct
@@ -610,8 +611,13 @@ def cmd_remote_bench(args: argparse.Namespace) -> int:
 def _main() -> None:
     role, *rest = sys.argv[1:]
     if role == "producer":
+        from .ui import Stopped, sigterm_stops
+
         name, shape, port, period, seconds, *device_and_write = rest
-        _producer(name, shape, int(port), float(period), float(seconds), *device_and_write)
+        # the bench ends its producer with SIGTERM: its Sender then closes (and its server stops), where a
+        # kill left each run's link behind in /dev/shm (130 MB at 4K) until a `cudalink clean`
+        with contextlib.suppress(Stopped), sigterm_stops():
+            _producer(name, shape, int(port), float(period), float(seconds), *device_and_write)
     elif role == "bare":
         port, nbytes, period, count, one, api, buffers = rest
         _bare_sender(int(port), int(nbytes), float(period), int(count), bool(int(one)), api, int(buffers))

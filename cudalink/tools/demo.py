@@ -14,10 +14,8 @@ import queue as queue_mod
 import signal
 import struct
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,7 +32,7 @@ from ..frames.spec import FrameSpec
 from ..transport import wire
 from .measure import GpuLib, _child_init, _one_line, resolve_backend
 from .monitor import Snapshot, read_snapshot
-from .ui import _console, _pcts, _us
+from .ui import Stopped, _console, _pcts, _us, sigterm_stops, stop_requested, stop_signal
 
 if TYPE_CHECKING:
     import multiprocessing.queues as mpq
@@ -404,29 +402,9 @@ def _demo_view(
     return Group(head, ptext, table)
 
 
-#: what stops the demo as Ctrl-C does: ``timeout`` and service managers send SIGTERM, a closed terminal SIGHUP
+#: what stops the demo as Ctrl-C does (its children stopped, where a kill left them running on to their own end):
+#: ``timeout`` and service managers send SIGTERM, a closed terminal SIGHUP
 _STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
-
-
-@contextlib.contextmanager
-def _signals_interrupt(got: list[int]) -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise KeyboardInterrupt (noted in ``got``), so the demo stops its children
-    as on Ctrl-C: killed where it stood, its producer and consumers ran on to their own end. The command's own
-    process: the library installs no handler."""
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live on the main thread
-        yield
-        return
-
-    def on_signal(signum: int, frame: object) -> None:
-        got.append(signum)  # seen at the loop's next turn, even where the raise lands in a finalizer, which drops it
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -476,15 +454,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     producer_done = interrupted = False
     snap: Snapshot | None = None
     last_snap = 0.0
-    signals: list[int] = []
     with (
-        _signals_interrupt(signals),
+        sigterm_stops(_STOP_SIGNALS),
         Live(_demo_view(cfg, backend.label, prod, cons, None), console=console, auto_refresh=False) as live,
     ):
         while True:
             try:
-                if signals and not interrupted:  # a signal whose raise was dropped on its way
-                    raise KeyboardInterrupt
+                if stop_requested() and not interrupted:  # a signal whose raise was dropped on its way
+                    raise Stopped
                 try:
                     msg = out.get(timeout=0.1)
                 except queue_mod.Empty:
@@ -551,7 +528,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         if c.status in ("starting", "receiving"):
                             c.status, c.error = "failed", "did not stop in time"
                     break
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, Stopped):
                 interrupted = True
                 stop.set()
                 stop_deadline = time.monotonic() + 10.0
@@ -562,7 +539,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if p.is_alive():
             p.terminate()
             p.join(timeout=2.0)
-    code = 128 + signals[0] if signals else 130  # what a shell reports for a process that signal ended
+    code = 128 + stop_signal() if stop_signal() else 130  # what a shell reports for a process that signal ended
     return _demo_summary(console, cfg, backend.label, prod, cons, code if interrupted else 0)
 
 

@@ -42,9 +42,12 @@ class Stopped(BaseException):
 
 
 _stop = threading.Event()
+_stop_signal = 0  # the signal that set _stop
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
+    global _stop_signal
+    _stop_signal = signum
     _stop.set()  # seen at the loop's next turn, even where the raise lands in a finalizer, which drops it
     raise Stopped
 
@@ -54,19 +57,25 @@ def stop_requested() -> bool:
     return _stop.is_set()
 
 
+def stop_signal() -> int:
+    """Which of :func:`sigterm_stops`'s signals came (0: none): a command that exits as that signal would
+    reports ``128 + it``, as a shell does."""
+    return _stop_signal if _stop.is_set() else 0
+
+
 @contextlib.contextmanager
-def sigterm_stops() -> Iterator[None]:
-    """While inside, SIGTERM raises :class:`Stopped` in the main thread instead of killing the process where it
-    stands. The command's own process: a handler here takes nothing from an application (the library installs
-    none)."""
+def sigterm_stops(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[None]:
+    """While inside, SIGTERM (or each of ``signals``) raises :class:`Stopped` in the main thread instead of
+    killing the process where it stands. The command's own process: a handler here takes nothing from an
+    application (the library installs none)."""
     main = threading.current_thread() is threading.main_thread()  # signal handlers live on the main thread
     _stop.clear()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
+    previous = {sig: signal.signal(sig, _on_sigterm) for sig in signals} if main else {}
     try:
         yield
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _us(v: float | None) -> str:

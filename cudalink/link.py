@@ -34,7 +34,7 @@ from .errors import (
 )
 from .errors import seconds_arg as _seconds_arg
 from .frames.frame import Frame
-from .frames.spec import MAX_NBYTES, META_MAX, FrameSpec, PixelFormat, RowOrigin
+from .frames.spec import MAX_NBYTES, META_MAX, FrameSpec, PixelFormat, RowOrigin, check_meta_size
 from .transport import ring_source, ucx_engine, wire
 from .transport.base import UNVERIFIED_UID, NoProducer, Peer, Reply, ServerHandler, Transport
 from .transport.shm import SharedMemoryTransport
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["Receiver", "Sender"]
 
 Policy = Literal["drop", "block"]
-#: what ``send``/``reserve`` take as a frame's meta: bytes-like, at most ``wire.META_MAX`` bytes; None for none
+#: what ``send``/``reserve`` take as a frame's meta: bytes-like, at most ``META_MAX`` bytes; None for none
 Meta = bytes | bytearray | memoryview | None
 WaitMode = Literal["spin", "block", "hybrid"]
 
@@ -67,7 +67,6 @@ _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-ov
 #: a consumer that always finds a frame waiting never sleeps, where it tells monitors its counts: it tells them
 #: every 8th frame instead (a mask on ``received``)
 _COUNT_EVERY = 7
-_META_MAX = META_MAX
 T = TypeVar("T")
 
 
@@ -196,6 +195,10 @@ def _plugin_arg(value: T, what: str, needs: tuple[str, ...], example: str) -> T:
             f"{type(value).__name__} {value!r}; pass e.g. {example}, or leave it out for the default"
         )
     return value
+
+
+def _transport_arg(transport: Transport | None) -> Transport | None:
+    return _plugin_arg(transport, "transport", ("serve", "connect"), "SharedMemoryTransport('tcp')")
 
 
 def default_transport() -> Transport:
@@ -351,7 +354,7 @@ class Sender:
             )
         timeout = _seconds_arg(timeout, "timeout", "timeout=1.0", none_ok=True)
         _choice_arg(handles, "handles", ("auto", "pool", "legacy"))
-        transport = _plugin_arg(transport, "transport", ("serve", "connect"), "SharedMemoryTransport('tcp')")
+        transport = _transport_arg(transport)
         if not (isinstance(device, str) and device == "cpu"):
             from .cuda import devices
 
@@ -600,7 +603,7 @@ class Sender:
         other arrays, and any send while a consumer's release fence is pending, use the link's stream,
         ordered after the array's producer through DLPack/CAI.
 
-        ``meta`` is bytes-like (bytes, bytearray, memoryview; None for none), at most ``wire.META_MAX`` bytes;
+        ``meta`` is bytes-like (bytes, bytearray, memoryview; None for none), at most ``META_MAX`` bytes;
         ``timestamp_ns`` an int (default: the publish time). What cannot be sent (a closed link, another meta
         type, an array of another shape, dtype or device) is refused before a slot or a seq is taken, so a
         refused send leaves the link as it was: :class:`LinkClosed` or :class:`FormatError`.
@@ -609,7 +612,7 @@ class Sender:
             _trace.mark(_trace.SEND_ENTERED)
         with self._lock:
             # everything a send can refuse is refused here, before a slot or a seq is taken
-            if self._closed or meta.__class__ is not bytes or len(meta) > _META_MAX or timestamp_ns is not None:
+            if self._closed or meta.__class__ is not bytes or len(meta) > META_MAX or timestamp_ns is not None:
                 meta, timestamp_ns = self._checked(meta, timestamp_ns)
             if timeout is not None:
                 timeout = _call_timeout(timeout)
@@ -863,17 +866,14 @@ class Sender:
             try:
                 self._ring.set_flag(wire.FLAG_SHUTDOWN, True)
                 self._server.wake(b"\x00")
-                deadline = time.monotonic() + (timeout if self._slots.unmap_first else 0.0)
-                while self._server.connection_count() and time.monotonic() < deadline:
-                    self._released.wait(0.01)
-                    self._released.clear()
+                if self._slots.unmap_first:
+                    self._wait_for_consumers(self._server.connection_count, timeout)
                 if remote is not None:
                     # our ucx server sends its remote consumers what we published before this close (as a local
                     # consumer still reads it), then hangs up: its own bound, ucx_engine.DRAIN_S
-                    deadline = time.monotonic() + min(timeout, ucx_engine.DRAIN_S + 0.5)
-                    while self._served_by(remote.pid) and time.monotonic() < deadline:
-                        self._released.wait(0.01)
-                        self._released.clear()
+                    self._wait_for_consumers(
+                        lambda: self._served_by(remote.pid), min(timeout, ucx_engine.DRAIN_S + 0.5)
+                    )
             finally:
                 try:
                     self._slots.settle()  # every published frame complete before we hang up (see CudaView)
@@ -894,6 +894,13 @@ class Sender:
                     finally:
                         if remote is not None:
                             ucx_engine.stop_server(remote)
+
+    def _wait_for_consumers(self, left: Callable[[], object], timeout: float) -> None:
+        """Until ``left()`` says none are left, for at most ``timeout``: woken as each one leaves."""
+        deadline = time.monotonic() + timeout
+        while left() and time.monotonic() < deadline:
+            self._released.wait(0.01)
+            self._released.clear()
 
     def _served_by(self, pid: int) -> bool:
         """Whether process ``pid`` (our ucx server) still has a consumer of this link."""
@@ -928,7 +935,7 @@ class Sender:
 
 def _meta_bytes(meta: object) -> bytes:
     """A frame's meta as the ring writes it: bytes-like (bytes, bytearray, memoryview) of at most
-    ``wire.META_MAX`` bytes; None is no meta. Anything else is a :class:`FormatError` in both cores."""
+    ``META_MAX`` bytes; None is no meta. Anything else is a :class:`FormatError` in both cores."""
     if meta is None:
         return b""
     if not isinstance(meta, (bytes, bytearray, memoryview)):
@@ -937,10 +944,7 @@ def _meta_bytes(meta: object) -> bytes:
             f"cudalink: meta must be bytes, bytearray or memoryview (or None), got {type(meta).__name__}{hint}"
         )
     raw = bytes(meta)
-    if len(raw) > _META_MAX:
-        raise FormatError(
-            f"cudalink: meta is {len(raw)} bytes; at most {_META_MAX} travel with a frame (put more in the frame)"
-        )
+    check_meta_size(len(raw))
     return raw
 
 
@@ -1071,7 +1075,7 @@ class Receiver:
         connect = _bool_arg(connect, "connect")
         self.timeout = _seconds_arg(timeout, "timeout", "timeout=5.0", none_ok=True)
         spin_s = _seconds_arg(spin_us, "spin_us", "spin_us=50", unit="microseconds") / 1e6
-        transport = _plugin_arg(transport, "transport", ("serve", "connect"), "SharedMemoryTransport('tcp')")
+        transport = _transport_arg(transport)
         source = _plugin_arg(source, "source", ("attach", "close"), "a RingSource of cudalink.transport.ring_source")
         self._source: Source = source or open_source(
             name, transport=transport or default_transport(), device=device, copy=copy_mode(copy), latest=latest
@@ -1251,14 +1255,16 @@ class Receiver:
         if installed and self._dead_generation:
             self.reattached += 1
 
-    def _gone(self, why: str) -> ProducerGone:
+    def _gone(self, why: str | None = None) -> ProducerGone:
+        """The producer's end, said once: ``why``, or (None) what the source tells of it, whether the end was
+        seen by its shutdown flag or at the hang-up (poll, EOF)."""
         att = self._att
         closed = False
         if att is not None:
             with contextlib.suppress(Exception):  # read before the drop unmaps what says it
                 closed = bool(att.closing())
-        if closed and why == "closed or died":  # seen at the hang-up (poll, EOF) rather than by the flag
-            why = "closed the link"
+        if why is None:
+            why = "closed the link" if closed else "closed or died"
         said = getattr(att, "reason", "")  # what the source knows of the end (a server's goodbye, say)
         if said:
             why = f"{why} ({said})"
@@ -1292,7 +1298,7 @@ class Receiver:
         if frame is None:
             self._publish_counts(att)
             if not att.alive():
-                return self._final(att, "closed or died")
+                return self._final(att)
         elif not self.received & _COUNT_EVERY:
             self._publish_counts(att)
         return frame
@@ -1340,11 +1346,11 @@ class Receiver:
                     if self._closed:
                         raise self._closed_meanwhile()
                     if att.closing():
-                        return self._final(att, "closed the link")
+                        return self._final(att)
                     now = time.monotonic()
                     if now >= deadline:
                         if not att.alive():
-                            return self._final(att, "closed or died")
+                            return self._final(att)
                         raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {_secs(limit)}")
                     if now < spin_until:
                         for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
@@ -1357,13 +1363,13 @@ class Receiver:
                         _platform.yield_cpu()
                         n += 1
                         if n & 15 == 0 and (self._closed or not att.alive()):
-                            return self._final(att, "closed or died")  # closed meanwhile: LinkClosed there
+                            return self._final(att)  # closed meanwhile: LinkClosed there
                         continue
                     # Drain stale wake-ups (and see EOF) *before* sleeping, not after waking: the wake-up that
                     # ends this sleep is left in the socket, so the frame it announces is taken with no recv()
                     # syscall in between. It is drained the next time this receiver is about to sleep.
                     if not att.alive():
-                        return self._final(att, "closed or died")
+                        return self._final(att)
                     self._publish_counts(att)
                     ahead = self.wake_ahead and not self._sticky_wake  # a selector's wake-up must mean a frame
                     frame = self._sleep_take(
@@ -1389,7 +1395,7 @@ class Receiver:
             if self._closed:
                 self._leave()
 
-    def _final(self, att: Attachment, why: str) -> Frame:
+    def _final(self, att: Attachment) -> Frame:
         """The end is seen (the shutdown flag, EOF): one more take first. A producer publishes its last frames
         before it says it closes, so a take made after seeing that finds every frame it sent, even those that
         landed between our last empty take and the look at the flag. Only then is the stream over. (A close()
@@ -1402,7 +1408,7 @@ class Receiver:
             frame = None
         if frame is not None:
             return frame
-        raise self._gone(why)
+        raise self._gone()
 
     def _arrived(self, frame: Frame, entered: float) -> Frame:
         """Learn how long frames keep us waiting: ``hybrid`` spins only while frames come within its spin.
@@ -1448,7 +1454,7 @@ class Receiver:
             att = self._att
             assert att is not None
             if att.closing():
-                return self._final(att, "closed the link")
+                return self._final(att)
             left = deadline - loop.time()
             if left <= 0:
                 raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {_secs(limit)}")

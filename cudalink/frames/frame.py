@@ -21,7 +21,7 @@ from numpy.typing import DTypeLike
 # downward only: the CUDA glue never imports frames (they describe themselves)
 from ..cuda import arrays, devices, driver
 from ..errors import ArgumentTypeError, ExportError, FormatError, LinkClosed, int_arg
-from .spec import META_MAX, FrameSpec, PixelFormat, RowOrigin
+from .spec import FrameSpec, PixelFormat, RowOrigin, check_meta_size
 
 if TYPE_CHECKING:
     from typing_extensions import CapsuleType
@@ -275,10 +275,8 @@ class Frame:
                 f"cudalink: meta must be bytes, bytearray or memoryview (or None), got {type(meta).__name__}"
                 + ("; encode it first, e.g. meta=text.encode()" if isinstance(meta, str) else "")
             )
-        if meta is not None and len(meta) > META_MAX:
-            raise FormatError(
-                f"cudalink: meta is {len(meta)} bytes; at most {META_MAX} travel with a frame (put more in the frame)"
-            )
+        if meta is not None:
+            check_meta_size(len(meta))
         info = arrays.describe_array(obj)
         try:
             spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)

@@ -12,13 +12,31 @@ from numpy.typing import DTypeLike
 
 from ..errors import FormatError
 
-__all__ = ["MAX_NDIM", "META_MAX", "SUPPORTED_DTYPES", "FrameSpec", "PixelFormat", "RowOrigin", "as_dtype"]
+__all__ = [
+    "MAX_NDIM",
+    "META_MAX",
+    "SUPPORTED_DTYPES",
+    "FrameSpec",
+    "PixelFormat",
+    "RowOrigin",
+    "as_dtype",
+    "check_meta_size",
+]
 
 MAX_NDIM = 8
 #: Bytes of ``meta`` a frame carries: a tag or a small struct, kept beside the frame in every slot.
 META_MAX = 64
 #: Frames larger than this are refused: no real image is, and it keeps every size a safe u64.
 MAX_NBYTES = 1 << 40
+
+
+def check_meta_size(nbytes: int) -> None:
+    """Refuse ``meta`` longer than a frame carries (``send``, ``reserve`` and ``Frame.from_array`` alike)."""
+    if nbytes > META_MAX:
+        raise FormatError(
+            f"cudalink: meta is {nbytes} bytes; at most {META_MAX} travel with a frame (put more in the frame)"
+        )
+
 
 #: The element types every consumer framework (numpy, torch, cupy, jax) can take through DLPack.
 SUPPORTED_DTYPES: tuple[str, ...] = (

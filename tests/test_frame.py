@@ -389,6 +389,29 @@ def test_a_stream_of_its_own_is_waited_on_as_it_is(monkeypatch: pytest.MonkeyPat
     assert frame._export_streams() == [0x7F00]
 
 
+def test_a_stream_handle_that_is_no_pointer_is_refused_before_the_driver_sees_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream handle is a 64-bit pointer: a larger int (or a negative one, outside DLPack's -1) went through
+    ``stream_handle`` unchanged, and the driver's ``CUstream`` raised a bare OverflowError ("Python int too
+    large to convert to C unsigned long"), not DLPack's BufferError nor a cudalink error."""
+    from cudalink.cuda import driver
+
+    huge = 1 << 64
+    for bad in (huge, 1 << 70, _TorchLikeStream(huge), _CoreLikeStream(huge)):
+        with pytest.raises(cudalink.ExportError, match=r"^cudalink: invalid DLPack stream .*-1 for no synchron"):
+            driver.stream_handle(bad, dlpack=True)
+    for bad in (huge, -5, _TorchLikeStream(-5), _CoreLikeStream(huge)):
+        with pytest.raises(cudalink.ArgumentError, match=r"^cudalink: -?\d+ is not a CUDA stream handle"):
+            driver.stream_handle(bad)
+    assert driver.stream_handle((1 << 64) - 1, dlpack=True) == (1 << 64) - 1  # the largest pointer still is one
+    ctx = _Contexts(monkeypatch, OURS)
+    frame = _cuda_frame(ctx)
+    with pytest.raises(BufferError, match=r"^cudalink: invalid DLPack stream"):
+        frame.__dlpack__(stream=huge)
+    assert ctx.log == [] and frame._export_streams() == []  # nothing waited on, no fence owed
+
+
 def test_release_fences_on_default_streams_are_recorded_in_the_frames_gpu_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

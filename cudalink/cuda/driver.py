@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, SupportsInt, cast
 import numpy as np
 
 from .. import _native
-from ..errors import CudaError, CudaUnavailable, ExportError, LinkError
+from ..errors import ArgumentError, CudaError, CudaUnavailable, ExportError, LinkError
 
 if TYPE_CHECKING:
     from .objects import Event, Stream, StridedView, ViewFactory
@@ -155,6 +155,10 @@ def memcpy_dtoh(dst: int, src: int, nbytes: int, stream: int) -> None:
     check(drv.cuMemcpyDtoHAsync(dst, src, nbytes, cu_stream(stream)), "cuMemcpyDtoHAsync")
 
 
+#: the largest stream handle there is: a CUstream is a pointer
+_MAX_HANDLE = (1 << 64) - 1
+
+
 def stream_handle(stream: object, *, dlpack: bool = False) -> int:
     """Raw CUstream value of a cuda.core Stream, a torch/cupy stream, or an int: the one normalisation.
 
@@ -163,7 +167,7 @@ def stream_handle(stream: object, *, dlpack: bool = False) -> int:
     :class:`ExportError`, a ``BufferError`` (what DLPack consumers expect). Otherwise a 0 from a framework
     means its default stream, which is the legacy one (1).
     """
-    if type(stream) is int and stream > 0:  # what torch and cupy pass to __dlpack__: checked first
+    if type(stream) is int and 0 < stream <= _MAX_HANDLE:  # what torch and cupy pass to __dlpack__: checked first
         return stream
     if stream is None:
         if dlpack:
@@ -185,9 +189,17 @@ def stream_handle(stream: object, *, dlpack: bool = False) -> int:
     if dlpack:
         if value == 0:
             raise ExportError("cudalink: DLPack forbids stream=0; pass 1 for the legacy default stream")
-        if value < -1:
-            raise ExportError(f"cudalink: invalid DLPack stream {value}")
+        if value < -1 or value > _MAX_HANDLE:
+            raise ExportError(
+                f"cudalink: invalid DLPack stream {value}: pass a stream handle (a 64-bit pointer), 1 or 2 for a "
+                "default stream, -1 for no synchronisation, or None"
+            )
         return value
+    if not 0 <= value <= _MAX_HANDLE:  # the driver's CUstream would raise a bare OverflowError at first use
+        raise ArgumentError(
+            f"cudalink: {value} is not a CUDA stream handle (a 64-bit pointer); pass a cuda.core/torch/cupy stream, "
+            "its int handle, or None"
+        )
     return (value or 1) if framework else value
 
 

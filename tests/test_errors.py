@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -179,6 +180,32 @@ def test_sending_what_is_not_an_array_says_so(thing: object) -> None:
         ) as info:
             tx.send(thing)
         assert "reconfigure" not in str(info.value)
+        assert tx.stats()["published"] == 0
+
+
+def _added_dtypes() -> list[object]:
+    """Dtypes a package adds to numpy: ml_dtypes' where it is installed (jax brings it), and numpy's own test one."""
+    from numpy._core._rational_tests import rational
+
+    added: list[object] = [rational]
+    with contextlib.suppress(ImportError):
+        import ml_dtypes
+
+        added += [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn]
+    return added
+
+
+@pytest.mark.parametrize("dtype", _added_dtypes(), ids=lambda d: np.dtype(d).name)  # type: ignore[arg-type]
+def test_a_dtype_a_package_adds_is_refused_by_its_name_with_a_conversion(dtype: object) -> None:
+    """bfloat16 (ml_dtypes) is a "V" dtype to numpy: refused as "dtype <V2" and as "not an array of pixels; pass
+    ... an array of numbers", which named neither the dtype nor the way out (convert, or send the bits)."""
+    name = np.dtype(dtype).name  # type: ignore[call-overload]
+    with pytest.raises(cudalink.FormatError, match=rf"^cudalink: dtype {name} is not supported; use a native"):
+        cudalink.FrameSpec((4, 4), dtype)  # type: ignore[arg-type]
+    with cudalink.Sender(f"argtest-added-{os.getpid()}", device="cpu", **_OK_TX) as tx:  # type: ignore[arg-type]
+        for call in (tx.send, cudalink.Frame.from_array):
+            with pytest.raises(cudalink.FormatError, match=rf"^cudalink: a numpy array of {name} has a dtype .*astype"):
+                call(np.zeros((4, 4), dtype))  # type: ignore[call-overload]
         assert tx.stats()["published"] == 0
 
 

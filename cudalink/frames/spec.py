@@ -98,8 +98,10 @@ def as_dtype(dtype: DTypeLike) -> np.dtype[np.generic]:
     except TypeError as exc:
         raise FormatError(f"cudalink: {dtype!r} is not a dtype; use one of {', '.join(SUPPORTED_DTYPES)}") from exc
     if dt.byteorder == ">" or dt.name not in SUPPORTED_DTYPES:
+        # a dtype a package adds (ml_dtypes' bfloat16, float8_*) reads as raw bytes ("<V2") in dt.str: say its name
+        shown = dt.name if dt.isbuiltin == 2 else dt.str
         raise FormatError(
-            f"cudalink: dtype {dt.str} is not supported; use a native-endian one of {', '.join(SUPPORTED_DTYPES)}"
+            f"cudalink: dtype {shown} is not supported; use a native-endian one of {', '.join(SUPPORTED_DTYPES)}"
         )
     out: np.dtype[np.generic] = dt.newbyteorder("=")
     return out

@@ -523,6 +523,17 @@ class CudaSlots:
 # ======================================================================================= consumer side
 
 
+class _Mapped:
+    """A region as numpy's array interface, flagged writable whatever its mapping: see ``HostView``."""
+
+    __slots__ = ("__array_interface__", "region")
+
+    def __init__(self, region: Region) -> None:
+        self.region = region  # the arrays' base: keeps the mapping
+        size = len(region.buf)
+        self.__array_interface__ = {"version": 3, "shape": (size,), "typestr": "|u1", "data": (region.address, False)}
+
+
 class HostView:
     device = -1
 
@@ -532,6 +543,10 @@ class HostView:
         if region is None:
             raise LinkError("cudalink: the transport mapped no data region for a host link")
         self.region: Region = region
+        # the slots as numpy sees them, flagged writable although a consumer maps them PROT_READ (shm's
+        # _ReadOnly): a legacy DLPack capsule cannot say read-only, and numpy refuses to export a read-only array
+        # into one, so it is exported writable, as on a read-write mapping (a write through it faults)
+        self._bytes: npt.NDArray[np.uint8] = np.asarray(_Mapped(region))
 
     def check(self, handles: list[wire.SlotHandle], capacity: int) -> None:
         size = len(self.region.buf)
@@ -549,7 +564,7 @@ class HostView:
 
     def slot(self, slot: int, handle: wire.SlotHandle, spec: FrameSpec) -> SlotParts:
         offset = handle.size  # a host slot's handle carries its offset in the region
-        arr = np.ndarray(spec.shape, spec.dtype, self.region.buf, offset, spec.strides)
+        arr = np.ndarray(spec.shape, spec.dtype, self._bytes, offset, spec.strides)
         ro = arr.view()
         ro.flags.writeable = False
         ptr = self.region.address + offset

@@ -41,7 +41,7 @@ from . import _platform
 from .errors import LinkError, LinkTimeout, ProducerGone, ProtocolError, ProtocolReason
 from .frames.frame import Frame
 from .frames.spec import FrameSpec
-from .link import Receiver, default_transport
+from .link import Receiver
 from .transport import shm, ucx_engine, ucx_wire
 from .transport import wire as shm_wire
 from .transport.ring_source import RingSource
@@ -180,7 +180,8 @@ class _Consumer:
         copy: Copy = "auto" if self.staged else "always"
         try:
             # host frames go straight from the slot in either case (copy_host=False)
-            source = RingSource(name, default_transport(), copy=copy, copy_host=False)
+            # read-write: UCX may register a host slot it sends from for writing (RDMA), and fails on PROT_READ
+            source = RingSource(name, shm.SharedMemoryTransport(read_only=False), copy=copy, copy_host=False)
             rx = await asyncio.to_thread(Receiver, name, timeout=0.0, latest=hello.latest, source=source)
         except LinkTimeout:
             await self._send(ucx_wire.pack_reject(ucx_wire.R_NO_LINK, f"no producer publishes {name!r} here now"))

@@ -265,3 +265,15 @@ def waiting_consumer_that_stops_while_it_looks(name: str, looking: Any) -> None:
     shm.leftovers = look
     with contextlib.suppress(cudalink.LinkError):
         cudalink.Receiver(name, timeout=600.0)
+
+
+def write_into_a_received_frame(name: str, ready: Any) -> None:
+    """Receive a frame and write into it in place, as torch's in-place ops do (torch ignores DLPack's read-only
+    flag): the write must fault in this process, never reach the slot the producer and others read."""
+    import ctypes
+
+    with cudalink.Receiver(name, timeout=10.0) as rx:
+        frame = rx.recv(timeout=10.0)
+        ready.set()
+        ctypes.memset(frame.ptr, 0xEE, frame.nbytes)
+        time.sleep(600)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -90,6 +91,24 @@ def test_consumer_sigkill_with_a_lease_is_reclaimed(spawned: Spawned, pair: Pair
     assert np.from_dlpack(rx.recv(1))[0] == 3
     assert tx.stats()["consumers"] == 1
     keep.release()
+
+
+@pytest.mark.skipif(not hasattr(os, "sysconf") or not os.path.isdir("/dev/shm"), reason="POSIX shared memory")
+def test_a_consumer_writing_into_a_received_frame_faults_alone(spawned: Spawned, pair: PairFactory) -> None:
+    """A received frame is read-only, but torch ignores DLPack's read-only flag: an in-place op on
+    ``torch.from_dlpack(frame)`` wrote into the slot the producer and every other consumer read."""
+    tx, rx = pair(DEFAULT, shape=(4096,), dtype="uint8", slots=2)
+    tx.send(np.full(4096, 7, np.uint8))
+    writer = spawned.ready(_procs.write_into_a_received_frame, tx.name)
+    mine = rx.recv(1)  # the same frame, in the same slot
+    writer.join(10)
+    assert writer.exitcode == -signal.SIGSEGV, f"the writing consumer ended with {writer.exitcode}"
+    assert (np.from_dlpack(mine) == 7).all(), "another consumer's write reached this consumer's frame"
+    mine.release()
+    for value in range(3):  # the producer goes on: the writer's lease came back, and its slots hold what it wrote
+        assert tx.send(np.full(4096, value, np.uint8)) is not None
+        with rx.recv(1) as frame:
+            assert (np.from_dlpack(frame) == value).all()
 
 
 def test_resolution_change_across_processes(spawned: Spawned, name: str) -> None:

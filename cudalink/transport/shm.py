@@ -154,6 +154,36 @@ class Segment:
             pass
 
 
+class _ReadOnly:
+    """A consumer's mapping of a producer's data segment, PROT_READ: a received frame is read-only, and torch
+    ignores DLPack's read-only flag, so an in-place op on ``torch.from_dlpack(frame)`` wrote into the slot the
+    producer and every other consumer read. Mapped read-only, that write faults in the process that made it."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self._mmap = mm
+        self.buf = memoryview(mm)
+        arr = np.frombuffer(self.buf, np.uint8)
+        self.address = int(arr.ctypes.data) if len(arr) else 0
+        del arr
+
+    @classmethod
+    def open(cls, name: str) -> _ReadOnly | None:
+        """None where POSIX shared memory does not exist (Windows maps it read-write, as before)."""
+        mm = _platform.shm_map_readonly(name)
+        if mm is None:
+            return None
+        if not isinstance(mm, mmap.mmap):  # 0 bytes: not sized yet (see EmptySegment)
+            raise EmptySegment(f"shared-memory segment {name!r} is empty: its producer is creating it")
+        return cls(mm)
+
+    def __del__(self) -> None:
+        try:  # frames keep this object (their mapping) alive: nothing points into it any more
+            self.buf.release()
+            self._mmap.close()
+        except Exception:
+            pass
+
+
 class _ShmServer(Server):
     data_segment: Segment | None  # a Region that can also be unlinked
 
@@ -214,13 +244,14 @@ class _ShmServer(Server):
 
 
 class _ShmClient(SocketClient):
-    def __init__(self, name: str, header: Segment, found: Found) -> None:
+    def __init__(self, name: str, header: Segment, found: Found, read_only: bool = True) -> None:
         self._name = name
+        self._read_only = read_only
         self.header_segment = header
         self.header = header.buf
         self._found = found
         self._sock: ClientSocket | None = None
-        self.data_segment: Segment | None = None
+        self.data_segment: Segment | _ReadOnly | None = None
 
     def handshake(self, hello: bytes, reply_size: int, timeout: float) -> tuple[bytes, list[int]]:
         self._sock = self._found.connect(timeout)
@@ -229,8 +260,10 @@ class _ShmClient(SocketClient):
         return self._sock.handshake(hello, reply_size, timeout)
 
     def map_data(self, generation: int, size: int) -> memoryview:
+        name = _platform.segment_name(self._name, f"-{generation:016x}")
         try:
-            seg = Segment(_open_segment(_platform.segment_name(self._name, f"-{generation:016x}")))
+            seg: Segment | _ReadOnly | None = _ReadOnly.open(name) if self._read_only else None
+            seg = seg or Segment(_open_segment(name))
         except FileNotFoundError as exc:
             raise NoProducer("data segment vanished") from exc
         if len(seg.buf) < size:
@@ -246,10 +279,14 @@ class SharedMemoryTransport(Transport):
 
     ``control`` picks the producer's channel: ``"unix"``, ``"tcp"``, or ``None`` for the
     ``CUDALINK_CONTROL`` variable / the platform's best. Consumers find either kind by themselves.
+    ``read_only`` (consumers): map a host producer's frames read-only where the OS can (POSIX).
     """
 
-    def __init__(self, control: str | None = None) -> None:
+    def __init__(self, control: str | None = None, *, read_only: bool = True) -> None:
         self._channel = channel(control) if control is not None else None
+        #: consumers map a host producer's frames PROT_READ (see ``_ReadOnly``); False maps them read-write, for
+        #: a trusted reader that hands them to an engine which may register them for writing (UCX over RDMA)
+        self.read_only = read_only
 
     @property
     def channel(self) -> Channel:
@@ -320,7 +357,7 @@ class SharedMemoryTransport(Transport):
             raise NoProducer(f"no link named {name!r}") from exc
         except PermissionError as exc:
             raise LinkError(DENIED.format(name=name)) from exc
-        return _ShmClient(name, Segment(seg), found)
+        return _ShmClient(name, Segment(seg), found, self.read_only)
 
 
 #: how long a producer tries for its name's lock: a Receiver or ``cudalink clean`` may hold it for a moment

@@ -432,7 +432,7 @@ def test_a_pixel_formats_depth_must_match_the_dtype(fmt: str, dtype: str, ok: bo
     if ok:
         assert FrameSpec((2, 2, 4), dtype, pixel_format=fmt).pixel_format is not None
     else:
-        with pytest.raises(cudalink.FormatError, match=r"channels but the frames are .*; use '"):
+        with pytest.raises(cudalink.FormatError, match=r"has the depth suffix .* but the frames are .*; use '"):
             FrameSpec((2, 2, 4), dtype, pixel_format=fmt)
 
 

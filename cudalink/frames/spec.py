@@ -308,7 +308,7 @@ def _pixel_format(value: PixelFormat | str | None, dtype: np.dtype[np.generic] |
             if want != suffix:
                 fix = f"'{text}{want}'" if want else f"'{text}' (no depth suffix)"
                 raise FormatError(
-                    f"cudalink: pixel format {value!r} names {suffix} channels but the frames are {dtype}; "
+                    f"cudalink: pixel format {value!r} has the depth suffix {suffix!r} but the frames are {dtype}; "
                     f"use {fix}, or another dtype"
                 )
             break

@@ -4,6 +4,7 @@ Sender, by a Receiver (which says so instead of waiting out its timeout) and by 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -487,3 +488,23 @@ def test_a_consumer_stopped_while_it_asks_whether_the_producer_died_does_not_kee
         os.kill(consumer.pid, signal.SIGCONT)
         spawned.kill(consumer)
     assert nothing_left(name)
+
+
+def test_a_link_named_like_anothers_record_keeps_its_temporary_file() -> None:
+    """Link ``NAME.tcp.5`` writes its rendezvous file through ``NAME.tcp.5.tcp.<pid>.tmp``, which the pattern
+    for NAME's own killed writes (``NAME.tcp.*.tmp``) also matched: NAME's cleanup could remove it mid-write."""
+    from cudalink.transport.channel import LoopbackChannel
+
+    name = f"left-tmp-{os.getpid()}"
+    own = f"{LoopbackChannel.record_path(name)}.999999.tmp"
+    theirs = f"{LoopbackChannel.record_path(name + '.tcp.5')}.999998.tmp"
+    try:
+        for path in (own, theirs):
+            with open(path, "wb") as f:
+                f.write(b"half a record")
+        files = LoopbackChannel().leftovers(name)[0]
+        assert own in files and theirs not in files
+    finally:
+        for path in (own, theirs):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -168,7 +168,10 @@ class LoopbackChannel(Channel):
     def leftovers(self, name: str) -> tuple[list[str], list[int]]:
         old = self._read(name)
         path = self.record_path(name)
-        return [path, *glob.glob(f"{glob.escape(path)}.*.tmp")], [] if old is None else [old.generation]
+        # a killed writer's temp file is PATH.<pid>.tmp: "*" alone would also match link "x.tcp.5"'s own one
+        # (x.tcp.5.tcp.<pid>.tmp) as x's, while that live producer writes it
+        temps = [t for t in glob.glob(f"{glob.escape(path)}.*.tmp") if t[len(path) + 1 : -4].isdigit()]
+        return [path, *temps], [] if old is None else [old.generation]
 
     def listen(self, name: str, generation: int) -> Listening:
         listener = _platform.loopback_listener()

@@ -1422,12 +1422,19 @@ class Receiver:
         """Await the next frame: the event loop watches the source's fd, no thread and no polling. ``timeout``
         as for :meth:`recv`. Woken ahead of a frame (``wake_ahead``), it takes the frame as it is published,
         holding the loop for the rest of that send instead of sleeping for a second wake-up."""
-        if self._busy:
-            self._check_second_waiter()
         import asyncio
 
+        try:  # before the claim below: a call with no loop to run on must leave the Receiver as it was
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise LinkError(
+                f"cudalink: recv_async() on {self.name!r} needs a running asyncio event loop: await it in a "
+                "coroutine run by asyncio.run() (or uvloop); without one, call recv()"
+            ) from None
+        if self._busy:
+            self._check_second_waiter()
         self._busy = True
-        self._busy_loop = loop = asyncio.get_running_loop()
+        self._busy_loop = loop
         try:
             return await self._recv_async(timeout)
         finally:

@@ -362,3 +362,35 @@ def test_a_close_while_a_task_awaits_says_so_as_recv_does(pair: PairFactory) -> 
             return str(got.value)
 
     assert "was closed while it waited" in asyncio.run(main())
+
+
+def test_a_recv_async_driven_without_a_running_loop_says_so_and_leaves_the_receiver_usable(
+    spawned: Spawned, name: str
+) -> None:
+    """A ``recv_async()`` run where no asyncio loop runs (driven by hand, another async library, a thread with
+    no loop) raised asyncio's bare ``RuntimeError('no running event loop')`` and left the Receiver marked as
+    waiting: every later ``recv()``/``recv_async()`` was refused with 'already waiting', for good."""
+    import threading
+
+    spawned.ready(ap.idle_producer, name, stop=spawned.event(), forever=True)
+    with cudalink.Receiver(name, timeout=10) as rx:
+        coro = rx.recv_async(timeout=1)
+        with pytest.raises(cudalink.LinkError, match=r"^cudalink: recv_async\(\) .*running asyncio") as err:
+            coro.send(None)
+        assert "recv()" in str(err.value), err.value
+        coro.close()
+        errors: list[BaseException] = []
+
+        def in_a_thread() -> None:
+            try:
+                rx.recv_async(timeout=1).send(None)
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=in_a_thread)
+        t.start()
+        t.join(10)
+        assert len(errors) == 1 and isinstance(errors[0], cudalink.LinkError), errors
+        rx.recv(timeout=5).release()  # the one frame there is: the Receiver is not locked out
+        with pytest.raises(cudalink.LinkTimeout):
+            asyncio.run(rx.recv_async(timeout=0.1))

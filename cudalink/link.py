@@ -1563,20 +1563,7 @@ class Receiver:
             return
 
     def __aiter__(self) -> AsyncIterator[Frame]:
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[Frame]:
-        while not self._closed:
-            try:
-                yield await self.recv_async()
-            except ProducerGone:
-                if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
-                    raise
-                return
-            except LinkClosed:  # close() from elsewhere ends the stream
-                if self._closed:
-                    return
-                raise
+        return _Frames(self)
 
     def __iter__(self) -> Iterator[Frame]:
         while not self._closed:
@@ -1708,6 +1695,38 @@ class Receiver:
             self.close()
         except Exception:
             pass
+
+
+class _Frames:
+    """``async for``'s iterator over a Receiver: each ``__anext__`` is one ``recv_async()``, so a cancelled one
+    (``asyncio.wait_for(anext(it), t)``) ends nothing and the next goes on with the stream. (An async generator
+    was finished by the CancelledError thrown into it: its next ``anext`` said StopAsyncIteration, the stream's
+    end, while the producer still sent.)"""
+
+    __slots__ = ("_ended", "_rx")
+
+    def __init__(self, rx: Receiver) -> None:
+        self._rx = rx
+        self._ended = False
+
+    def __aiter__(self) -> _Frames:
+        return self
+
+    async def __anext__(self) -> Frame:
+        rx = self._rx
+        if self._ended or rx.closed:
+            self._ended = True
+            raise StopAsyncIteration
+        try:
+            return await rx.recv_async()
+        except ProducerGone:
+            if not rx._dead_generation:  # not the end of a stream: a dead producer found at attach
+                raise
+        except LinkClosed:  # close() from elsewhere ends the stream
+            if not rx.closed:
+                raise
+        self._ended = True
+        raise StopAsyncIteration
 
 
 #: the Python references of the local ring's per-frame take and sleep, kept by name for the tests that compare

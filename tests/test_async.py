@@ -394,3 +394,36 @@ def test_a_recv_async_driven_without_a_running_loop_says_so_and_leaves_the_recei
         rx.recv(timeout=5).release()  # the one frame there is: the Receiver is not locked out
         with pytest.raises(cudalink.LinkTimeout):
             asyncio.run(rx.recv_async(timeout=0.1))
+
+
+def test_async_for_iterator_survives_a_cancelled_next(spawned: Spawned, name: str) -> None:
+    """``asyncio.wait_for(anext(it), t)`` over ``it = aiter(rx)`` (a heartbeat between frames): the iterator
+    was an async generator, which the first timeout's CancelledError finished, so the next ``anext`` said
+    StopAsyncIteration (the stream's end) while the producer still sent. Each frame must come, in order, and
+    the iterator end only when the producer closes."""
+    start = spawned.event()
+    spawned.ready(ap.paced_producer, name, 20, 0.03, start=start)
+
+    async def main() -> tuple[list[int], int]:
+        got: list[int] = []
+        timeouts = 0
+        with cudalink.Receiver(name, timeout=10, latest=False) as rx:
+            it = aiter(rx)
+            start.set()
+            while True:
+                try:
+                    frame = await asyncio.wait_for(anext(it), 0.01)
+                except asyncio.TimeoutError:
+                    timeouts += 1
+                    continue
+                except StopAsyncIteration:
+                    break
+                got.append(int(np.from_dlpack(frame)[0]))
+                frame.release()
+            with pytest.raises(StopAsyncIteration):  # ended stays ended
+                await anext(it)
+        return got, timeouts
+
+    got, timeouts = asyncio.run(main())
+    assert got == list(range(1, 21)), got
+    assert timeouts > 0

@@ -1545,8 +1545,12 @@ class Receiver:
             abandon.clear()  # waited for again: it goes on
             # our own attach ends with its clearer error at our deadline: a second more for it to say so
             grace = 1.0 if mine else 0.0
+            attached = asyncio.wrap_future(done)
+            # read its end even where nobody waits for it any more: a shield whose waiter was cancelled leaves
+            # it unread, and asyncio logged 'Future exception was never retrieved' for each cancelled wait
+            attached.add_done_callback(_read_end)
             try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), max(0.0, end - loop.time()) + grace)
+                await asyncio.wait_for(asyncio.shield(attached), max(0.0, end - loop.time()) + grace)
             except (LinkTimeout, ProducerGone):
                 if mine or self._closed or loop.time() >= end:
                     raise
@@ -1695,6 +1699,12 @@ class Receiver:
             self.close()
         except Exception:
             pass
+
+
+def _read_end(fut: Any) -> None:
+    """A done callback: marks the future's exception as read (asyncio logs one never read)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class _Frames:

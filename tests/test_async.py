@@ -427,3 +427,37 @@ def test_async_for_iterator_survives_a_cancelled_next(spawned: Spawned, name: st
     got, timeouts = asyncio.run(main())
     assert got == list(range(1, 21)), got
     assert timeouts > 0
+
+
+def test_waits_cancelled_while_attaching_log_no_unretrieved_error(
+    spawned: Spawned, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``asyncio.wait_for(rx.recv_async(), t)`` cancelled before any producer came: the attach it waited on
+    (in a thread, through ``asyncio.shield``) ended later with its 'cancelled' LinkTimeout, which nothing read,
+    and asyncio logged 'Future exception was never retrieved' with a traceback, once per cancelled wait. Then a
+    producer comes and every frame arrives."""
+    import contextlib
+    import logging
+
+    start = spawned.event()
+
+    async def main() -> list[int]:
+        got: list[int] = []
+        with cudalink.Receiver(name, connect=False, timeout=None, latest=False) as rx:
+            for _ in range(3):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(rx.recv_async(), 0.02)
+                await asyncio.sleep(0.15)  # its attach thread stops at its next try
+            spawned.ready(ap.paced_producer, name, 5, 0.01, start=start)
+            start.set()
+            async for frame in rx:
+                got.append(int(np.from_dlpack(frame)[0]))
+                frame.release()
+        return got
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        got = asyncio.run(main())
+        gc.collect()
+    assert got == [1, 2, 3, 4, 5]
+    unread = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not unread, unread

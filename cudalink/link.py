@@ -61,6 +61,8 @@ _AHEAD_CLAMP_NS = 2 * wire.AHEAD_MAX_NS  # one stalled send moves the moving ave
 #: with room, so the consumer is running, spinning, when the frame lands
 _LATE_LEAD_NS = 150_000
 _COPY_CLAMP_NS = 100_000_000
+#: the message of the cancel with which close() ends a recv_async() waiting on a loop that did not run then
+_WOKEN_BY_CLOSE = "cudalink: Receiver.close() ended this recv_async()"
 #: the longest one sleep inside ``recv`` (it loops while time is left): every source's wait takes it
 _LONGEST_SLEEP_S = 3600.0
 _SPIN_BURST = 63  # takes per spin burst between deadline checks and GIL hand-overs
@@ -1093,6 +1095,7 @@ class Receiver:
         #: a recv()/recv_async() is under way (maybe on another thread): close() then wakes it, and it leaves
         self._busy = False
         self._busy_loop: Any = None  # the loop of a recv_async() under way (None: a recv() on a thread)
+        self._busy_task: Any = None  # that recv_async()'s task (close() wakes it where its loop is not running)
         self._attach_lock = threading.Lock()  # one attachment wins where two calls attach at once
         self._joining: tuple[concurrent.futures.Future[None], threading.Event] | None = None  # see _join_async
         self._floor = 0
@@ -1435,12 +1438,21 @@ class Receiver:
             self._check_second_waiter()
         self._busy = True
         self._busy_loop = loop
+        self._busy_task = asyncio.current_task()
         try:
             return await self._recv_async(timeout)
+        except asyncio.CancelledError as exc:
+            if exc.args[:1] != (_WOKEN_BY_CLOSE,) or not self._closed:
+                raise
+            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+: not the caller's cancel
+            if uncancel is not None:
+                uncancel()
+            raise self._closed_meanwhile() from None
         finally:
             if self._busy_loop is loop:  # not when a later waiter took over from this one (see below)
                 self._busy = False
                 self._busy_loop = None
+                self._busy_task = None
             if self._closed:
                 self._leave()
 
@@ -1628,9 +1640,26 @@ class Receiver:
             interrupt = getattr(att, "interrupt", None)
             if interrupt is None or interrupt() is False:  # it cannot be woken: leave now, as before
                 self._leave()
-        else:  # nobody waits (or only a task on a loop that no longer runs: it reads nothing meanwhile)
+        else:  # nobody waits (or only a task on a loop that does not run now: it reads nothing meanwhile)
             self._leave()
+            if att is not None and self._busy and loop is not None:
+                self._wake_task_later(loop)
         self._source.close()
+
+    def _wake_task_later(self, loop: Any) -> None:
+        """A ``recv_async()`` task waits on a loop that does not run now (a host application runs its loop a
+        moment per frame; or it was stopped): close() has left the link, so that task waits on a socket closed
+        under it, forever once the loop runs again. Cancel it there instead, first thing, while it still waits
+        in this call: it raises the LinkClosed of a close() during a wait (and ``async for`` ends)."""
+        task = self._busy_task
+
+        def wake() -> None:
+            # not where the caller cancelled it meanwhile (Python 3.11+ says): that cancel stays its own
+            if self._busy_task is task and task is not None and not getattr(task, "cancelling", int)():
+                task.cancel(_WOKEN_BY_CLOSE)
+
+        with contextlib.suppress(RuntimeError):  # a loop closed meanwhile never runs that task again
+            loop.call_soon_threadsafe(wake)
 
     def _leave(self) -> None:
         att = self._att
@@ -1642,7 +1671,7 @@ class Receiver:
         waited (never cancelled, it will never run again): the new one takes over."""
         loop = self._busy_loop
         if loop is not None and loop.is_closed():
-            self._busy_loop = None
+            self._busy_loop = self._busy_task = None
             return
         raise self._second_waiter()
 
@@ -1663,7 +1692,7 @@ class Receiver:
         # a recv() under way on a thread of the parent is not under way here: ours is refused as closed, not as
         # a second waiter; and the attach lock such a thread may hold is not ours to wait for
         self._busy = False
-        self._busy_loop = None
+        self._busy_loop = self._busy_task = None
         self._attach_lock = threading.Lock()
         _open_receivers.discard(self)
         att, self._att = self._att, None

@@ -461,3 +461,53 @@ def test_waits_cancelled_while_attaching_log_no_unretrieved_error(
     assert got == [1, 2, 3, 4, 5]
     unread = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
     assert not unread, unread
+
+
+def test_a_close_between_pumps_of_a_host_s_loop_ends_the_waiting_task(spawned: Spawned, name: str) -> None:
+    """A host application (TouchDesigner, Blender, a GUI) runs its asyncio loop a moment per frame
+    (``call_soon(loop.stop); run_forever()``), so between frames it is not running. ``close()`` there left the
+    link at once (right) but the task awaiting ``recv_async()`` then waited, once the loop ran again, on a
+    socket closed under it: forever, as did ``async for`` and whoever awaited that task. It must end with the
+    LinkClosed a close() during a wait raises (``async for``: the loop ends), and the producer see it gone."""
+    spawned.ready(ap.idle_producer, name, stop=spawned.event(), forever=True)
+    loop = asyncio.new_event_loop()
+
+    def pump() -> None:
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+
+    async def loop_over(rx: cudalink.Receiver) -> str:
+        async for frame in rx:
+            frame.release()
+        return "ended"
+
+    try:
+        for how in ("recv_async", "async for"):
+            rx = cudalink.Receiver(name, timeout=None)
+            rx.recv(timeout=5).release()  # the one frame there is
+            task = loop.create_task(rx.recv_async() if how == "recv_async" else loop_over(rx))
+            for _ in range(5):  # waiting now
+                pump()
+                time.sleep(0.01)
+            assert not task.done()
+            rx.close()  # between two pumps
+            end = time.monotonic() + 3.0
+            while read_snapshot(name).consumers and time.monotonic() < end:
+                time.sleep(0.01)
+            assert not read_snapshot(name).consumers, "close() left the link only once the loop ran again"
+            end = time.monotonic() + 3.0
+            while not task.done() and time.monotonic() < end:
+                pump()
+                time.sleep(0.01)
+            assert task.done(), f"{how}: the task still waits 3 s after close()"
+            if how == "recv_async":
+                with pytest.raises(cudalink.LinkClosed, match="was closed while it waited"):
+                    task.result()
+            else:
+                assert task.result() == "ended"
+            assert not task.cancelled()
+    finally:
+        for t in asyncio.all_tasks(loop):
+            t.cancel()
+        pump()
+        loop.close()

@@ -824,6 +824,7 @@ class Sender:
         otherwise wait on, holding the Sender's lock); cancelled once the copy has begun, the frame is sent."""
         import asyncio
 
+        _running_loop(f"send_async() on {self.name!r}", "send()")
         abandon = threading.Event()
 
         def send() -> int | None:
@@ -933,6 +934,19 @@ class Sender:
                 self.close(timeout=0.2)
         except Exception:
             pass
+
+
+def _running_loop(call: str, instead: str) -> Any:
+    """The running asyncio loop, or a LinkError that says ``call`` needs one and to use ``instead`` without."""
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise LinkError(
+            f"cudalink: {call} needs a running asyncio event loop: await it in a coroutine run by asyncio.run() "
+            f"(or uvloop); without one, call {instead}"
+        ) from None
 
 
 def _meta_bytes(meta: object) -> bytes:
@@ -1427,13 +1441,8 @@ class Receiver:
         holding the loop for the rest of that send instead of sleeping for a second wake-up."""
         import asyncio
 
-        try:  # before the claim below: a call with no loop to run on must leave the Receiver as it was
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            raise LinkError(
-                f"cudalink: recv_async() on {self.name!r} needs a running asyncio event loop: await it in a "
-                "coroutine run by asyncio.run() (or uvloop); without one, call recv()"
-            ) from None
+        # before the claim below: a call with no loop to run on must leave the Receiver as it was
+        loop = _running_loop(f"recv_async() on {self.name!r}", "recv()")
         if self._busy:
             self._check_second_waiter()
         self._busy = True

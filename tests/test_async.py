@@ -511,3 +511,25 @@ def test_a_close_between_pumps_of_a_host_s_loop_ends_the_waiting_task(spawned: S
             t.cancel()
         pump()
         loop.close()
+
+
+def test_a_send_async_driven_without_a_running_loop_says_so(spawned: Spawned, name: str) -> None:
+    """``send_async()`` where no asyncio loop runs raised asyncio's bare ``RuntimeError('no running event
+    loop')``; like recv_async it says what to do, sends nothing, and the Sender goes on."""
+    result = spawned.queue()
+    with cudalink.Sender(name, shape=(4,), dtype="int64", slots=8) as tx:
+        consumer = spawned(ap.async_consumer, name, result, 1)
+        end = time.monotonic() + 30
+        while tx.stats()["consumers"] < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        coro = tx.send_async(np.full(4, 1, np.int64))
+        with pytest.raises(cudalink.LinkError, match=r"^cudalink: send_async\(\) .*running asyncio.*send\(\)"):
+            coro.send(None)
+        coro.close()
+        assert tx.stats()["published"] == 0
+        for i in (1, 2):
+            tx.send(np.full(4, i, np.int64))
+            time.sleep(0.05)
+    _pid, lists = result.get(timeout=30)
+    consumer.join(10)
+    assert lists == [[1, 2]]

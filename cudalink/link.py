@@ -1594,14 +1594,10 @@ class Receiver:
         while not self._closed:
             try:
                 yield self.recv()
-            except ProducerGone:
-                if not self._dead_generation:  # not the end of a stream: a dead producer found at attach
+            except (ProducerGone, LinkClosed) as exc:
+                if not _ends_stream(self, exc):
                     raise
                 return
-            except LinkClosed:  # close() on another thread ends the stream
-                if self._closed:
-                    return
-                raise
 
     def stats(self) -> dict[str, int | str]:
         """Counters, and ``path``: how frames reach this Receiver: ``zero-copy`` (the producer's own memory),
@@ -1767,14 +1763,20 @@ class _Frames:
             raise StopAsyncIteration
         try:
             return await rx.recv_async()
-        except ProducerGone:
-            if not rx._dead_generation:  # not the end of a stream: a dead producer found at attach
-                raise
-        except LinkClosed:  # close() from elsewhere ends the stream
-            if not rx.closed:
+        except (ProducerGone, LinkClosed) as exc:
+            if not _ends_stream(rx, exc):
                 raise
         self._ended = True
         raise StopAsyncIteration
+
+
+def _ends_stream(rx: Receiver, exc: LinkError) -> bool:
+    """Whether ``for``/``async for`` over ``rx`` ends quietly on ``exc``: at the producer's clean close (after
+    every frame it published) or at ``close()`` from elsewhere. A producer that died (or one found dead at
+    attach) raises its ProducerGone there: a crash is not the stream's end."""
+    if isinstance(exc, ProducerGone):
+        return bool(rx._dead_generation) and exc.closed
+    return isinstance(exc, LinkClosed) and rx.closed
 
 
 #: the Python references of the local ring's per-frame take and sleep, kept by name for the tests that compare

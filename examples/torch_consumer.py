@@ -41,7 +41,7 @@ def main() -> int:
     producer = spawn_producer(args)
     tally = Tally(WHO, args.frames, args.device)
     with other_side(args), cudalink.Receiver(args.name, timeout=args.wait) as rx:
-        for frame in rx:  # newest frame each time; the loop ends when the producer closes (ProducerGone)
+        for frame in rx:  # newest frame each time; ends when the producer closes (its death raises ProducerGone)
             with frame:
                 t = torch.from_dlpack(frame)  # shares the producer's slot: no copy
                 _, want = META.unpack(frame.meta)

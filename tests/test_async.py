@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import time
+from multiprocessing.process import BaseProcess
 
 import numpy as np
 import pytest
@@ -83,6 +84,46 @@ def test_cancel_races_with_a_publish(pair: PairFactory) -> None:
             assert seen == list(range(1, 51))
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop", ["async for", "for"])
+def test_a_killed_producer_raises_out_of_the_loop_and_a_closed_one_ends_it(
+    spawned: Spawned, name: str, loop: str
+) -> None:
+    """``for``/``async for`` end quietly at the producer's clean close; its death is an error, not the stream's
+    end: both loops ended as quietly, so a consumer could not tell a crash from a finished stream."""
+
+    def run(rx: cudalink.Receiver, kill: BaseProcess | None) -> int:
+        got = 0
+
+        async def take() -> None:
+            nonlocal got
+            async for frame in rx:
+                frame.release()
+                got += 1
+                if kill is not None:
+                    os.kill(kill.pid, SIGKILL)
+
+        if loop == "async for":
+            asyncio.run(take())
+        else:
+            for frame in rx:
+                frame.release()
+                got += 1
+                if kill is not None:
+                    os.kill(kill.pid, SIGKILL)
+        return got
+
+    stop = spawned.event()
+    prod = spawned.ready(ap.idle_producer, name, stop=stop)
+    with cudalink.Receiver(name, timeout=5) as rx:
+        stop.set()  # it closes the link after its one frame
+        assert run(rx, None) == 1
+        prod.join(10)
+    prod = spawned.ready(ap.idle_producer, name, stop=spawned.event(), forever=True)  # killed in the loop
+    with cudalink.Receiver(name, timeout=5) as rx, pytest.raises(cudalink.ProducerGone) as gone:
+        run(rx, prod)
+    assert not gone.value.closed
 
 
 def test_producer_gone_surfaces_inside_the_loop(spawned: Spawned, name: str, control: str) -> None:

@@ -11,6 +11,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
@@ -76,9 +77,14 @@ T = TypeVar("T")
 #: so the registry never keeps a Sender alive. Only atexit: a library must not take the application's signals.
 _open_senders: weakref.WeakSet[Sender] = weakref.WeakSet()
 _atexit_registered = False
+#: the interpreter is ending (set by the exit-time close): a close() then waits for the Sender's lock at most its
+#: timeout, since daemon threads run on meanwhile and a reserve() block of theirs may never end
+_exiting = False
 
 
 def _close_at_exit() -> None:
+    global _exiting
+    _exiting = True
     pid = os.getpid()
     # this process's own consumers first: a Sender closing waits for its GPU consumers to unmap, and one of
     # ours, idle as the interpreter ends, would never answer (a forked child's set holds only its own)
@@ -864,7 +870,18 @@ class Sender:
         remote = getattr(self, "_remote", None)
         self._closing = True  # before the lock: a send waiting for a slot (policy="block") holds it, and ends now
         self._released.set()
-        with self._lock:
+        if not self._lock.acquire(timeout=timeout if _exiting and timeout < threading.TIMEOUT_MAX else -1):
+            # the interpreter is ending and a reserve() block on a daemon thread holds the lock: waiting on would
+            # hang the exit for good. Left as a killed producer leaves it: consumers see EOF as we exit.
+            warnings.warn(
+                f"cudalink: Sender {self.name!r} was not closed at exit: a reserve() block on another thread did not "
+                f"end within {_secs(timeout)}; its link is left as a killed producer's (the next Sender of that "
+                "name replaces it, or run `python -m cudalink clean`). End reserve() blocks before the program ends",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        try:
             self._closed = True
             try:
                 self._ring.set_flag(wire.FLAG_SHUTDOWN, True)
@@ -897,6 +914,8 @@ class Sender:
                     finally:
                         if remote is not None:
                             ucx_engine.stop_server(remote)
+        finally:
+            self._lock.release()
 
     def _wait_for_consumers(self, left: Callable[[], object], timeout: float) -> None:
         """Until ``left()`` says none are left, for at most ``timeout``: woken as each one leaves."""

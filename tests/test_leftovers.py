@@ -250,6 +250,36 @@ def test_finalizers_run_at_interpreter_exit_with_their_modules_torn_down(monkeyp
     shm.Segment.__del__(object.__new__(shm.Segment))  # a half-made one: its attributes never set
 
 
+def test_a_script_ending_while_a_daemon_thread_is_stuck_in_a_reserve_block_still_exits() -> None:
+    """A daemon thread inside a ``reserve()`` block that never ends (a camera read that hangs) holds the Sender's
+    lock; daemon threads run on while atexit runs, and the exit-time close waited for that lock forever: the
+    script never exited, and its consumers were never told. The exit-time close now waits for it only its
+    timeout, then leaves the link as a killed producer does (consumers see it gone at once; the next Sender
+    or ``cudalink clean`` removes it), and says so."""
+    name = f"left-stuck-{os.getpid()}"
+    code = (
+        "import threading, time, numpy as np, cudalink\n"
+        f"tx = cudalink.Sender({name!r}, shape=(4, 4), dtype='uint8', slots=3)\n"
+        "tx.send(np.full((4, 4), 1, np.uint8))\n"
+        "entered = threading.Event()\n"
+        "def render():\n"
+        "    with tx.reserve():\n"
+        "        entered.set()\n"
+        "        time.sleep(3600)  # never ends\n"
+        "threading.Thread(target=render, daemon=True).start()\n"
+        "entered.wait(10)\n"
+    )
+    try:
+        proc = run_python(code, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the script hung at exit: the exit-time close waited for a reserve() block that never ends")
+    finally:
+        clean(only=[name])
+    assert proc.returncode == 0, proc.stderr
+    assert "reserve() block" in proc.stderr and "cudalink clean" in proc.stderr, proc.stderr
+    assert nothing_left(name), leftovers(name)
+
+
 def test_the_exit_registry_holds_senders_weakly_and_forgets_closed_ones() -> None:
     from cudalink import link
 

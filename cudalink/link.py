@@ -1387,7 +1387,7 @@ class Receiver:
                     if now >= deadline:
                         if not att.alive():
                             return self._final(att)
-                        raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {_secs(limit)}")
+                        raise self._no_frame_within(limit, att)
                     if now < spin_until:
                         for _ in range(_SPIN_BURST):  # bare takes; the bookkeeping around them runs once a burst
                             frame = take(att)
@@ -1430,6 +1430,11 @@ class Receiver:
             self._busy = False
             if self._closed:
                 self._leave()
+
+    def _no_frame_within(self, limit: float, att: Attachment) -> LinkTimeout:
+        hint = getattr(att, "stall_hint", None)  # optional: see Attachment
+        why = hint() if hint is not None else ""
+        return LinkTimeout(f"cudalink: no frame on {self.name!r} within {_secs(limit)}{why}")
 
     def _final(self, att: Attachment) -> Frame:
         """The end is seen (the shutdown flag, EOF): one more take first. A producer publishes its last frames
@@ -1504,7 +1509,7 @@ class Receiver:
                 return self._final(att)
             left = deadline - loop.time()
             if left <= 0:
-                raise LinkTimeout(f"cudalink: no frame on {self.name!r} within {_secs(limit)}")
+                raise self._no_frame_within(limit, att)
             ahead = self.wake_ahead and self._spins and not self._sticky_wake
             if woken and ahead:  # woken ahead of the frame, maybe: the rest of its send() is shorter than a sleep
                 woken = False

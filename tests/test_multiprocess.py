@@ -140,3 +140,25 @@ def test_stale_segment_is_replaced_not_served(spawned: Spawned, name: str, pair:
     assert rx.generation == tx.generation
     tx.send(np.arange(4, dtype=np.int32))
     assert rx.recv(1).seq == 1
+
+
+@pytest.mark.parametrize("latest", [True, False], ids=["latest", "in-order"])
+def test_a_receiver_holding_every_slot_is_told_so_when_its_wait_times_out(
+    spawned: Spawned, name: str, latest: bool
+) -> None:
+    """A consumer that keeps every frame it receives (``frames.append(rx.recv())``) soon holds all the producer's
+    slots: no new frame can land (the producer drops them, or blocks), so its next ``recv()`` waits out its whole
+    timeout. It was told only "no frame within 0.3s", as if the producer had stopped. The timeout now says that
+    this Receiver holds every slot, and how to fix it; releasing one lets frames flow again."""
+    spawned.ready(_procs.host_producer_forever, name, (4, 4), "uint8", forever=True)  # slots=4, a frame each 0.5 ms
+    with cudalink.Receiver(name, timeout=5.0, latest=latest) as rx:
+        held = [rx.recv(timeout=5.0) for _ in range(4)]
+        with pytest.raises(cudalink.LinkTimeout) as info:
+            rx.recv(timeout=0.3)
+        message = str(info.value)
+        assert message.startswith("cudalink: ") and "holds all 4" in message and "release" in message, message
+        held.pop(0).release()
+        with rx.recv(timeout=5.0) as frame:  # the slot given back carries a new frame
+            assert frame.seq > max(f.seq for f in held)
+        for frame in held:
+            frame.release()

@@ -189,6 +189,18 @@ class RingAttachment:
     def fileno(self) -> int:
         return int(self.client.fileno())
 
+    def stall_hint(self) -> str:
+        """Said when a wait for a frame runs out while this Receiver's own frames hold every slot: the producer
+        can land nothing new until one is released (it drops frames, or its send blocks)."""
+        n = self.fixed.nslots
+        if len(self.live) < n:
+            return ""
+        return (
+            f"; this Receiver holds all {n} of the link's slots (frames it received, or arrays made from them, still "
+            "alive), so no new frame can land: release frames when done (frame.release(), or `with rx.recv() as "
+            f"frame:`) and drop the arrays made from them, or make the Sender with more than slots={n}"
+        )
+
     async def wait_async(self, timeout: float | None) -> None:
         await self.client.wait_async(timeout)
 

@@ -82,6 +82,8 @@ class Attachment(Protocol):
     # Optional: ``interrupt()``: wake a recv waiting on this attachment (on another thread, or a task) without
     # leaving yet; ``Receiver.close()`` then lets that waiter leave. Returning False (or lacking it) says it
     # cannot: close() then leaves at once, as before.
+    # Optional: ``stall_hint()`` (str, "" for none): why no frame may come that is this Receiver's own doing (it
+    # holds every slot); added to the LinkTimeout of a wait that ran out.
 
     def set_waiting(self, state: int) -> None:
         """Tell the producer whether (and how early) to wake us: ``wire.WAIT_OFF``/``WAIT_ON``/``WAIT_AHEAD``."""

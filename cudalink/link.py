@@ -859,7 +859,9 @@ class Sender:
         timeout = _seconds_arg(timeout, "timeout", "close(timeout=2.0)", none_ok=True)
         if self._closed:
             return
-        if self._reserved:
+        if self._reserved and not _exiting:
+            # (at exit a block still open on this thread is suspended, a generator's say, and only ends, if ever,
+            # in the interpreter's teardown, too late to close anything: the link is closed now instead)
             owned = getattr(self._lock, "_is_owned", None)  # CPython's RLock: whether this thread holds it
             if owned is not None and owned():
                 # the slot's memory (and on a GPU its ready event) would be freed under the writer, and the

@@ -280,6 +280,34 @@ def test_a_script_ending_while_a_daemon_thread_is_stuck_in_a_reserve_block_still
     assert nothing_left(name), leftovers(name)
 
 
+def test_a_script_ending_with_a_reserve_block_open_in_a_suspended_generator_leaves_nothing() -> None:
+    """A generator that yields inside ``with tx.reserve() as frame:`` and is never resumed keeps that block open, on
+    the main thread, past the script's end. The exit-time close deferred itself to the block's end (as a close
+    called from inside a block does), and the block ended only when the generator was finalized during interpreter
+    teardown: that close then failed ("ImportError: sys.meta_path is None") and left the link's segments in
+    /dev/shm. At exit nothing can end such a block any more: the link is closed then, and the block's late end
+    publishes nothing."""
+    name = f"left-gen-{os.getpid()}"
+    code = (
+        "import numpy as np, cudalink\n"
+        f"tx = cudalink.Sender({name!r}, shape=(4, 4), dtype='uint8', slots=3)\n"
+        "def frames():\n"
+        "    while True:\n"
+        "        with tx.reserve() as frame:\n"
+        "            yield frame\n"
+        "writer = frames()\n"
+        "np.from_dlpack(next(writer))[...] = 1  # never resumed: its block stays open\n"
+    )
+    try:
+        proc = run_python(code, timeout=30)
+        left = leftovers(name, unrecorded=True)
+    finally:
+        clean(only=[name])
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert left == ([], []), left
+
+
 def test_the_exit_registry_holds_senders_weakly_and_forgets_closed_ones() -> None:
     from cudalink import link
 

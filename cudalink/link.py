@@ -14,6 +14,7 @@ import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from multiprocessing import util as _mp_util
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
@@ -77,6 +78,7 @@ T = TypeVar("T")
 #: so the registry never keeps a Sender alive. Only atexit: a library must not take the application's signals.
 _open_senders: weakref.WeakSet[Sender] = weakref.WeakSet()
 _atexit_registered = False
+_mp_hooked_pid = 0  #: the process whose multiprocessing exit hooks close its Senders (see _register_open)
 #: the interpreter is ending (set by the exit-time close): a close() then waits for the Sender's lock at most its
 #: timeout, since daemon threads run on meanwhile and a reserve() block of theirs may never end
 _exiting = False
@@ -125,12 +127,17 @@ def _forked_note(link: object) -> str:
 
 
 def _register_open(tx: Sender) -> None:
-    global _atexit_registered
+    global _atexit_registered, _mp_hooked_pid
     if not _atexit_registered:
         # registered with the first Sender, after the CUDA packages it loaded registered theirs: atexit runs
         # in reverse, so Senders close (and free their GPU memory) before cuda.core tears itself down
         atexit.register(_close_at_exit)
         _atexit_registered = True
+    if _mp_hooked_pid != os.getpid():
+        # a multiprocessing child started by fork or forkserver ends in os._exit, where atexit never runs; its
+        # exit hooks do run (once per process: a forked child starts with its parent's cleared)
+        _mp_hooked_pid = os.getpid()
+        _mp_util.Finalize(None, _close_at_exit, exitpriority=0)
     _open_senders.add(tx)
 
 

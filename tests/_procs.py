@@ -136,6 +136,19 @@ def hold_lease_forever(name: str, ready: Any) -> None:
         frame.release()
 
 
+#: Senders a child keeps to its end (a module global, as an application's long-lived objects are)
+KEPT: list[Any] = []
+
+
+def host_producer_kept_open(name: str, ready: Any) -> None:
+    """Publish one frame and return with the Sender still open and referenced: only the exit-time close can close
+    it (a forked or forkserver child ends in ``os._exit``, after multiprocessing's own exit hooks)."""
+    tx = cudalink.Sender(name, shape=(4, 4), dtype="uint8", device="cpu")
+    tx.send(np.full((4, 4), 1, np.uint8))
+    KEPT.append(tx)
+    ready.set()
+
+
 def host_producer_later(name: str, delay_s: float, ready: Any) -> None:
     """Start publishing only after ``delay_s``: a Receiver started first must wait for it, not give up."""
     ready.set()

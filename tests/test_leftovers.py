@@ -250,6 +250,30 @@ def test_finalizers_run_at_interpreter_exit_with_their_modules_torn_down(monkeyp
     shm.Segment.__del__(object.__new__(shm.Segment))  # a half-made one: its attributes never set
 
 
+@pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(), reason="no forkserver")
+def test_a_multiprocessing_child_ending_with_its_sender_open_leaves_nothing() -> None:
+    """A ``multiprocessing`` child started by fork or forkserver (Linux's default from Python 3.14) ends in
+    ``os._exit``: atexit never runs there, so a Sender it kept open was never closed and its segments and socket
+    stayed in /dev/shm. The exit-time close now also runs from multiprocessing's own exit hooks."""
+    import multiprocessing
+
+    name = f"left-mp-{os.getpid()}"
+    ctx = multiprocessing.get_context("forkserver")
+    ready = ctx.Event()
+    child = ctx.Process(target=_procs.host_producer_kept_open, args=(name, ready))
+    child.start()
+    try:
+        assert ready.wait(60)
+        child.join(30)
+        assert child.exitcode == 0
+        left = leftovers(name, unrecorded=True)
+    finally:
+        if child.is_alive():
+            child.kill()
+        clean(only=[name])
+    assert left == ([], []), left
+
+
 def test_a_script_ending_while_a_daemon_thread_is_stuck_in_a_reserve_block_still_exits() -> None:
     """A daemon thread inside a ``reserve()`` block that never ends (a camera read that hangs) holds the Sender's
     lock; daemon threads run on while atexit runs, and the exit-time close waited for that lock forever: the

@@ -13,6 +13,8 @@ import pytest
 import cudalink
 from cudalink import _platform
 
+from .conftest import DEFAULT, PairFactory
+
 
 def test_a_failed_driver_call_is_a_cuda_error_carrying_its_cuResult() -> None:
     pytest.importorskip("cuda.bindings")
@@ -273,3 +275,14 @@ def test_links_and_frames_refuse_pickling_with_the_fix(tmp_path: object) -> None
             with pytest.raises(cudalink.ArgumentTypeError, match="pass its name"):
                 child.start()
             assert int(np.asarray(frame).sum()) == 7 * 16  # the refusal touched nothing
+
+
+def test_a_send_of_the_right_shape_in_another_dtype_names_the_conversion(pair: PairFactory) -> None:
+    """A Python list arrives as int64: the error only said to reconfigure the link, never to convert the data."""
+    tx, _ = pair(DEFAULT, shape=(4, 4), dtype="uint16")
+    with pytest.raises(cudalink.FormatError, match=r"np\.asarray\(x, dtype='uint16'\).*or call reconfigure"):
+        tx.send([[1] * 4] * 4)
+    with pytest.raises(cudalink.FormatError) as other_shape:
+        tx.send(np.zeros((2, 2), np.uint16))
+    assert "asarray" not in str(other_shape.value)  # another shape: converting would not help
+    assert tx.stats()["published"] == 0

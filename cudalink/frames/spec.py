@@ -269,9 +269,16 @@ class FrameSpec:
                 f"carries {self.dtype.str} in this machine's byte order; send x.astype(x.dtype.newbyteorder('='))"
             )
         if got != self.shape or dt != self.dtype:
+            # same shape, another dtype: most often a Python list or an int64/float64 array made by accident
+            name = self.dtype.name
+            convert = (
+                f"convert it (np.asarray(x, dtype='{name}'); torch: x.to(torch.{name})), or "
+                if got == self.shape
+                else ""
+            )
             raise FormatError(
                 f"cudalink: {what} is {got} {dt.name} but the link carries {self.shape} {self.dtype.name}; "
-                f"call reconfigure(shape=..., dtype=...) first to change the format"
+                f"{convert}call reconfigure(shape=..., dtype=...) first to change the format"
             )
 
 

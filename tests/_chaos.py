@@ -39,6 +39,37 @@ def other_user_producer(name: str, ready: Any, stop: Any) -> None:
         stop.wait(30)
 
 
+def squat_segment(path: str) -> None:
+    """Another user (uid 65533) makes an empty, world-writable file where a link of uid 65534 puts its header:
+    anyone may write in /dev/shm."""
+    os.setgid(65533)
+    os.setuid(65533)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    os.fchmod(fd, 0o666)
+    os.close(fd)
+
+
+def victim_of_a_squat(name: str, out: Any) -> None:
+    """As uid 65534: start a Sender on ``name``, clean it, wait for its producer; what each did goes to ``out``."""
+    from cudalink.transport.shm import clean  # imported before the uid changes: root's files are not 65534's
+
+    os.setgid(65534)
+    os.setuid(65534)
+    got = []
+    for step in ("sender", "clean", "receiver"):
+        try:
+            if step == "sender":
+                cudalink.Sender(name, shape=(4,), dtype="uint8").close()
+            elif step == "clean":
+                clean(only=[name])
+            else:
+                cudalink.Receiver(name, timeout=0.2).close()
+            got.append((step, "ok", ""))
+        except Exception as exc:
+            got.append((step, type(exc).__name__, str(exc)))
+    out.put(got)
+
+
 def churn_consumer(name: str, seconds: float, seed: int) -> None:
     """Join, take frames, sometimes hold them, leave or die: over and over."""
     rng = random.Random(seed)

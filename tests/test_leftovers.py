@@ -590,3 +590,29 @@ def test_a_link_named_like_anothers_record_keeps_its_temporary_file() -> None:
         for path in (own, theirs):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def test_a_segment_another_user_squats_under_our_name_is_never_taken_for_our_leftovers(spawned: Spawned) -> None:
+    """/dev/shm is anyone's: another user's empty, world-writable file under our header's name was taken for a
+    dead producer's leftovers. The Sender, then ``clean``, tried to remove it and failed with a bare
+    PermissionError; the Receiver said our producer had died and that a new Sender or ``clean`` would fix it."""
+    if os.geteuid() != 0:
+        pytest.skip("two other users' processes need root")
+    from . import _chaos
+
+    name = f"left-squat-{os.getpid()}"
+    path = f"/dev/shm/cudalink-65534-{name}"
+    try:
+        squatter = spawned(_chaos.squat_segment, path)
+        squatter.join(30)
+        assert squatter.exitcode == 0 and os.path.exists(path)
+        out = spawned.queue()
+        spawned(_chaos.victim_of_a_squat, name, out)
+        (sender, cleaned, receiver) = out.get(timeout=60)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    assert sender[1] == "LinkError" and "another user's (uid 65533)" in sender[2], sender
+    assert sender[2].startswith("cudalink:") and "choose another link name" in sender[2], sender
+    assert cleaned[1] == "ok", cleaned  # nothing of ours to clean, and nothing of another's touched
+    assert receiver[1] == "LinkTimeout" and "no producer published" in receiver[2], receiver

@@ -422,7 +422,14 @@ def leftovers(name: str, unrecorded: bool = False) -> tuple[list[str], list[str]
                 segments.append(seg)
     if unrecorded:
         segments += [seg for seg in _unrecorded(name) if seg not in segments]
-    return files, segments
+    return files, [seg for seg in segments if _ours(seg)]
+
+
+def _ours(seg: str) -> bool:
+    """Whether segment ``seg`` is this user's: anyone may make files in /dev/shm, and one another user made under
+    our name is no producer's leftover of ours (we could not remove it; a Sender refuses the name, saying whose)."""
+    owner = _platform.shm_owner(seg)
+    return owner is None or owner == _platform.uid()
 
 
 def _unrecorded(name: str) -> list[str]:

@@ -171,6 +171,16 @@ def write_private(path: str, data: bytes) -> None:
             time.sleep(0.002)
 
 
+def read_regular(path: str, size: int) -> bytes | None:
+    """Up to ``size`` bytes of the regular file ``path``; None where something else carries the name: a FIFO
+    (an open() of one blocks until a writer comes, which none may) or a directory. Raises as ``open`` does."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)
+
+
 class ProcessLock:
     """An exclusive lock that the OS drops when its holder dies: the liveness test that cannot go stale.
 

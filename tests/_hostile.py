@@ -61,3 +61,23 @@ def recv_over_a_lying_stamp(name: str, out: Any) -> None:
         except Exception as exc:
             result = (type(exc).__name__, str(exc))
         out.put((*result, time.monotonic() - t0))
+
+
+def over_a_fifo_rendezvous(name: str, out: Any) -> None:
+    """A FIFO where a link's loopback rendezvous file goes (``NAME.tcp``): a Receiver, ``clean``, then a Sender.
+    Each step's outcome and time go to ``out`` as it ends, so the parent sees which one hung."""
+    from cudalink.transport.shm import clean
+
+    for step in ("receiver", "clean", "sender"):
+        t0 = time.monotonic()
+        try:
+            if step == "receiver":
+                cudalink.Receiver(name, timeout=RECV_TIMEOUT).close()
+            elif step == "clean":
+                clean(only=[name])
+            else:
+                cudalink.Sender(name, shape=(4,), dtype="uint8").close()
+            result = ("ok", "")
+        except Exception as exc:
+            result = (type(exc).__name__, str(exc))
+        out.put((step, *result, time.monotonic() - t0))

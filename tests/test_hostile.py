@@ -274,6 +274,28 @@ def test_recv_over_a_lying_stamp_returns_within_its_timeout(
     assert elapsed < _hostile.RECV_TIMEOUT + 1.0
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_where_the_rendezvous_file_goes_hangs_nothing(spawned: Spawned, name: str) -> None:
+    """``NAME.tcp`` was opened blocking: a FIFO there (any process of the user can make one) held a
+    Receiver(timeout=0.5), ``clean`` and the next Sender in open() until a writer came, which none did."""
+    os.mkfifo(os.path.join(_platform.runtime_dir(), f"{name}.tcp"), 0o600)
+    out = spawned.queue()
+    p = spawned(_hostile.over_a_fifo_rendezvous, name, out, forever=True)
+    steps = {}
+    for step in ("receiver", "clean", "sender"):
+        try:
+            got = out.get(timeout=20.0)
+        except queue.Empty:
+            pytest.fail(f"the {step} step never returned: it waited in open() for a writer to the FIFO")
+        steps[got[0]] = got[1:]
+    spawned.kill(p)
+    kind, text, elapsed = steps["receiver"]
+    assert kind in ("LinkTimeout", "ProducerGone") and text.startswith("cudalink:"), steps
+    assert elapsed < _hostile.RECV_TIMEOUT + 1.0, steps
+    assert steps["clean"][0] == "ok" and steps["sender"][0] == "ok", steps
+    assert not os.path.lexists(os.path.join(_platform.runtime_dir(), f"{name}.tcp"))  # clean removed it
+
+
 def test_a_take_that_keeps_losing_its_slot_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stamps that change under every lease (a scribbler, not a producer): bounded retries, then no frame."""
     layout = wire.Layout(2, 1)

@@ -154,12 +154,13 @@ class LoopbackChannel(Channel):
 
     def _read(self, name: str) -> wire.Rendezvous | None:
         try:
-            with open(self.record_path(name), "rb") as f:
-                data = f.read(wire.RENDEZVOUS.size + 1)
+            data = _platform.read_regular(self.record_path(name), wire.RENDEZVOUS.size + 1)
         except FileNotFoundError:
             return None
         except PermissionError as exc:
             raise LinkError(DENIED.format(name=name)) from exc
+        if data is None:  # a FIFO or a directory under its name: no producer's file, and never waited on
+            return None
         try:
             return wire.unpack_rendezvous(data)
         except ProtocolError:

@@ -21,7 +21,7 @@ import cudalink
 from cudalink import _platform
 from cudalink.transport.shm import SharedMemoryTransport, clean, leftovers
 
-from . import _procs
+from . import _content, _procs
 from .conftest import SIGKILL, Spawned
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -616,3 +616,46 @@ def test_a_segment_another_user_squats_under_our_name_is_never_taken_for_our_lef
     assert sender[2].startswith("cudalink:") and "choose another link name" in sender[2], sender
     assert cleaned[1] == "ok", cleaned  # nothing of ours to clean, and nothing of another's touched
     assert receiver[1] == "LinkTimeout" and "no producer published" in receiver[2], receiver
+
+
+def _frame_is_right(name: str, shape: tuple[int, ...]) -> None:
+    """A new consumer of ``name`` (a live host_producer_forever) gets an intact frame of that producer."""
+    with cudalink.Receiver(name, timeout=5.0) as rx, rx.recv(timeout=5.0) as frame:
+        assert frame.numpy().tolist() == _content.pattern(frame.seq, shape, "uint8").tolist(), frame.seq
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="segments can be listed only where /dev/shm exists")
+def test_a_link_named_like_a_live_links_segment_is_refused(spawned: Spawned, control: str) -> None:
+    """A link named ``NAME-<generation>`` (or ``NAME-h<generation>``) has the header name of live link NAME's
+    data segment (loopback header). Its Sender removed that segment as its own leftover and made its header
+    there: a consumer that joined NAME afterwards read the look-alike's header bytes as NAME's frames (frame
+    value 0 where 9 was sent), or, over the loopback channel, found NAME's header gone."""
+    name = f"left-live-{os.getpid()}-{control}"
+    spawned.ready(_procs.host_producer_forever, name, (64,), "uint8", forever=True)
+    prefix = _platform.segment_name(name)
+    suffixes = [seg[len(prefix) :] for seg in _platform.shm_segments(prefix + "-")]
+    assert suffixes
+    for suffix in suffixes:
+        with pytest.raises(cudalink.LinkError, match=r"^cudalink: .*live link .*choose another link name"):
+            cudalink.Sender(name + suffix, shape=(4,), dtype="uint8")
+    other = "-" + "".join("0" if c != "0" else "1" for c in suffixes[0][-16:])  # not NAME's generation: no clash
+    cudalink.Sender(name + other, shape=(4,), dtype="uint8").close()
+    _frame_is_right(name, (64,))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="segments can be listed only where /dev/shm exists")
+def test_a_restart_never_removes_a_live_look_alike_links_header(spawned: Spawned) -> None:
+    """NAME's producer was killed; its header still names generation G when a link named NAME-G (allowed: NAME
+    is dead) starts, with its header where NAME's data segment was. The next Sender of NAME (and ``clean``)
+    removed that header as NAME's leftover: NAME-G, alive, could not be joined any more."""
+    name = f"left-dead-{os.getpid()}"
+    producer = spawned.ready(_procs.host_producer_forever, name, (4, 4), "uint8", forever=True)
+    prefix = _platform.segment_name(name)
+    (suffix,) = [seg[len(prefix) :] for seg in _platform.shm_segments(prefix + "-")]
+    spawned.kill(producer)
+    look_alike = name + suffix
+    spawned.ready(_procs.host_producer_forever, look_alike, (8,), "uint8", forever=True)
+    clean(only=[name])
+    _frame_is_right(look_alike, (8,))
+    with cudalink.Sender(name, shape=(2, 2), dtype="uint8"):
+        _frame_is_right(look_alike, (8,))

@@ -307,6 +307,7 @@ class SharedMemoryTransport(Transport):
         listening: Listening | None = None
         segments: list[Segment] = []
         try:
+            _refuse_look_alike(name)
             self._clean_stale(name)
             what = f"link {name!r}"
             header = Segment(_create_segment(chan.header(name, generation), header_size, f"{what} (its header)"))
@@ -418,7 +419,8 @@ def leftovers(name: str, unrecorded: bool = False) -> tuple[list[str], list[str]
     for gen in generations:
         for suffix in (f"-{gen:016x}", f"-h{gen:016x}"):
             seg = _platform.segment_name(name, suffix)
-            if seg not in segments and _exists(seg):
+            # a live link named NAME-<gen> has its header there: it started after NAME died
+            if seg not in segments and _exists(seg) and not _held(name + suffix):
                 segments.append(seg)
     if unrecorded:
         segments += [seg for seg in _unrecorded(name) if seg not in segments]
@@ -444,6 +446,21 @@ def _unrecorded(name: str) -> list[str]:
             continue
         out.append(seg)
     return out
+
+
+def _refuse_look_alike(name: str) -> None:
+    """A link named ``BASE-<G>`` (or ``BASE-h<G>``, G 16 hex digits) while BASE lives at generation G: its header
+    would have the name of BASE's data segment (or loopback header), which its start would remove as a leftover."""
+    base = _SUFFIX.sub("", name)
+    if base == name or not _held(base):
+        return
+    generation = name[len(base) :].lstrip("-h")
+    live = [_generation_of(_platform.segment_name(base))] + [g for c in CHANNELS.values() for g in c.leftovers(base)[1]]
+    if int(generation, 16) in live:
+        raise LinkError(
+            f"cudalink: link name {name!r} is the name of live link {base!r}'s shared memory ({generation} is its "
+            "generation); choose another link name"
+        )
 
 
 def published(name: str) -> bool:

@@ -538,6 +538,8 @@ class HostView:
     device = -1
 
     def __init__(self, fixed: wire.Fixed, client: Client, fds: list[int]) -> None:
+        for fd in fds:  # a host link needs none: any a producer passed (a bug, or a lie) must not stay open
+            os.close(fd)
         client.map_data(fixed.generation, fixed.data_size)
         region = client.data_segment
         if region is None:

@@ -81,3 +81,18 @@ def over_a_fifo_rendezvous(name: str, out: Any) -> None:
         except Exception as exc:
             result = (type(exc).__name__, str(exc))
         out.put((step, *result, time.monotonic() - t0))
+
+
+def producer_passing_fds(name: str, ready: Any) -> None:
+    """A host link whose producer (a bug, or a lie) passes two descriptors with every WELCOME."""
+    import os
+
+    from cudalink import _backends
+
+    r, w = os.pipe()
+    _backends.HostSlots.fds = lambda self: [r, w]  # type: ignore[method-assign]
+    with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx:
+        ready.set()
+        while True:
+            tx.send(np.zeros(4, np.uint8))
+            time.sleep(0.005)

@@ -296,6 +296,23 @@ def test_a_fifo_where_the_rendezvous_file_goes_hangs_nothing(spawned: Spawned, n
     assert not os.path.lexists(os.path.join(_platform.runtime_dir(), f"{name}.tcp"))  # clean removed it
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not _platform.HAS_FD_PASSING, reason="counts fds")
+def test_descriptors_a_host_producer_passes_are_not_kept(spawned: Spawned, name: str) -> None:
+    """A host link needs no descriptors; a producer that passed some anyway (a bug, or a lie) left each
+    consumer two more open fds per attach (11 after one, 109 after fifty), until it ran out."""
+    spawned.ready(_hostile.producer_passing_fds, name, forever=True)
+
+    def attach() -> None:
+        with cudalink.Receiver(name, timeout=5.0) as rx:
+            rx.recv(timeout=5.0).release()
+
+    attach()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        attach()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_a_take_that_keeps_losing_its_slot_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stamps that change under every lease (a scribbler, not a producer): bounded retries, then no frame."""
     layout = wire.Layout(2, 1)

@@ -171,10 +171,12 @@ def write_private(path: str, data: bytes) -> None:
             time.sleep(0.002)
 
 
-def read_regular(path: str, size: int) -> bytes | None:
+def read_regular(path: str, size: int, follow: bool = True) -> bytes | None:
     """Up to ``size`` bytes of the regular file ``path``; None where something else carries the name: a FIFO
-    (an open() of one blocks until a writer comes, which none may) or a directory. Raises as ``open`` does."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    (an open() of one blocks until a writer comes, which none may) or a directory. Raises as ``open`` does
+    (``follow=False``: also on a symlink, where the OS can say)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags if follow else flags | getattr(os, "O_NOFOLLOW", 0))
     try:
         return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else None
     finally:

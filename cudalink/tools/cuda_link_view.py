@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import time
 from dataclasses import dataclass
 
@@ -106,17 +105,9 @@ def _head(path: str) -> bytes:
     """The first 4 bytes of a regular file; b"" for anything else. Anyone may put a FIFO in /dev/shm: opened
     blocking, it hung ``info`` until a writer came."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        return _platform.read_regular(path, 4, follow=False) or b""
     except OSError:
         return b""
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return b""
-        return os.read(fd, 4)
-    except OSError:
-        return b""
-    finally:
-        os.close(fd)
 
 
 def summary(snap: Snapshot) -> str:

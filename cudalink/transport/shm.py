@@ -120,6 +120,12 @@ def _unlink_name(name: str) -> None:
         _posixshmem.shm_unlink(name if name.startswith("/") else "/" + name)
 
 
+def _address(buf: memoryview) -> int:
+    """Where a mapping starts in this process (0 for an empty one): host frames point into it."""
+    arr = np.frombuffer(buf, np.uint8)
+    return int(arr.ctypes.data) if len(arr) else 0
+
+
 class Segment:
     """A mapped segment whose mapping outlives every frame that points into it."""
 
@@ -127,9 +133,7 @@ class Segment:
         self._shm = shm
         assert shm.buf is not None
         self.buf: memoryview = shm.buf
-        arr = np.frombuffer(self.buf, np.uint8)
-        self.address = int(arr.ctypes.data) if len(arr) else 0
-        del arr
+        self.address = _address(self.buf)
 
     @property
     def name(self) -> str:
@@ -162,9 +166,7 @@ class _ReadOnly:
     def __init__(self, mm: mmap.mmap) -> None:
         self._mmap = mm
         self.buf = memoryview(mm)
-        arr = np.frombuffer(self.buf, np.uint8)
-        self.address = int(arr.ctypes.data) if len(arr) else 0
-        del arr
+        self.address = _address(self.buf)
 
     @classmethod
     def open(cls, name: str) -> _ReadOnly | None:

@@ -8,6 +8,7 @@ What can hang or crash runs in a child process.
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import queue
 import shutil
@@ -425,3 +426,23 @@ def test_a_refused_cuda_send_takes_no_seq_and_no_slot(pair: PairFactory) -> None
     assert tx.send(good * 2) == 2
     assert [float(torch.from_dlpack(rx.recv(2)).sum()) for _ in range(2)] == [64.0, 128.0]
     assert rx.skipped == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="segments are files only where /dev/shm exists")
+def test_a_fifo_in_place_of_a_live_links_data_segment_is_a_cudalink_error(name: str) -> None:
+    """A consumer maps the data segment read-only through a non-blocking open that refuses anything but a regular
+    file; a FIFO put in its place then came out as a bare OSError('a FIFO or device file')."""
+    with cudalink.Sender(name, shape=(4,), dtype="uint8", device="cpu") as tx:
+        tx.send(np.zeros(4, np.uint8))
+        data = [p for p in glob.glob(f"/dev/shm/{_platform.segment_name(name)}-*") if "-h" not in p[-18:]]
+        assert len(data) == 1, data
+        os.unlink(data[0])
+        os.mkfifo(data[0], 0o600)
+        try:
+            with (
+                pytest.raises(cudalink.ProtocolError, match=r"^cudalink: the data segment .* cannot be mapped"),
+                cudalink.Receiver(name, timeout=1.0) as rx,
+            ):
+                rx.recv(timeout=1.0)
+        finally:
+            os.unlink(data[0])

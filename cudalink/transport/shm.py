@@ -268,6 +268,11 @@ class _ShmClient(SocketClient):
             seg = seg or Segment(_open_segment(name))
         except FileNotFoundError as exc:
             raise NoProducer("data segment vanished") from exc
+        except OSError as exc:  # something else under its name (a FIFO, a device): never the producer's memory
+            raise ProtocolError(
+                f"cudalink: the data segment {name!r} of link {self._name!r} cannot be mapped ({exc.strerror or exc}): "
+                "another process replaced it; restart the producer"
+            ) from exc
         if len(seg.buf) < size:
             raise ProtocolError(
                 f"cudalink: data segment is {len(seg.buf)} bytes, the header promises {size}: the header is corrupt"

@@ -151,6 +151,16 @@ def socket_path(name: str) -> str:
     return os.path.join(runtime_dir(), f"{name}.sock")
 
 
+def in_the_way(path: str, what: str) -> LinkError:
+    """A directory where a link keeps ``what`` (its lock, socket or rendezvous file): cudalink never made it, and
+    unlink() cannot remove it, so a Sender, a Receiver and ``clean`` each stop here and say so, rather than
+    fail with a bare IsADirectoryError or take it for a dead producer's leftover."""
+    return LinkError(
+        f"cudalink: {path} is a directory, where cudalink keeps {what}; cudalink did not make it and will not "
+        f"remove it: remove it yourself (rm -r {path}) and retry"
+    )
+
+
 def write_private(path: str, data: bytes) -> None:
     """Replace ``path`` atomically with a 0600 file, so a reader sees the old bytes or the new, never half."""
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -210,7 +220,12 @@ class ProcessLock:
 
     def _try(self) -> bool:
         """One attempt: False while another holds it, or when the file was replaced under us."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o600)
+        except OSError:  # IsADirectoryError on POSIX, PermissionError on Windows
+            if os.path.isdir(self.path):
+                raise in_the_way(self.path, "a link's lock file") from None
+            raise
         try:
             if self._windows:
                 import msvcrt

@@ -96,3 +96,12 @@ def producer_passing_fds(name: str, ready: Any) -> None:
         while True:
             tx.send(np.zeros(4, np.uint8))
             time.sleep(0.005)
+
+
+def producer_then_wait(name: str, ready: Any) -> None:
+    """A host link's producer that waits to be killed (its link is then a dead producer's leftovers)."""
+    tx = cudalink.Sender(name, shape=(4,), dtype="uint8")
+    tx.send(np.zeros(4, np.uint8))
+    ready.set()
+    while True:
+        time.sleep(1.0)

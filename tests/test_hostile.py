@@ -446,3 +446,68 @@ def test_a_fifo_in_place_of_a_live_links_data_segment_is_a_cudalink_error(name: 
                 rx.recv(timeout=1.0)
         finally:
             os.unlink(data[0])
+
+
+@pytest.mark.parametrize("ext", ["lock", "sock", "tcp"])
+def test_a_directory_where_a_link_keeps_its_files_is_named_and_left_alone(name: str, ext: str) -> None:
+    """A directory at NAME.lock, NAME.sock or NAME.tcp: a Sender and ``clean`` failed with a bare
+    IsADirectoryError (or ``clean`` said "removed" and removed nothing), and a Receiver said the producer had
+    died. Each now stops with a ``cudalink:`` error naming the directory, and removes nothing of it."""
+    path = os.path.join(_platform.runtime_dir(), f"{name}.{ext}")
+    os.mkdir(path)
+    try:
+        with pytest.raises(cudalink.LinkError, match=r"is a directory.*rm -r") as exc:
+            cudalink.Sender(name, shape=(4,), dtype="uint8")
+        assert path in str(exc.value) and str(exc.value).startswith("cudalink:")
+        with pytest.raises(cudalink.LinkError, match=r"is a directory") as exc:
+            cudalink.Receiver(name, timeout=0.3)
+        assert path in str(exc.value) and not isinstance(exc.value, cudalink.ProducerGone)
+        run = subprocess.run(
+            [sys.executable, "-m", "cudalink", "clean", name], capture_output=True, text=True, cwd=ROOT, timeout=60
+        )
+        assert run.returncode == 1, run
+        assert path in run.stderr and "Traceback" not in run.stderr, run
+        assert "removed" not in run.stdout, run
+        assert os.path.isdir(path)
+    finally:
+        os.rmdir(path)
+    with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx:  # gone: the name works again
+        assert tx.send(np.zeros(4, np.uint8)) == 1
+
+
+def test_clean_removes_every_other_dead_link_past_a_directory_in_the_way(spawned: Spawned, name: str) -> None:
+    """One link's directory in the way stops ``clean`` for that link alone: a dead producer's link beside it
+    is still removed, and the run says which one it could not clean (exit 1)."""
+    other = name + "-dead"
+    p = spawned.ready(_hostile.producer_then_wait, other, forever=True)
+    spawned.kill(p)
+    path = os.path.join(_platform.runtime_dir(), f"{name}.sock")
+    os.mkdir(path)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "cudalink", "clean"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        )
+    finally:
+        os.rmdir(path)
+    assert run.returncode == 1, run
+    assert f"removed {other!r}" in run.stdout and path in run.stderr, run
+    assert not cudalink.transport.shm.leftovers(other)[0]
+
+
+def test_a_receiver_given_a_live_links_segment_name_is_told_which_link_it_is(name: str) -> None:
+    """``Receiver("cam0-<generation>")`` (a name copied from ``ls /dev/shm``) while cam0 lives: it was told that a
+    producer "died and left its link behind", and pointed at ``clean``, which would have found nothing dead."""
+    for control in ("unix", "tcp") if _platform.HAS_FD_PASSING else ("tcp",):
+        with cudalink.Sender(
+            name, shape=(4,), dtype="uint8", transport=cudalink.transport.SharedMemoryTransport(control)
+        ) as tx:
+            suffixes = [f"-{tx.generation:016x}"] + ([f"-h{tx.generation:016x}"] if control == "tcp" else [])
+            for suffix in suffixes:
+                with pytest.raises(
+                    cudalink.LinkError, match=rf"not a link but the shared memory of live link {name!r}"
+                ) as exc:
+                    cudalink.Receiver(name + suffix, timeout=0.3)
+                assert not isinstance(exc.value, (cudalink.ProducerGone, cudalink.LinkTimeout))
+            with cudalink.Receiver(name, timeout=2.0) as rx:  # the link itself is untouched
+                tx.send(np.arange(4, dtype=np.uint8))
+                assert rx.recv(timeout=2.0).numpy().tolist() == [0, 1, 2, 3]

@@ -7,18 +7,25 @@ live producer, or one starting or closing, is never touched.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..transport.shm import clean
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    removed = clean(dry_run=args.dry_run, only=args.names or None)
+    failed: list[str] = []
+
+    def say(exc: Exception) -> None:  # one link in the way of cleaning: the others are still cleaned
+        failed.append(str(exc))
+        print(exc, file=sys.stderr)
+
+    removed = clean(dry_run=args.dry_run, only=args.names or None, on_error=say)
     verb = "would remove" if args.dry_run else "removed"
     for name, items in removed:
         print(f"{verb} {name!r}: its producer is dead; {len(items)} leftover(s): {', '.join(items)}")
-    if not removed and args.names:
+    if not removed and args.names and not failed:
         for name in args.names:
             print(f"nothing to clean for {name!r}: its producer is alive, or nothing of it is left")
-    elif not removed:
+    elif not removed and not failed:
         print("nothing to clean: every link here has a live producer, or none is left")
-    return 0
+    return 1 if failed else 0

@@ -351,6 +351,11 @@ class SharedMemoryTransport(Transport):
         A producer that started meanwhile holds the lock at the second test."""
         if _held(name):  # a producer holds it (alive, starting or closing), or another look does
             return False
+        base = _segment_of_live(name)
+        if base is not None:  # no dead producer: a name copied from /dev/shm (``ls``), one of a live link's segments
+            raise LinkError(
+                f"cudalink: {name!r} is not a link but the shared memory of live link {base!r}; receive from {base!r}"
+            )
         files, segments = leftovers(name)
         return bool(files or segments) and not _held(name)
 
@@ -414,7 +419,11 @@ def leftovers(name: str, unrecorded: bool = False) -> tuple[list[str], list[str]
     generations: list[int] = []
     for chan in CHANNELS.values():
         paths, gens = chan.leftovers(name)
-        files += [p for p in paths if os.path.lexists(p)]
+        for path in paths:
+            if os.path.isdir(path) and not os.path.islink(path):
+                raise _platform.in_the_way(path, f"the control socket or rendezvous file of link {name!r}")
+            if os.path.lexists(path):
+                files.append(path)
         generations += gens
     segments = []
     header = _platform.segment_name(name)
@@ -455,18 +464,25 @@ def _unrecorded(name: str) -> list[str]:
     return out
 
 
-def _refuse_look_alike(name: str) -> None:
-    """A link named ``BASE-<G>`` (or ``BASE-h<G>``, G 16 hex digits) while BASE lives at generation G: its header
-    would have the name of BASE's data segment (or loopback header), which its start would remove as a leftover."""
+def _segment_of_live(name: str) -> str | None:
+    """The live link whose shared memory carries the name ``name``, if any: a name ``BASE-<G>`` (or ``BASE-h<G>``,
+    G 16 hex digits) while BASE lives at generation G is BASE's data segment (or loopback header), not a link."""
     base = _SUFFIX.sub("", name)
     if base == name or not _held(base):
-        return
+        return None
     generation = name[len(base) :].lstrip("-h")
     live = [_generation_of(_platform.segment_name(base))] + [g for c in CHANNELS.values() for g in c.leftovers(base)[1]]
-    if int(generation, 16) in live:
+    return base if int(generation, 16) in live else None
+
+
+def _refuse_look_alike(name: str) -> None:
+    """A link named like a live link's segment: its header would have that segment's name, which its start would
+    remove as a leftover."""
+    base = _segment_of_live(name)
+    if base is not None:
         raise LinkError(
-            f"cudalink: link name {name!r} is the name of live link {base!r}'s shared memory ({generation} is its "
-            "generation); choose another link name"
+            f"cudalink: link name {name!r} is the name of live link {base!r}'s shared memory "
+            f"({name[len(base) :].lstrip('-h')} is its generation); choose another link name"
         )
 
 
@@ -505,13 +521,16 @@ _SUFFIX = re.compile(r"-h?[0-9a-f]{16}$")
 _TMP = re.compile(r".+\.tcp\.[0-9]+\.tmp")
 
 
-def clean(dry_run: bool = False, only: Sequence[str] | None = None) -> list[tuple[str, list[str]]]:
+def clean(
+    dry_run: bool = False, only: Sequence[str] | None = None, on_error: Callable[[LinkError], None] | None = None
+) -> list[tuple[str, list[str]]]:
     """Remove the links whose producer is dead (its lock free, its leftovers there), and only those.
 
     Returns each such name with what it left (files and segments). Candidates come from this user's
     runtime directory (locks, sockets, rendezvous files) and, where they can be listed, its shared-memory
     segments; each is judged by taking its lock, which no live producer would let go of. ``only``: just
-    these link names.
+    these link names. ``on_error``: called with a link that cannot be cleaned (a directory where its socket goes,
+    say), and the others cleaned still; without it, that error is raised.
     """
     names: set[str] = set()
     for entry in os.listdir(_platform.runtime_dir()):
@@ -559,6 +578,10 @@ def clean(dry_run: bool = False, only: Sequence[str] | None = None) -> list[tupl
                 left = files + segments + ([locks[-1].path] if had_lock else [])
                 if left:
                     out.append((name, left))
+        except LinkError as exc:  # something in the way of this link (a directory where its lock goes, say)
+            if on_error is None:
+                raise
+            on_error(exc)
         finally:
             for lock, was in reversed(list(zip(locks, existed, strict=True))):
                 if lock not in taken:

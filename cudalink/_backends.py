@@ -122,6 +122,15 @@ class ConsumerView(Protocol):
 # ======================================================================================= producer side
 
 
+def host_stream() -> ArgumentError:
+    """``stream=`` on a CPU link: it orders a CUDA copy, and a host copy is done when ``send()`` returns. Refused
+    rather than ignored: a program passing one most likely meant to make a CUDA link."""
+    return ArgumentError(
+        "cudalink: stream= orders the copy on a CUDA link; this link carries CPU frames, copied before send() "
+        "returns: drop stream=, or create the Sender with device=0 for CUDA frames"
+    )
+
+
 class HostSlots:
     """Slots in the transport's shared data region."""
 
@@ -167,6 +176,8 @@ class HostSlots:
         return got[1]
 
     def source(self, spec: FrameSpec, src: object, stream: object) -> npt.NDArray[np.generic]:
+        if stream is not None:
+            raise host_stream()
         if type(src) is np.ndarray and src.shape == spec.shape and src.dtype == spec.dtype:
             arr: npt.NDArray[np.generic] = src  # the common case, without describing the array
         else:

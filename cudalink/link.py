@@ -481,6 +481,8 @@ class Sender:
         return self._slots.stream
 
     def stats(self) -> dict[str, int]:
+        """``published`` frames; ``dropped``: frames not published because consumers held every slot (dropped
+        by policy='drop', or a policy='block' send or reserve that timed out); ``consumers`` attached now."""
         final = self._final_stats
         if final is not None:  # closed: the header's memory went back to the OS
             return dict(final)
@@ -551,6 +553,7 @@ class Sender:
                     return slot
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self._ring.count_drop()  # a frame not published, as policy='drop' counts its own
                     raise LinkTimeout(
                         f"cudalink: every slot of {self.name!r} stayed held by consumers for {_secs(limit)} "
                         "(policy='block'); release frames sooner, add slots, or use policy='drop'"
@@ -762,6 +765,8 @@ class Sender:
         ``meta`` are what it was published with.
         """
         self._check_open()  # here, not only when the block begins
+        if stream is not None and self._slots.stream is None:
+            raise _backends.host_stream()
         return _Reservation(self, stream, _meta_bytes(meta), None if timeout is None else _call_timeout(timeout))
 
     def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, Frame]:

@@ -286,3 +286,41 @@ def test_a_send_of_the_right_shape_in_another_dtype_names_the_conversion(pair: P
         tx.send(np.zeros((2, 2), np.uint16))
     assert "asarray" not in str(other_shape.value)  # another shape: converting would not help
     assert tx.stats()["published"] == 0
+
+
+def test_a_stream_given_to_a_cpu_link_is_refused_and_takes_nothing(name: str) -> None:
+    """``send(x, stream=s)`` / ``reserve(stream=s)`` on a CPU link were accepted and the stream ignored: a program
+    that meant to make a CUDA link (and to order its copy after its kernel) never learnt that it had not."""
+    with cudalink.Sender(name, shape=(4,), dtype="uint8") as tx:
+        for stream in (5, object()):
+            with pytest.raises(cudalink.ArgumentError, match=r"stream=.*CPU frames.*device=0"):
+                tx.send(np.zeros(4, np.uint8), stream=stream)
+            with pytest.raises(cudalink.ArgumentError, match=r"stream=.*CPU frames.*device=0"):
+                tx.reserve(stream=stream)
+        assert tx.seq == 0  # nothing was taken
+        assert tx.send(np.ones(4, np.uint8), stream=None) == 1
+        with tx.reserve(stream=None) as frame:
+            np.from_dlpack(frame)[:] = 2
+        assert tx.seq == 2
+
+
+def test_a_blocked_send_that_times_out_counts_as_dropped(name: str) -> None:
+    """policy='block': a send (or reserve) that timed out waiting for a slot published nothing, like a drop, but
+    ``stats()["dropped"]`` did not count it, so a monitor showed a lossless link that was losing frames."""
+    with (
+        cudalink.Sender(name, shape=(4,), dtype="uint8", slots=2, policy="block") as tx,
+        cudalink.Receiver(name, latest=False, timeout=2.0) as rx,
+    ):
+        held = []
+        for i in range(2):
+            tx.send(np.full(4, i, np.uint8))
+            held.append(rx.recv(timeout=2.0))
+        with pytest.raises(cudalink.LinkTimeout, match="policy='block'"):
+            tx.send(np.zeros(4, np.uint8), timeout=0.05)
+        assert tx.stats()["dropped"] == 1
+        with pytest.raises(cudalink.LinkTimeout):
+            tx.reserve(timeout=0.05).__enter__()
+        assert tx.stats() == {"published": 2, "dropped": 2, "consumers": 1}
+        held.pop(0).release()
+        assert tx.send(np.ones(4, np.uint8), timeout=1.0) == 3
+        assert tx.stats()["dropped"] == 2

@@ -1319,6 +1319,10 @@ class Receiver:
         if said:
             why = f"{why} ({said})"
         if att is not None:
+            last = getattr(att, "last_published", 0)  # frames published that never came (see Attachment)
+            taken = max(self._last, self._floor)
+            if last > taken:
+                self.skipped += last - taken
             self._dead_generation = att.generation
             self._drop(att)
         return ProducerGone(

@@ -44,7 +44,7 @@ from .frames.spec import FrameSpec
 from .link import Receiver
 from .transport import shm, ucx_engine, ucx_wire
 from .transport import wire as shm_wire
-from .transport.ring_source import RingSource
+from .transport.ring_source import RingAttachment, RingSource
 from .transport.source import Copy
 from .transport.ucx_engine import say
 
@@ -213,9 +213,9 @@ class _Consumer:
     async def _send(self, msg: bytes) -> None:
         await self.ep.send(msg)
 
-    async def _bye(self, reason: int, text: str, wait: float = 0.5) -> None:
+    async def _bye(self, reason: int, text: str, wait: float = 0.5, last: int = 0) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ep.send(ucx_wire.pack_bye(reason, text)), wait)
+            await asyncio.wait_for(self.ep.send(ucx_wire.pack_bye(reason, text, last)), wait)
 
     async def _lost_producer(self, why: object) -> None:
         """The local producer closed or died: the consumer hears which (its ProducerGone carries ``why``)."""
@@ -223,7 +223,10 @@ class _Consumer:
         closed = getattr(why, "closed", False) or (rx is not None and rx._att is not None and rx._att.closing())
         if closed:
             assert rx is not None
-            await self._bye(ucx_wire.R_PRODUCER_CLOSED, f"the producer of {rx.name!r} closed the link")
+            # the producer's last seq: frames a consumer behind by more than DRAIN_S never gets are counted by it
+            att = rx._att
+            last = att.published() if isinstance(att, RingAttachment) else 0
+            await self._bye(ucx_wire.R_PRODUCER_CLOSED, f"the producer of {rx.name!r} closed the link", last=last)
         else:
             await self._bye(ucx_wire.R_PRODUCER_GONE, str(why))
         self.why = "lost its producer"

@@ -915,11 +915,9 @@ def test_sender_serve_starts_and_stops_its_server() -> None:
     assert proc.poll() is not None  # close() stopped it
 
 
-def test_a_remote_consumer_behind_at_a_clean_close_still_gets_what_was_published_then_hears_it_closed() -> None:
-    """A consumer holding every frame it may (no credit left) as its producer closed: the server left at once,
-    so the frames published before the close never came (and were not counted as skipped), ProducerGone said
-    "closed or died", and ``producer_closing`` was never True. As a local consumer still reads the ring, the
-    server now waits for its credit (``ucx_engine.DRAIN_S``), the Sender's close() for its server."""
+def _behind_at_a_clean_close(behind_s: float) -> tuple[list[int], dict[str, object], cudalink.ProducerGone]:
+    """A remote consumer holds every frame it may (3: no credit left) while its producer publishes 4 more and
+    closes; ``behind_s`` later it gives them back and reads on. The seqs it got after those, its stats, its end."""
     name = unique("d")
     port = free_port()
     shape = (8, 8, 4)
@@ -931,10 +929,10 @@ def test_a_remote_consumer_behind_at_a_clean_close_still_gets_what_was_published
             for seq in range(1, 4):  # every landing buffer it has (ucx_source.CREDITS): the server holds back now
                 tx.send(pattern(shape, seq), meta=struct.pack("<Q", seq))
                 held.append(rx.recv(timeout=5.0))
-            for seq in range(4, 7):
+            for seq in range(4, 8):
                 tx.send(pattern(shape, seq), meta=struct.pack("<Q", seq))
             closer.start()
-            time.sleep(0.3)  # the server has seen the close by now (it looks every PING_S)
+            time.sleep(behind_s)
             for f in held:
                 check(f)
                 f.release()
@@ -944,11 +942,30 @@ def test_a_remote_consumer_behind_at_a_clean_close_still_gets_what_was_published
                     with rx.recv(timeout=5.0) as f:
                         check(f)
                         got.append(f.seq)
-            assert got == [4, 5, 6] and rx.stats()["skipped"] == 0, (got, rx.stats())
-            assert info.value.closed and "died" not in str(info.value), info.value
+            stats = rx.stats()
     finally:
         closer.join(10) if closer.is_alive() else tx.close()
     assert not closer.is_alive() and tx.closed and tx._remote is not None and tx._remote.poll() is not None
+    return got, stats, info.value
+
+
+def test_a_remote_consumer_behind_at_a_clean_close_still_gets_what_was_published_then_hears_it_closed() -> None:
+    """A consumer holding every frame it may (no credit left) as its producer closed: the server left at once,
+    so the frames published before the close never came (and were not counted as skipped), ProducerGone said
+    "closed or died", and ``producer_closing`` was never True. As a local consumer still reads the ring, the
+    server now waits for its credit (``ucx_engine.DRAIN_S``), the Sender's close() for its server."""
+    got, stats, end = _behind_at_a_clean_close(0.3)  # the server has seen the close by now (it looks every PING_S)
+    assert got == [4, 5, 6, 7] and stats["skipped"] == 0, (got, stats)
+    assert end.closed and "died" not in str(end), end
+
+
+def test_frames_a_remote_consumer_never_got_before_a_clean_close_count_as_skipped() -> None:
+    """Still holding every frame it may ``DRAIN_S`` after the close: the server gives up on the frames published
+    meanwhile, as it must, but the consumer never counted them (the goodbye said no last seq), so its
+    ``stats()`` read as if nothing had been lost. The goodbye now carries the producer's last seq."""
+    got, stats, end = _behind_at_a_clean_close(ucx_engine.DRAIN_S + 1.0)
+    assert end.closed
+    assert stats["received"] == 3 + len(got) and stats["received"] + stats["skipped"] == 7, (got, stats)
 
 
 @pytest.mark.parametrize("shape", [(16, 16, 4), (160, 160, 4)], ids=["inline", "two-messages"])

@@ -115,6 +115,16 @@ def test_reject_and_bye_carry_reason_and_text(reason: int, text: str) -> None:
     assert info.value.reason.retryable == (reason in uw.RETRYABLE or reason == uw.R_KEY)
 
 
+@given(reason=st.integers(0, 65535), text=st.text(max_size=300), last=st.integers(0, 2**64 - 1))
+def test_a_bye_carries_the_producers_last_seq_beside_any_text(reason: int, text: str, last: int) -> None:
+    msg = uw.pack_bye(reason, text, last)
+    assert len(msg) == uw.MSG_SIZE and uw.bye_last(msg) == last
+    assert uw.unpack_text(msg)[0] == reason  # the longest text never reaches it
+    assert uw.bye_last(uw.pack_bye(reason, text)) == 0  # not known: nothing is counted
+    with pytest.raises(cudalink.ProtocolError):
+        uw.bye_last(uw.pack_reject(reason, text))
+
+
 def test_refusals_say_what_happened() -> None:
     with pytest.raises(uw.Refused, match="wrong key") as info:
         uw.unpack_challenge(uw.pack_reject(uw.R_KEY, "set CUDALINK_KEY"))

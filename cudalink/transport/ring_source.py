@@ -189,6 +189,10 @@ class RingAttachment:
     def fileno(self) -> int:
         return int(self.client.fileno())
 
+    def published(self) -> int:
+        """Frames the producer has published (the seq of its last one): read by a ucx server at a clean close."""
+        return wire.read_u64(self.client.header, wire.OFF_PUBLISHED)
+
     def stall_hint(self) -> str:
         """Said when a wait for a frame runs out while this Receiver's own frames hold every slot: the producer
         can land nothing new until one is released (it drops frames, or its send blocks)."""

@@ -82,6 +82,9 @@ class Attachment(Protocol):
     # Optional: ``interrupt()``: wake a recv waiting on this attachment (on another thread, or a task) without
     # leaving yet; ``Receiver.close()`` then lets that waiter leave. Returning False (or lacking it) says it
     # cannot: close() then leaves at once, as before.
+    # Optional: ``last_published`` (int, 0 where not known): the seq of the producer's last frame, known at its
+    # clean close (a remote server's goodbye). Frames after the last one taken, up to it, never come: at that
+    # end the Receiver counts them as skipped. A local ring needs none: its last frame is always taken.
     # Optional: ``stall_hint()`` (str, "" for none): why no frame may come that is this Receiver's own doing (it
     # holds every slot); added to the LinkTimeout of a wait that ran out.
 

@@ -384,6 +384,9 @@ class UcxAttachment:
         #: the server said the producer closed cleanly, after the frames it published before: what ``closing()``
         #: says (a local Receiver reads it off the ring's shutdown flag)
         self.producer_closed = False
+        #: the seq of the producer's last frame, as the server's goodbye said it (0: not said): the frames after
+        #: the last one landed never come, and the Receiver counts them as skipped (see ``Attachment``)
+        self.last_published = 0
         self.heard = time.monotonic()
         self.sent = time.monotonic()
         self.tick = time.monotonic()  # the watchdog's last turn: long ago means our loop is held up right now
@@ -462,6 +465,8 @@ class UcxAttachment:
                     reason, text = ucx_wire.unpack_text(msg)
                     self.producer_gone = reason in (ucx_wire.R_PRODUCER_GONE, ucx_wire.R_PRODUCER_CLOSED)
                     self.producer_closed = reason == ucx_wire.R_PRODUCER_CLOSED
+                    if self.producer_closed:
+                        self.last_published = ucx_wire.bye_last(msg)
                     said = ucx_wire.quoted(text)  # the Receiver's ProducerGone says "cudalink:" and what to do
                     return f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {said}", reason == ucx_wire.R_SILENT
                 head = ucx_wire.unpack_frame(msg, self.capacity, self.inline)

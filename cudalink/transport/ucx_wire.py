@@ -33,7 +33,9 @@ Kinds and bodies::
     PING       either way        nothing: "still here" while idle (a peer silent for DEAD_AFTER_S is gone)
     BYE        either way        u16 reason, u16 text length, text: the sender closes the connection
                                  (R_SILENT from a server: the client was dropped for silence, and a client
-                                 that was only stalled connects again: a new HELLO, the same generation)
+                                 that was only stalled connects again: a new HELLO, the same generation);
+                                 at BYE_LAST_OFF u64 last: from a server, the seq of the producer's last frame
+                                 (0: not known), so a consumer counts the frames it never got as skipped
 
 ``proof`` is HMAC-SHA256(key, b"cudalink-ucx-proof" + nonce): a client proves it holds the shared key
 before the server says anything about the link (not even whether ``name`` exists).
@@ -92,6 +94,9 @@ _WELCOME = struct.Struct("<QQHBBxxxxQ")
 _TEXT = struct.Struct("<HH")
 _FRAME = struct.Struct("<QQ")
 _CREDIT = struct.Struct("<I")
+_LAST = struct.Struct("<Q")
+#: where a BYE keeps ``last``: after the longest text
+BYE_LAST_OFF = BODY_OFF + _TEXT.size + REJECT_TEXT_MAX
 
 # REJECT / BYE reasons (stable codes: append only)
 R_KEY = 1  #: the proof was wrong: the client's key is not the server's
@@ -281,8 +286,17 @@ def pack_reject(reason: int, text: str) -> bytes:
     return _text(REJECT, reason, text)
 
 
-def pack_bye(reason: int, text: str) -> bytes:
-    return _text(BYE, reason, text)
+def pack_bye(reason: int, text: str, last: int = 0) -> bytes:
+    msg = bytearray(_text(BYE, reason, text))
+    _LAST.pack_into(msg, BYE_LAST_OFF, last)
+    return bytes(msg)
+
+
+def bye_last(msg: bytes | bytearray | memoryview) -> int:
+    """A BYE's ``last``: the seq of the producer's last frame, 0 where the server does not know it."""
+    expect(msg, BYE)
+    (last,) = _LAST.unpack_from(msg, BYE_LAST_OFF)
+    return int(last)
 
 
 def unpack_text(msg: bytes | bytearray | memoryview) -> tuple[int, str]:

@@ -1357,15 +1357,17 @@ class Receiver:
             self._publish_counts(att)
         return frame
 
-    def recv(self, timeout: float | None = _RECEIVER_TIMEOUT) -> Frame:
+    def recv(self, timeout: float | None = _RECEIVER_TIMEOUT, wait: WaitMode | None = None) -> Frame:
         """The next frame (newest unseen by default), within ``timeout`` seconds (default: the Receiver's;
-        ``None``: no limit). Raises LinkTimeout or ProducerGone; LinkClosed where :meth:`close` is called
+        ``None``: no limit). ``wait``: how this call waits, ``"spin"``, ``"block"`` or ``"hybrid"`` (default:
+        the Receiver's ``wait=``). Raises LinkTimeout or ProducerGone; LinkClosed where :meth:`close` is called
         meanwhile (on another thread)."""
         if self._busy:
             self._check_second_waiter()
         self._busy = True  # before the check: a close() on another thread sees this, or we see its _closed
         try:
             self._check_open()
+            mode = self.wait_mode if wait is None else _choice_arg(wait, "wait", ("spin", "block", "hybrid"))
             limit = (
                 self.timeout
                 if timeout is _RECEIVER_TIMEOUT
@@ -1376,7 +1378,6 @@ class Receiver:
                 self._join(limit)
             att = self._att
             assert att is not None
-            mode = self.wait_mode
             entered = time.monotonic()
             spins = self._spins  # see _attach
             if not spins:

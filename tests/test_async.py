@@ -204,6 +204,32 @@ def test_every_wait_mode_delivers(name: str, pair: PairFactory, mode: str) -> No
         cudalink.Receiver(name, wait="poll", connect=False)  # type: ignore[arg-type]
 
 
+def test_recv_takes_a_wait_strategy_per_call(
+    spawned: Spawned, name: str, control: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 5: "the sync recv() gets a wait strategy": ``recv(wait="block")`` on a spinning Receiver waits in
+    the kernel (no CPU), ``recv(wait="spin")`` still delivers, a bad one is a cudalink ArgumentError. Before,
+    ``recv(wait=...)`` was a TypeError: only ``Receiver(wait=...)`` chose it."""
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # see test_idle_async_consumer_uses_almost_no_cpu
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    stop = spawned.event()
+    spawned.ready(ap.idle_producer, name, stop=stop)
+    try:
+        with cudalink.Receiver(name, timeout=10.0, wait="spin") as rx:
+            rx.recv(timeout=5.0, wait="spin").release()  # the producer's one frame
+            t0 = os.times()
+            with pytest.raises(cudalink.LinkTimeout):
+                rx.recv(timeout=1.0, wait="block")
+            t1 = os.times()
+            cpu = (t1.user - t0.user) + (t1.system - t0.system)
+            assert cpu < 0.05, f"recv(wait='block') on a Receiver(wait='spin') burned {cpu:.3f} s of CPU in 1 s"
+            assert rx.wait_mode == "spin"  # the call's choice is the call's only
+            with pytest.raises(cudalink.ArgumentError, match=r"^cudalink: wait must be one of"):
+                rx.recv(timeout=0.1, wait="poll")  # type: ignore[arg-type]
+    finally:
+        stop.set()
+
+
 def test_uvloop_if_available(pair: PairFactory) -> None:
     uvloop = pytest.importorskip("uvloop")
     tx, rx = pair(shape=(1,), dtype="int16")

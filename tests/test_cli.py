@@ -310,6 +310,28 @@ def test_monitor_shows_consumers_and_leases(pair: PairFactory) -> None:
     assert re.search(rf"\d+:{seq} · 3 · ", proc.stdout), proc.stdout  # lease slot:seq, 3 frames behind
 
 
+def test_monitor_piped_shows_the_spec_and_lease_ages(pair: PairFactory) -> None:
+    """Issue 6: monitor shows "the generation, the spec, the consumers, fps, drops and lease ages". Piped (no
+    terminal: a log, a test's capture) its per-sample line had the generation, fps, drops and a lease count,
+    but neither the frame spec nor any lease's age."""
+    tx, rx = pair(DEFAULT, shape=(8, 8, 4), dtype="float32", pixel_format="RGBA", rx={"timeout": 5.0})
+    with tx, rx:
+        tx.send(np.zeros((8, 8, 4), np.float32))
+        frame = rx.recv()  # held: its slot stays leased
+        for _ in range(2):
+            tx.send(np.ones((8, 8, 4), np.float32))
+        proc = run_cli("monitor", tx.name, "--seconds", "0.3", "--interval", "0.1", timeout=60)
+        seq, gen = frame.seq, tx.generation
+        frame.release()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines and all(f"gen {gen:016x}" in ln for ln in lines), proc.stdout
+    last = lines[-1]
+    assert "(8, 8, 4) float32 RGBA" in last, last  # the spec
+    assert "dropped 0" in last and "consumers 1" in last, last
+    assert re.search(rf"leases 1 \(\d+:{seq} · 2 · [\d.,]+ (µs|ms)\)", last), last  # slot:seq · behind · age
+
+
 @pytest.mark.parametrize("how", ["recv", "poll"])
 def test_monitor_counts_a_consumer_that_never_waits(pair: PairFactory, how: str) -> None:
     """A consumer slower than its producer always finds a frame waiting and never sleeps: the monitor must

@@ -20,6 +20,7 @@ from rich.text import Text
 from .. import _platform
 from .._ring import read_record
 from ..errors import ArgumentError, LinkError
+from ..frames.spec import FrameSpec
 from ..link import _COUNT_EVERY
 from ..transport import wire
 from . import cuda_link_view
@@ -146,6 +147,19 @@ def _rate(cur: int, old: int, dt: float) -> float | None:
     return (cur - old) / dt if dt > 0 and cur >= old else None
 
 
+def _spec_text(spec: FrameSpec) -> str:
+    """A frame's format as the views print it: ``(8, 8, 4) uint8 RGBA (origin top)``."""
+    fmt = f" {spec.pixel_format.value}" if spec.pixel_format else ""
+    return f"{spec.shape} {spec.dtype.name}{fmt} (origin {spec.origin.value})"
+
+
+def _lease_text(lease: LeaseInfo) -> str:
+    """One lease as the views print it: slot:seq · frames behind · age."""
+    return f"{lease.slot}:{lease.seq} · {lease.frames_behind} · " + (
+        _us(lease.age_s * 1e6) if lease.age_s is not None else "?"
+    )
+
+
 def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
     """Header lines plus a consumer table; rates come from the previous snapshot of the same generation."""
     f = snap.fixed
@@ -172,12 +186,9 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
         ),
     ]
     if snap.newest is not None:
-        spec = snap.newest.spec
-        fmt = f" {spec.pixel_format.value}" if spec.pixel_format else ""
         lines.append(
             Text(
-                f"newest frame: seq {snap.newest_seq} in slot {snap.newest_slot}: {spec.shape} "
-                f"{spec.dtype.name}{fmt} (origin {spec.origin.value}), "
+                f"newest frame: seq {snap.newest_seq} in slot {snap.newest_slot}: {_spec_text(snap.newest.spec)}, "
                 f"published {_ago(snap.newest.timestamp_ns, snap.now_ns)}"
             )
         )
@@ -214,11 +225,7 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
     for c in snap.consumers:
         o = old.get(c.index)
         r = _rate(c.received, o.received, dt) if o is not None and o.pid == c.pid else None
-        leases = ", ".join(
-            f"{lease.slot}:{lease.seq} · {lease.frames_behind} · "
-            + (_us(lease.age_s * 1e6) if lease.age_s is not None else "?")
-            for lease in c.leases
-        )
+        leases = ", ".join(map(_lease_text, c.leases))
         pid = f"{c.pid}" if c.alive else f"{c.pid} (dead)"
         table.add_row(
             str(c.index),
@@ -233,7 +240,8 @@ def render_snapshot(snap: Snapshot, prev: Snapshot | None) -> Group:
 
 
 def plain_line(snap: Snapshot, prev: Snapshot | None) -> str:
-    """One line per sample for a pipe or a log (no terminal to redraw): time, producer, rates, consumers."""
+    """One line per sample for a pipe or a log (no terminal to redraw): time, producer, rates, the newest frame's
+    spec, consumers and the age of each lease."""
     f = snap.fixed
     same = prev is not None and prev.fixed.generation == f.generation
     dt = snap.mono - prev.mono if same and prev is not None else 0.0
@@ -244,15 +252,17 @@ def plain_line(snap: Snapshot, prev: Snapshot | None) -> str:
         o = old.get(c.index)
         r = _rate(c.received, o.received, dt) if o is not None and o.pid == c.pid else None
         rate = f" {r:.1f}fps" if r is not None else ""
+        ages = f" ({', '.join(map(_lease_text, c.leases))})" if c.leases else ""
         parts.append(
             f"#{c.index} pid {c.pid}{'' if c.alive else ' (dead)'} received {c.received} skipped {c.skipped}"
-            f"{rate} leases {len(c.leases)}"
+            f"{rate} leases {len(c.leases)}{ages}"
         )
     stamp = time.strftime("%H:%M:%S", time.localtime(snap.now_ns / 1e9))
+    spec = f" spec {_spec_text(snap.newest.spec)}" if snap.newest is not None else ""
     return (
         f"{stamp} {snap.name} gen {f.generation:016x} pid {f.pid} "
         f"{'alive' if snap.producer_alive else 'NOT RUNNING'} published {f.published} "
-        f"fps {f'{fps:.1f}' if fps is not None else 'n/a'} dropped {f.dropped} seq {snap.newest_seq} "
+        f"fps {f'{fps:.1f}' if fps is not None else 'n/a'} dropped {f.dropped} seq {snap.newest_seq}{spec} "
         f"consumers {len(snap.consumers)}" + ("".join(f"; {p}" for p in parts))
     )
 

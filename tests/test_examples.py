@@ -327,3 +327,17 @@ def test_a_bad_flag_is_one_line_before_anything_starts(name: str, args: list[str
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], (proc.returncode, proc.stderr)
     assert lines[0].startswith(f"{name}: ") and "Traceback" not in proc.stderr
+
+
+def test_the_readme_links_each_example_with_a_line_on_what_it_shows() -> None:
+    """Issue 8: "The README links each example with one line on what it shows". It named them in one sentence,
+    with no file and no link but examples/README.md's."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## Examples\n") :]
+    wanted = [p for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")] + sorted(NOTEBOOKS.glob("*.ipynb"))
+    assert len(wanted) >= 8
+    for path in wanted:
+        rel = path.relative_to(ROOT).as_posix()
+        line = next((ln for ln in section.splitlines() if f"]({rel})" in ln), "")
+        assert line, f"README's Examples section has no link to {rel}"
+        assert len(line.split(f"]({rel})", 1)[1].strip(" :-")) > 20, f"no line on what {rel} shows: {line!r}"

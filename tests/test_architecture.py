@@ -240,6 +240,21 @@ def test_the_os_is_asked_about_only_in_platform() -> None:
     assert not found, "ask _platform instead:\n" + "\n".join(found)
 
 
+def test_every_import_from_cuda_cores_private_modules_sits_in_one_module() -> None:
+    """cuda.core 1.x's traps (its private IPC descriptor constructors) are reached from one module only, so a
+    cuda.core release that moves them breaks one file: ``cudalink/cuda/driver.py``."""
+    import re
+
+    private = re.compile(r"^\s*(?:from|import)\s+cuda\.(?:core|bindings)\._", re.M)
+    found = sorted(
+        str(path.relative_to(PKG.parent))
+        for pattern in ("*.py", "*.pyx")
+        for path in PKG.rglob(pattern)
+        if private.search(path.read_text())
+    )
+    assert found == ["cudalink/cuda/driver.py"], found
+
+
 class _TorchDtype:
     def __init__(self, name: str) -> None:
         self.name = name

@@ -27,6 +27,11 @@ def test_buffer_descriptor_round_trips_through_init_and_reduce() -> None:
     d = IPCBufferDescriptor._init(payload, 1 << 20)
     got_payload, got_size = d.__reduce__()[1][:2]  # what PoolExporter writes into the header
     assert (bytes(got_payload), int(got_size)) == (payload, 1 << 20)
+    from cudalink.cuda import driver
+
+    ours = driver.buffer_descriptor(payload, 1 << 20)  # what PoolImporter maps a slot from
+    assert isinstance(ours, IPCBufferDescriptor)
+    assert [bytes(ours.__reduce__()[1][0]), int(ours.__reduce__()[1][1])] == [payload, 1 << 20]
 
 
 def test_event_descriptor_round_trips_and_our_glue_reads_it() -> None:

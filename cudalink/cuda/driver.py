@@ -257,6 +257,17 @@ def event_handle(ev: Event) -> tuple[bytes, int]:
     return bytes(args[0]), int(bool(args[1]))
 
 
+def buffer_descriptor(handle: bytes, size: int) -> object:
+    """A cuda.core IPC buffer descriptor for a slot's 64-byte handle, as the header carries it.
+
+    Private path, as :func:`descriptor_args`: cuda.core 1.x builds descriptors only by unpickling them. Every
+    import from cuda.core's private modules sits in this module (the event's below).
+    """
+    from cuda.core._memory._ipc import IPCBufferDescriptor
+
+    return IPCBufferDescriptor._init(handle, size)
+
+
 def import_event(raw: bytes, flag: int) -> Event:
     """Open a producer's IPC event (or return our own, where this process exported it)."""
     from cuda.core import Event as CoreEvent

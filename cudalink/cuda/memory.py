@@ -218,14 +218,13 @@ class PoolImporter:
 
     def open(self, handle: bytes, size: int, stream: Stream) -> tuple[int, object]:
         from cuda.core import Buffer
-        from cuda.core._memory._ipc import IPCBufferDescriptor
 
         mine = driver.local_slot(handle)
         if mine is not None:
             return mine, None
         mr = self._pool()
         try:
-            buf = Buffer.from_ipc_descriptor(mr, IPCBufferDescriptor._init(handle, size), stream=stream)
+            buf = Buffer.from_ipc_descriptor(mr, driver.buffer_descriptor(handle, size), stream=stream)
         except Exception as exc:
             raise LinkError(f"cudalink: could not map the producer's slot: {exc}") from exc
         return int(buf.handle), buf

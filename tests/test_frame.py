@@ -97,6 +97,37 @@ def test_spec_validation_messages() -> None:
     assert FrameSpec((2, 3), "float32", strides=(12, 4)).strides is None  # contiguous strides normalise away
 
 
+def test_a_spec_takes_shape_dtype_and_pixel_format_in_that_order() -> None:
+    """Issue 2's FrameSpec is (shape, dtype, pixel format): a name third is the pixel format, never strides."""
+    spec = FrameSpec((4, 4, 4), "uint8", "RGBA8")
+    assert spec.pixel_format is PixelFormat.RGBA and spec.strides is None and spec.label == "RGBA8"
+    assert FrameSpec((2, 2, 4), "float32", PixelFormat.BGRA, "bottom").label == "BGRA32F bottom-up"
+    assert FrameSpec((2, 2, 4), "float32", "BGRA", origin="bottom").label == "BGRA32F bottom-up"
+    assert spec == FrameSpec(shape=(4, 4, 4), dtype="uint8", pixel_format="RGBA8")
+    with pytest.raises(cudalink.FormatError, match="two pixel formats"):
+        FrameSpec((4, 4, 4), "uint8", "RGBA", "BGRA")
+    with pytest.raises(cudalink.FormatError, match="depth suffix"):
+        FrameSpec((4, 4, 4), "float32", "RGBA8")
+    with pytest.raises(cudalink.FormatError, match="strides must be a tuple"):  # a name of nothing stays an error
+        FrameSpec((4, 4), "uint8", "abc")  # type: ignore[arg-type]
+
+
+def test_mismatched_nbytes_are_refused() -> None:
+    """A size that does not match the spec is a clear error: given to FrameSpec, or as the array a Frame wraps."""
+    assert FrameSpec((4, 4), "uint16", nbytes=32).nbytes == 32
+    assert FrameSpec((2, 3), "uint8", strides=(4, 1), nbytes=7).nbytes == 7  # the span the strides reach
+    with pytest.raises(cudalink.FormatError, match=r"^cudalink: nbytes=30 .* spans 32 bytes.*nbytes=32"):
+        FrameSpec((4, 4), "uint16", nbytes=30)
+    with pytest.raises(cudalink.FormatError, match="nbytes must be an integer"):
+        FrameSpec((4, 4), "uint16", nbytes="32")  # type: ignore[arg-type]
+    arr = np.zeros(8, np.uint8)
+    with pytest.raises(cudalink.FormatError, match=r"^cudalink: .*16 bytes.*outside the 8 bytes.*from_array"):
+        Frame(FrameSpec((4, 4), "uint8"), arr.ctypes.data, arr)
+    with pytest.raises(cudalink.FormatError, match="outside the 8 bytes"):
+        Frame(FrameSpec((8,), "uint8"), arr.ctypes.data + 1, arr)
+    assert np.from_dlpack(Frame(FrameSpec((4,), "uint8"), arr.ctypes.data + 4, arr)).shape == (4,)
+
+
 def test_frame_metadata() -> None:
     arr = np.zeros((4, 5, 4), np.uint8)
     frame = Frame.from_array(arr, pixel_format="BGRA8", origin="bottom", seq=9, timestamp_ns=123, meta=b"hi")

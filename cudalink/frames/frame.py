@@ -120,6 +120,18 @@ def _copy_arg(copy: object) -> bool:
     raise ArgumentTypeError(f"cudalink: __dlpack__(copy=...) takes True, False or None; got {copy!r}")
 
 
+def _check_within(spec: FrameSpec, ptr: int, owner: npt.NDArray[np.generic]) -> None:
+    """Refuse a frame whose spec reaches outside the numpy array that owns its memory: reading it would read
+    whatever lies beyond (or crash)."""
+    low, high = np.lib.array_utils.byte_bounds(owner)
+    if not low <= ptr <= ptr + spec.nbytes <= high:
+        raise FormatError(
+            f"cudalink: the frame's {spec.shape} {spec.dtype.name} spans {spec.nbytes} bytes from address {ptr:#x}, "
+            f"outside the {high - low} bytes of the array that owns its memory; use Frame.from_array(array), which "
+            "reads shape, dtype and strides from the array, or a spec that fits it"
+        )
+
+
 class _HostArrayRef:
     """Array-interface shim so numpy arrays over a frame keep the frame's ``_Hold`` as their base."""
 
@@ -189,6 +201,8 @@ class Frame:
         on_release: ReleaseCallback | None = None,
         generation: int = 0,
     ) -> None:
+        if isinstance(owner, np.ndarray):
+            _check_within(spec, int(ptr), owner)
         self._spec = spec
         self._is_cuda = device != "cpu"
         self._device_id = -1 if device == "cpu" else int(device)

@@ -6,6 +6,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -118,7 +119,8 @@ class FrameSpec:
     """An immutable, validated frame description. Build it with keywords; it checks itself on creation.
 
     ``strides`` are numpy-style byte strides; ``None`` means C-contiguous. ``nbytes`` is the span the
-    strides touch, which is what a slot must hold.
+    strides touch, which is what a slot must hold; pass ``nbytes=`` to have a buffer's size checked against it.
+    A pixel format may come third, as in ``FrameSpec((1080, 1920, 4), "uint8", "RGBA8")``: a name is never strides.
     """
 
     shape: tuple[int, ...]
@@ -134,7 +136,20 @@ class FrameSpec:
         strides: Sequence[int] | None = None,
         pixel_format: PixelFormat | str | None = None,
         origin: RowOrigin | str = RowOrigin.TOP,
+        *,
+        nbytes: int | None = None,
     ) -> None:
+        if isinstance(strides, PixelFormat) or (isinstance(strides, str) and _names_pixel_format(strides)):
+            # (shape, dtype, pixel format[, origin]): the order a spec is said in
+            if isinstance(pixel_format, RowOrigin) or str(pixel_format).lower() in ("top", "bottom"):
+                if origin is not RowOrigin.TOP:
+                    raise FormatError(f"cudalink: FrameSpec got two origins, {pixel_format!r} and {origin!r}; pass one")
+                origin, pixel_format = cast("RowOrigin | str", pixel_format), None
+            if pixel_format is not None:
+                raise FormatError(
+                    f"cudalink: FrameSpec got two pixel formats, {strides!r} and {pixel_format!r}; pass one"
+                )
+            strides, pixel_format = None, strides
         if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
             shape = (int(shape),)
         if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)):
@@ -183,11 +198,18 @@ class FrameSpec:
         object.__setattr__(self, "origin", org)
         # derived once: these sit on every send/recv path
         bst = st if st is not None else _c_strides(dims, dt.itemsize)
+        given = nbytes  # the caller's, checked below against the span
         nbytes = sum((d - 1) * s for d, s in zip(dims, bst, strict=True)) + dt.itemsize
         if nbytes > MAX_NBYTES:  # the span the strides reach, not only the elements: what a slot must hold
             raise FormatError(
                 f"cudalink: strides {st} of shape {dims} span {nbytes} bytes, over the {MAX_NBYTES >> 30} GiB frame "
                 "limit; send a compact array (np.ascontiguousarray / .contiguous())"
+            )
+        if given is not None and _check_int(given, "nbytes") != nbytes:
+            raise FormatError(
+                f"cudalink: nbytes={given} does not match shape {dims} of {dt.name}"
+                + (f" with strides {st}" if st is not None else "")
+                + f", which spans {nbytes} bytes; fix the shape or dtype, or pass nbytes={nbytes}"
             )
         object.__setattr__(self, "_byte_strides", bst)
         object.__setattr__(self, "_nbytes", nbytes)
@@ -298,6 +320,14 @@ def _check_no_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize
         if d > 1 and s < span:
             raise FormatError(f"cudalink: strides {strides} make elements of shape {shape} overlap")
         span = max(span, s * d) if d > 1 else span
+
+
+def _names_pixel_format(text: str) -> bool:
+    """Whether ``text`` is a pixel format's name (with or without a depth suffix)."""
+    try:
+        return _pixel_format(text) is not None
+    except FormatError:
+        return False
 
 
 def _pixel_format(value: PixelFormat | str | None, dtype: np.dtype[np.generic] | None = None) -> PixelFormat | None:

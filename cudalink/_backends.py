@@ -773,12 +773,13 @@ def resolve_handles(handles: str, passes_fds: bool) -> str:
     if handles == "pool" and not passes_fds:
         raise ArgumentError(
             "cudalink: handles='pool' needs a control channel that passes file descriptors (a Unix socket), "
-            "and this transport's cannot (loopback TCP, as on Windows); use handles='legacy' or 'auto'"
+            "and this transport's cannot (loopback TCP, as on Windows); use handles='legacy' or 'auto', or "
+            + driver.NO_GPU_HINT
         )
     if handles == "pool" and _platform.default_handles() != "pool":
         raise ArgumentError(
             "cudalink: handles='pool' needs cuda.core IPC pools, which only native Linux's driver shares (WSL 2's "
-            "refuses them); use handles='legacy' or 'auto'"
+            "refuses them); use handles='legacy' or 'auto', or " + driver.NO_GPU_HINT
         )
     return handles
 

@@ -199,6 +199,15 @@ def test_pools_asked_for_on_wsl_are_refused_naming_legacy_handles(monkeypatch: p
     assert _backends.resolve_handles("pool", passes_fds=True) == "pool"
 
 
+def test_pools_refused_name_both_ways_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 4: where IPC pools cannot be had (WSL, a channel without fds as on Windows), the error names legacy
+    handles and the CPU backend."""
+    monkeypatch.setattr(_platform, "default_handles", lambda linux=True, wsl=None: "legacy")  # WSL, or not Linux
+    for passes_fds in (True, False):
+        with pytest.raises(cudalink.ArgumentError, match=r"^cudalink: .*handles='legacy'.*device='cpu'"):
+            _backends.resolve_handles("pool", passes_fds=passes_fds)
+
+
 def test_a_pool_sender_over_tcp_fails_before_touching_the_gpu(name: str) -> None:
     with pytest.raises(cudalink.LinkError, match="handles='legacy'"):
         cudalink.Sender(name, shape=(4,), device=0, handles="pool", transport=SharedMemoryTransport("tcp"))

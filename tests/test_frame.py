@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import cudalink
 from cudalink.frames import SUPPORTED_DTYPES, Frame, FrameSpec, PixelFormat, RowOrigin
 
-from .conftest import PairFactory
+from .conftest import DEFAULT, PairFactory
 
 shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple)
 
@@ -110,6 +110,19 @@ def test_a_spec_takes_shape_dtype_and_pixel_format_in_that_order() -> None:
         FrameSpec((4, 4, 4), "float32", "RGBA8")
     with pytest.raises(cudalink.FormatError, match="strides must be a tuple"):  # a name of nothing stays an error
         FrameSpec((4, 4), "uint8", "abc")  # type: ignore[arg-type]
+
+
+def test_pixel_format_and_origin_compare_equal_to_their_names(pair: PairFactory) -> None:
+    """Issue 2 spells pixel formats and row origins as names ("RGBA", "top"/"bottom"): a frame's compare equal to
+    them, as well as being the enum members."""
+    frame = Frame.from_array(np.zeros((2, 2, 4), np.uint8), pixel_format="RGBA8", origin="bottom")
+    assert frame.pixel_format == "RGBA" and frame.pixel_format is PixelFormat.RGBA
+    assert frame.origin == "bottom" and frame.origin is RowOrigin.BOTTOM and frame.origin != "top"
+    tx, rx = pair(shape=(2, 2, 4), dtype="float32", pixel_format="BGRA32F", origin="bottom", transport=DEFAULT)
+    tx.send(np.ones((2, 2, 4), np.float32))
+    with rx.recv(timeout=2.0) as got:
+        assert (got.pixel_format, got.origin) == ("BGRA", "bottom")
+        assert got.spec.label == "BGRA32F bottom-up"
 
 
 def test_mismatched_nbytes_are_refused() -> None:

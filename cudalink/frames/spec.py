@@ -58,7 +58,7 @@ SUPPORTED_DTYPES: tuple[str, ...] = (
 )
 
 
-class PixelFormat(enum.Enum):
+class PixelFormat(str, enum.Enum):
     """Channel order of the last axis; bit depth comes from the dtype (RGBA + uint8 = RGBA8)."""
 
     GRAY = "GRAY"
@@ -73,7 +73,7 @@ class PixelFormat(enum.Enum):
         return 1 if self is PixelFormat.GRAY else len(self.value)
 
 
-class RowOrigin(enum.Enum):
+class RowOrigin(str, enum.Enum):
     """Where row 0 is. TouchDesigner (OpenGL) hands out bottom-up images."""
 
     TOP = "top"

@@ -137,7 +137,8 @@ class _Consumer:
             if await self._handshake():
                 await self._serve()
         except ProtocolError as exc:
-            log.warning("cudalink serve: closing a connection: %s", exc)
+            # "ProtocolError" named (the word for it), the message without its own "cudalink: "
+            log.warning("cudalink serve: closing a connection: ProtocolError: %s", str(exc).removeprefix("cudalink: "))
             await self._bye(ucx_wire.R_BAD_MESSAGE, str(exc))
         except (asyncio.CancelledError, Exception) as exc:
             if not isinstance(exc, asyncio.CancelledError):

@@ -275,3 +275,30 @@ def test_an_address_with_no_host_is_called_bad_not_ipv6(url: str) -> None:
 def test_a_bad_port_is_named_in_the_error(port: str) -> None:
     with pytest.raises(cudalink.ProtocolError, match=rf"port '{port}' is not a number from 1 to 65535"):
         uw.parse_address(f"ucx://10.0.0.1:{port}/x", need_name=True)
+
+
+@pytest.mark.parametrize("url", ["ucx://h:99999/x", "ucx://h:port/x", "ucx://:5/x", "ucx://[::1]:5/x", "ucx://h:5"])
+def test_a_bad_address_is_a_bad_argument_value_as_the_readme_says_of_bad_arguments(url: str) -> None:
+    """README: a bad argument value is an ArgumentError (also a ValueError), a mistyped one an ArgumentTypeError
+    (also a TypeError). A bad ucx:// address was only a ProtocolError; it is still one, and now also those."""
+    for call in (
+        lambda: uw.parse_address(url, need_name=True),
+        lambda: cudalink.Receiver(url, timeout=0.1),
+    ):
+        with pytest.raises(cudalink.ArgumentError, match=r"^cudalink: .*; use ") as got:
+            call()
+        assert isinstance(got.value, cudalink.ProtocolError) and isinstance(got.value, ValueError)
+
+
+@pytest.mark.parametrize("serve", ["ucx://h:99999", "ucx://:5", "ucx://h:5/x", "tcp://h:5"])
+def test_a_bad_serve_address_is_a_bad_argument_value(serve: str) -> None:
+    with pytest.raises(cudalink.ArgumentError, match=r"^cudalink: .*ucx://HOST:PORT") as got:
+        cudalink.Sender("audit-bad-serve", shape=(4, 4), serve=serve)
+    assert isinstance(got.value, cudalink.ProtocolError)
+
+
+@pytest.mark.parametrize("serve", [13337, True, b"ucx://127.0.0.1:5"])
+def test_a_serve_address_that_is_no_str_is_a_type_error(serve: object) -> None:
+    with pytest.raises(cudalink.ArgumentTypeError, match=r"^cudalink: .*ucx://HOST:PORT") as got:
+        cudalink.Sender("audit-bad-serve", shape=(4, 4), serve=serve)
+    assert isinstance(got.value, cudalink.ProtocolError) and isinstance(got.value, TypeError)

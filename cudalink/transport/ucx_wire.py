@@ -48,7 +48,7 @@ import struct
 from dataclasses import dataclass
 
 from .. import _platform
-from ..errors import ProtocolError, ProtocolReason
+from ..errors import ArgumentError, ArgumentTypeError, ProtocolError, ProtocolReason
 from ..frames.spec import FrameSpec
 from . import wire
 
@@ -409,6 +409,27 @@ def pack_ping() -> bytes:
 # -- addresses ------------------------------------------------------------------------------------------------
 
 
+class BadAddress(ProtocolError, ArgumentError):
+    """A malformed ``ucx://`` address: the ProtocolError it always was, and a bad argument value (an
+    ArgumentError, so a ValueError) as the README says of every bad argument."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ProtocolReason.REFUSED)
+
+    def __reduce__(self) -> tuple[type[BadAddress], tuple[str]]:  # type: ignore[override]
+        return type(self), (str(self),)
+
+
+class AddressTypeError(ProtocolError, ArgumentTypeError):
+    """An address that is not a str at all: a mistyped argument (an ArgumentTypeError, so a TypeError)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ProtocolReason.REFUSED)
+
+    def __reduce__(self) -> tuple[type[AddressTypeError], tuple[str]]:  # type: ignore[override]
+        return type(self), (str(self),)
+
+
 @dataclass(frozen=True)
 class Address:
     host: str
@@ -421,8 +442,10 @@ def parse_address(url: str, *, need_name: bool) -> Address:
     refused: UCXX listens on IPv4 only), and a bad NAME is refused as a local one is (``check_name``): a
     server would only refuse it, while the Receiver waited out its timeout."""
     form = "ucx://HOST:PORT/NAME" if need_name else "ucx://HOST:PORT"
-    if not isinstance(url, str) or not url.startswith("ucx://"):
-        raise ProtocolError(f"cudalink: {url!r} is not a ucx address; use {form}", ProtocolReason.REFUSED)
+    if not isinstance(url, str):
+        raise AddressTypeError(f"cudalink: {url!r} is not a ucx address (a str); use {form}")
+    if not url.startswith("ucx://"):
+        raise BadAddress(f"cudalink: {url!r} is not a ucx address; use {form}")
     rest = url[len("ucx://") :]
     hostport, _, name = rest.partition("/")
     if hostport.startswith("["):
@@ -438,15 +461,13 @@ def parse_address(url: str, *, need_name: bool) -> Address:
         port = -1
     if not host or not 0 < port < 65536:
         why = "no host" if not host else f"port {port_s!r} is not a number from 1 to 65535"
-        raise ProtocolError(f"cudalink: bad ucx address {url!r} ({why}); use {form}", ProtocolReason.REFUSED)
+        raise BadAddress(f"cudalink: bad ucx address {url!r} ({why}); use {form}")
     if ":" in host:  # UCXX 0.52's listener binds IPv4 only: an IPv6 server is never reached
-        raise ProtocolError(
-            f"cudalink: {url!r}: UCXX serves IPv4 only; use an IPv4 address or a host name", ProtocolReason.REFUSED
-        )
+        raise BadAddress(f"cudalink: {url!r}: UCXX serves IPv4 only; use an IPv4 address or a host name")
     if need_name and not name:
-        raise ProtocolError(f"cudalink: {url!r} names no link; use {form}", ProtocolReason.REFUSED)
+        raise BadAddress(f"cudalink: {url!r} names no link; use {form}")
     if not need_name and name:
-        raise ProtocolError(f"cudalink: {url!r}: a listen address names no link; use {form}", ProtocolReason.REFUSED)
+        raise BadAddress(f"cudalink: {url!r}: a listen address names no link; use {form}")
     if name:
         _platform.check_name(name)
     return Address(host, port, name or None)

@@ -630,3 +630,25 @@ def test_cudalinks_ucx_context_uses_large_tcp_segments_unless_the_user_sets_them
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
     cfg = ucx_engine.config()
     assert "TCP_TX_SEG_SIZE" not in cfg and cfg["TCP_RX_SEG_SIZE"] == "256k"
+
+
+@pytest.mark.parametrize(
+    ("device", "error"),
+    [
+        ("gpu", cudalink.ArgumentError),
+        (-3, cudalink.ArgumentError),
+        ("cuda:x", cudalink.ArgumentError),
+        (1.5, cudalink.ArgumentTypeError),
+        (64, cudalink.CudaUnavailable),
+    ],
+)
+def test_a_bad_device_is_refused_when_a_remote_receiver_is_made_as_a_local_one_is(
+    device: object, error: type[Exception], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local Receiver refuses a bad ``device=`` (or a GPU that is not there, naming those that are) when it
+    is made, connect=False or not; a ucx:// one took it and failed only at its first recv()."""
+    pytest.importorskip("ucxx")
+    monkeypatch.setenv("CUDALINK_KEY", "5a" * 32)
+    for name in (unique("d"), "ucx://127.0.0.1:9/x"):
+        with pytest.raises(error, match=r"^cudalink: "):
+            cudalink.Receiver(name, device=device, connect=False)

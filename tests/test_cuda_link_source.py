@@ -527,6 +527,18 @@ def test_cpu_device_is_refused_by_name(name: str) -> None:
     assert time.monotonic() - t0 < 1.0  # at once, not after waiting for a segment
 
 
+@pytest.mark.parametrize("bad", ["cuda-link:", "cuda-link:a/b", "cuda-link:.."])
+def test_a_bad_segment_name_or_device_is_a_value_error_on_both_sides(bad: str, name: str) -> None:
+    """Bad arguments get a cudalink error that is also a ValueError (issue 32), as cudalink's own names do:
+    the cuda-link Receiver and Sender alike, refused before anything is opened."""
+    with pytest.raises(cudalink.ArgumentError, match="not a cuda-link segment name"):
+        cudalink.Receiver(bad, timeout=0.2)
+    with pytest.raises(ValueError, match="not a cuda-link segment name"):
+        cudalink.Sender(bad, shape=(4, 4, 4), dtype="uint8", device=0, protocol="cuda-link")
+    with pytest.raises(cudalink.ArgumentError, match="GPU memory only"):
+        cudalink.Receiver("cuda-link:" + name, device="cpu", timeout=0.2)
+
+
 def test_no_segments_left_behind(name: str) -> None:
     p = FakeProducer(name)
     p.publish(1)

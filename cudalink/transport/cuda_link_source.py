@@ -43,7 +43,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from .. import _platform
-from ..errors import ArgumentTypeError, FormatError, LinkError, ProtocolError
+from ..errors import ArgumentError, ArgumentTypeError, FormatError, LinkError, ProtocolError
 from ..frames.frame import Frame, _Hold
 from . import cuda_link_wire as cw
 from .base import NoProducer
@@ -85,7 +85,7 @@ def strip_prefix(name: str) -> str:
         )
     seg = name[len(PREFIX) :] if name.startswith(PREFIX) else name
     if not seg or "/" in seg or "\0" in seg or seg in (".", ".."):
-        raise LinkError(
+        raise ArgumentError(
             f"cudalink: {name!r} is not a cuda-link segment name; write cuda-link:NAME with NAME as cuda-link "
             f"shows it (e.g. cuda-link:{cw.DEFAULT_NAMES[1]})"
         )
@@ -369,7 +369,7 @@ class CudaLinkSource:
         self.name = PREFIX + self.segment
         self.copy = copy_mode(copy) != "never"  # auto = copy: the producer never waits for us
         if device == "cpu" and memory is None:
-            raise LinkError(
+            raise ArgumentError(
                 "cudalink: cuda-link segments hold GPU memory only; use device=None or a CUDA device "
                 "(device='cpu' exists for cudalink's own links)"
             )

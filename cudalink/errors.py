@@ -138,6 +138,10 @@ class LinkClosed(LinkError):
 class CudaUnavailable(LinkError, RuntimeError):
     """No usable CUDA driver/GPU, or the GPU lacks a needed feature. The message names the way out."""
 
+    #: where the message ends with the advice to use ``device='cpu'`` (no usable GPU here), the text before
+    #: that advice; else None. What refuses the host backend (cuda-link) gives its own advice there instead
+    before_cpu_advice: str | None = None
+
 
 class CudaError(LinkError):
     """A CUDA driver call failed. ``result`` is its ``CUresult`` code, ``name`` the driver's name for it."""

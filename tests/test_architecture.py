@@ -290,3 +290,73 @@ def test_torch_dtypes_map_to_numpy_by_name_and_the_rest_take_the_general_path() 
     assert info is not None and info.dtype == np.dtype("float32") and info.shape == (2, 3) and info.ptr == 4096
     assert arrays._torch_info(_Tensor("uint16")).dtype == np.dtype("uint16")  # type: ignore[union-attr]
     assert arrays._torch_info(_Tensor("bfloat16")) is None  # numpy has no bfloat16: DLPack/CAI path decides
+
+
+#: methods that test a message's words (a fold of whitespace or a first line, for display, tests nothing)
+_TESTS_TEXT = {"startswith", "endswith", "find", "rfind", "index", "rindex", "count"}
+
+
+def error_text_reads(tree: ast.AST) -> list[int]:
+    """Lines where an ``except ... as NAME`` handler branches on NAME's message: ``x in str(exc)``,
+    ``str(exc).startswith(...)``, also through a name assigned from ``str(exc)``."""
+    found = []
+    for handler in ast.walk(tree):
+        if not isinstance(handler, ast.ExceptHandler) or not handler.name:
+            continue
+        exc_name = handler.name
+
+        def is_text(node: ast.AST, aliases: set[str], exc_name: str = exc_name) -> bool:
+            if isinstance(node, ast.Name):
+                return node.id in aliases
+            return (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "str"
+                and len(node.args) == 1
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id == exc_name
+            )
+
+        aliases: set[str] = set()
+        for node in ast.walk(handler):
+            if isinstance(node, ast.Assign) and is_text(node.value, set()):
+                aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(handler):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+                if any(is_text(side, aliases) for side in (node.left, *node.comparators)):
+                    found.append(node.lineno)
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _TESTS_TEXT
+                and is_text(node.func.value, aliases)
+            ):
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_no_code_branches_on_an_error_message() -> None:
+    """Issue 15: code branches on structure (an exception's class, ``ProtocolError.reason``, an attribute), never
+    on a message's words, which are for people and change freely."""
+    found = [
+        f"{path.relative_to(PKG.parent)}:{line}"
+        for path in sorted(PKG.rglob("*.py"))
+        for line in error_text_reads(ast.parse(path.read_text()))
+    ]
+    assert not found, "branch on the exception's class or attributes, not its text:\n" + "\n".join(found)
+
+
+def test_the_error_text_check_finds_what_it_looks_for() -> None:
+    src = """
+try:
+    f()
+except E as exc:
+    if "x" in str(exc):
+        pass
+    text = str(exc)
+    ok = "y" not in text
+    if str(exc).startswith("cudalink: no"):
+        pass
+    shown = " ".join(str(exc).split())
+"""
+    assert error_text_reads(ast.parse(src)) == [5, 8, 9]  # not the whitespace fold for display

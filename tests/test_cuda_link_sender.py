@@ -158,7 +158,7 @@ def test_no_gpu_says_cuda_link_needs_one_instead_of_suggesting_the_cpu(monkeypat
     from cudalink.transport import cuda_link_source
 
     def no_gpu(*args: object, **kw: object) -> None:
-        raise cudalink.CudaUnavailable(f"cudalink: no usable CUDA driver (none here); {driver.NO_GPU_HINT}")
+        raise driver.no_gpu("cudalink: no usable CUDA driver (none here)")  # what devices.device raises
 
     monkeypatch.setattr(_backends, "CudaSlots", no_gpu)
     with pytest.raises(cudalink.CudaUnavailable, match="cuda-link Sender needs a usable NVIDIA GPU") as err:

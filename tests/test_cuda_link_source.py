@@ -209,6 +209,18 @@ def test_a_segment_not_initialised_yet_is_waited_for(name: str, producer: FakePr
         _rx(name, timeout=0.2)
 
 
+def test_a_segment_with_no_format_yet_is_waited_for_then_read(name: str, producer: FakeProducer) -> None:
+    """Width, height and num_comps still 0: a producer that has not published its format; the attach waits
+    (told apart by the bytes, not by an error's text), and takes frames once the format is there."""
+    struct.pack_into("<III", producer.buf, cw.off_metadata(producer.n), 0, 0, 0)
+    with pytest.raises(cudalink.LinkTimeout, match="not published a frame format yet"):
+        _rx(name, timeout=0.2)
+    producer.set_format((4, 6, 4), "uint8")
+    producer.publish(3)
+    with _rx(name, timeout=2.0) as rx:
+        assert rx.recv(timeout=1.0).shape == (4, 6, 4)
+
+
 def _python_writer_reinit(producer: FakeProducer, new_slots: list[object], shape: tuple[int, int, int]) -> object:
     """cuda-link's Python writers (its exporter, its TD extension) re-initialise in this order: magic,
     version + 1, N, write_idx = 0, *then* the handles, shutdown and metadata; the TD extension keeps its own

@@ -39,10 +39,10 @@ def device(ordinal: int) -> Device:
         dev: Device = core.Device(ordinal)
         dev.set_current()
     except RuntimeError as exc:  # includes cuda.pathfinder's DynamicLibNotFoundError (no driver)
-        raise CudaUnavailable(f"cudalink: no usable CUDA driver ({exc}); {driver.NO_GPU_HINT}") from exc
+        raise driver.no_gpu(f"cudalink: no usable CUDA driver ({exc})") from exc
     except (ValueError, IndexError) as exc:
         check_ordinal(ordinal)  # names the GPUs that exist
-        raise CudaUnavailable(f"cudalink: no CUDA device {ordinal} ({exc}); {driver.NO_GPU_HINT}") from exc
+        raise driver.no_gpu(f"cudalink: no CUDA device {ordinal} ({exc})") from exc
     return dev
 
 
@@ -53,11 +53,10 @@ def gpu_only(what: str) -> Iterator[None]:
     try:
         yield
     except CudaUnavailable as exc:
-        text = str(exc)
-        if driver.NO_GPU_HINT not in text:
+        if exc.before_cpu_advice is None:  # not the no-GPU kind: its advice stands
             raise
         hint = f"{what} needs a usable NVIDIA GPU and driver (device='cpu' exists only for cudalink's own links)"
-        raise CudaUnavailable(text.replace(driver.NO_GPU_HINT, hint)) from exc
+        raise CudaUnavailable(exc.before_cpu_advice + hint) from exc
 
 
 @contextlib.contextmanager
@@ -246,7 +245,7 @@ def check_ordinal(ordinal: int, gpus: list[tuple[int, bytes]] | None = None) -> 
     """A clear error naming the GPUs that exist when ``ordinal`` is not one of them."""
     gpus = visible() if gpus is None else gpus
     if not gpus:  # no GPU at all: say why (no driver, or the driver sees none), not "pass one of: none"
-        raise CudaUnavailable(f"cudalink: there is no cuda:{ordinal} here: {_why_no_gpu()}; {driver.NO_GPU_HINT}")
+        raise driver.no_gpu(f"cudalink: there is no cuda:{ordinal} here: {_why_no_gpu()}")
     if not any(i == ordinal for i, _ in gpus):
         raise CudaUnavailable(
             f"cudalink: there is no cuda:{ordinal} here; this process sees {len(gpus)} GPU(s): "

@@ -36,11 +36,21 @@ _core_mod: ModuleType | None = None
 _smv: ViewFactory | None = None
 
 
-NO_CUDA_PACKAGES = (
+NO_CUDA_PACKAGES_DETAIL = (
     "cudalink: the CUDA packages are not installed here (cuda-core, cuda-bindings: pip installs them only "
     "where NVIDIA ships wheels, not on macOS); on a machine with an NVIDIA GPU run "
-    "`pip install cuda-core cuda-bindings`, or " + NO_GPU_HINT
+    "`pip install cuda-core cuda-bindings`"
 )
+NO_CUDA_PACKAGES = NO_CUDA_PACKAGES_DETAIL + ", or " + NO_GPU_HINT
+
+
+def no_gpu(detail: str, joiner: str = "; ") -> CudaUnavailable:
+    """CudaUnavailable for no usable GPU here (no CUDA packages, driver or device), where the way out is the
+    host backend: ``detail``, then :data:`NO_GPU_HINT`. What refuses the host backend (cuda-link) swaps that
+    advice for its own through ``before_cpu_advice`` (``devices.gpu_only``), never by reading the message."""
+    exc = CudaUnavailable(f"{detail}{joiner}{NO_GPU_HINT}")
+    exc.before_cpu_advice = detail + joiner
+    return exc
 
 
 def bindings() -> ModuleType:
@@ -50,7 +60,7 @@ def bindings() -> ModuleType:
         try:
             from cuda.bindings import driver
         except ImportError as exc:
-            raise CudaUnavailable(NO_CUDA_PACKAGES) from exc
+            raise no_gpu(NO_CUDA_PACKAGES_DETAIL, ", or ") from exc
         _use_fast(_native.load_driver())
         _driver_mod = driver
     return _driver_mod
@@ -63,7 +73,7 @@ def core() -> ModuleType:
         try:
             import cuda.core
         except ImportError as exc:
-            raise CudaUnavailable(NO_CUDA_PACKAGES) from exc
+            raise no_gpu(NO_CUDA_PACKAGES_DETAIL, ", or ") from exc
         bindings()  # decides the handle representation before any event exists
         _core_mod = cuda.core
     return _core_mod

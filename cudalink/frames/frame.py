@@ -113,6 +113,17 @@ def _dl_device(dl_device: object) -> tuple[int, int]:
     return _int_pair(dl_device, "dl_device", "a (device_type, device_id) pair of ints such as (1, 0) for the CPU")
 
 
+def _strides_at_fault(
+    shape: tuple[int, ...], dtype: DTypeLike, pixel_format: PixelFormat | str | None, origin: RowOrigin | str
+) -> bool:
+    """Whether a spec refused with its strides is accepted without them (the strides were what it refused)."""
+    try:
+        FrameSpec(shape, dtype, None, pixel_format, origin)
+    except FormatError:
+        return False
+    return True
+
+
 def _copy_arg(copy: object) -> bool:
     """A consumer's ``copy`` that is not None, True or False: a numpy bool, else refused (a string is truthy)."""
     if isinstance(copy, np.bool_):
@@ -295,7 +306,7 @@ class Frame:
         try:
             spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)
         except FormatError as exc:
-            if "strides" not in str(exc):
+            if not _strides_at_fault(info.shape, info.dtype, pixel_format, origin):
                 raise
             # a frame's strides are what its memory is: a flip or a broadcast cannot be wrapped without a copy
             raise FormatError(

@@ -43,7 +43,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from .. import _platform
-from ..errors import ArgumentError, ArgumentTypeError, FormatError, LinkError, ProtocolError
+from ..errors import ArgumentError, ArgumentTypeError, LinkError, ProtocolError
 from ..frames.frame import Frame, _Hold
 from . import cuda_link_wire as cw
 from .base import NoProducer
@@ -422,12 +422,10 @@ class CudaLinkSource:
             generation = _generation(_ino(getattr(shm, "_fd", -1)), header.version, cw.read_handles(handles, n, 0)[0])
             if generation == dead_generation:
                 raise NoProducer("only the closed producer's leftovers are there")
-            try:
-                meta = cw.read_metadata(buf, n, header.magic)
-            except FormatError as exc:
-                if "not published a format" in str(exc):
-                    raise NoProducer("the producer has not published a frame format yet") from exc
-                raise
+            snap = bytes(buf[: cw.off_metadata(n) + cw.META_SIZE])  # checked and parsed as one read
+            if not cw.format_published(snap, n):
+                raise NoProducer("the producer has not published a frame format yet")
+            meta = cw.read_metadata(snap, n, header.magic)
             spec = cw.spec_from_meta(meta)
             mem = self._make_memory()
             try:

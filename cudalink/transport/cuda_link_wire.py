@@ -52,6 +52,7 @@ __all__ = [
     "Metadata",
     "Segment",
     "check_size",
+    "format_published",
     "meta_from_spec",
     "pack_segment",
     "read_header",
@@ -325,6 +326,16 @@ def read_metadata(buf: bytes | bytearray | memoryview, nslots: int, magic: int =
         meta = Metadata(*_META_V1.unpack_from(buf, off))
     check_metadata(meta)
     return meta
+
+
+def format_published(buf: bytes | bytearray | memoryview, nslots: int) -> bool:
+    """Whether the producer has written a frame format yet: width, height and num_comps (the first 12 metadata
+    bytes in v1 and v0.9 alike) all non-zero. A segment too short to say is left to :func:`read_metadata`."""
+    off = off_metadata(nslots)
+    if len(buf) < off + 12:
+        return True
+    width, height, comps = struct.unpack_from("<III", buf, off)
+    return bool(width and height and comps)
 
 
 def check_metadata(meta: Metadata) -> None:

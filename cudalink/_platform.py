@@ -57,8 +57,15 @@ def check_name(name: object) -> str:
                 "link served from another host; a Sender serves its own with serve='ucx://HOST:PORT') and "
                 "cuda-link:NAME; a local link's name is 1-48 letters, digits, '_', '-' or '.'"
             )
-        # cuda-link's own default names ("cudalink_ipc_TD>>Python") are read through its address
-        other = f"; a cuda-link segment is read as 'cuda-link:{name}'" if ">>" in name else ""
+        # cuda-link's own default names ("cudalink_ipc_TD>>Python") are read through its address, written by
+        # protocol="cuda-link" (a Sender given the address itself lands here too: its name, not the address)
+        seg = name.removeprefix("cuda-link:")
+        other = (
+            f"; a cuda-link segment is read as 'cuda-link:{seg}' and written by Sender({seg!r}, ..., "
+            "protocol='cuda-link')"
+            if ">>" in name or seg != name
+            else ""
+        )
         raise ArgumentError(
             f"cudalink: invalid link name {name!r}: use 1-48 letters, digits, '_', '-' or '.', "
             f"starting with a letter or digit (no '/', no '..'){other}"

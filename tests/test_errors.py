@@ -98,6 +98,19 @@ def test_every_bad_sender_argument_is_a_cudalink_error_python_users_can_catch(
     assert not os.path.exists(_platform.lock_path(f"argtest-{os.getpid()}"))  # refused before anything was made
 
 
+@pytest.mark.parametrize("name", ["cuda-link:cudalink_ipc_Python>>TD", "cuda-link:x", "cudalink_ipc_Python>>TD"])
+def test_a_cuda_link_name_given_to_a_cudalink_sender_names_the_protocol_that_writes_it(name: str) -> None:
+    """Sender('cuda-link:NAME', ...) without protocol='cuda-link' said the segment "is read as
+    'cuda-link:cuda-link:NAME'" (a doubled prefix, and a reader's advice to a writer), and 'cuda-link:x' no way
+    out at all."""
+    seg = name.removeprefix("cuda-link:")
+    with pytest.raises(cudalink.ArgumentError) as info:
+        cudalink.Sender(name, **_OK_TX)  # type: ignore[arg-type]
+    text = str(info.value)
+    assert f"written by Sender({seg!r}, ..., protocol='cuda-link')" in text, text
+    assert f"read as 'cuda-link:{seg}'" in text and "cuda-link:cuda-link:" not in text, text
+
+
 RECEIVER_BAD = [
     ({"name": "a/b"}, ValueError, "invalid link name"),
     ({"name": "tcp://host:5000/cam"}, ValueError, "ucx://HOST:PORT/NAME"),  # an address of a kind we do not speak

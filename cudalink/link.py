@@ -1095,6 +1095,13 @@ class Receiver:
     ordinal), gets each frame copied into a small pool on GPU N, and the producer's slot goes back as soon as
     that copy has run (``stats()["path"]``: ``"peer"`` or ``"staged"``); ``copy="never"`` refuses that copy,
     ``copy="always"`` copies even on the producer's GPU.
+
+    ``"cuda-link:NAME"`` reads a cuda-link producer's segment (its TouchDesigner component or Python exporter).
+    Its writer never waits for readers, so by default (``copy="auto"``, or ``True``) each frame is copied on
+    the GPU into a buffer this Receiver owns, after the slot's event, and stays valid however long it is held.
+    ``copy=False`` (``"never"``) is zero copy, at a risk: the frame points into the producer's slot, which
+    **the writer may overwrite while a slow reader still reads it** (once it has published N more frames, N
+    its slot count, typically 2 or 3). Use it only when each frame is done with quickly.
     """
 
     #: the local ring's per-frame take and sleep (compiled where built); a Receiver whose source takes

@@ -58,6 +58,14 @@ def test_the_address_picks_this_source() -> None:
         strip_prefix("cuda-link:a/b")
 
 
+def test_the_receivers_docstring_states_the_zero_copy_risk_of_a_cuda_link_segment() -> None:
+    """Issue 34: copy=False gives zero copy, "with the risk (the writer may overwrite the slot under a slow
+    reader) stated in its docstring": the Receiver's, which help(cudalink.Receiver) shows."""
+    doc = " ".join((cudalink.Receiver.__doc__ or "").split())
+    assert "cuda-link:NAME" in doc and "copy=False" in doc, doc
+    assert "may overwrite" in doc and "slow reader" in doc, doc
+
+
 def test_frames_seq_timestamp_and_format(name: str, producer: FakeProducer) -> None:
     producer.set_format((4, 6, 4), "uint8", cw.FLAG_BGRA)
     producer.publish(7)

@@ -142,3 +142,21 @@ def test_a_cpu_link_copies_any_strided_array_right(make: object) -> None:
         tx.send(src)
         with rx.recv(timeout=5) as frame:
             assert np.array_equal(np.from_dlpack(frame), src)
+
+
+def test_the_code_map_names_every_module_of_the_tree() -> None:
+    """Issue 15: the README's code map matches the tree (it had lost five tools modules: cli, copysend,
+    gpuclock, remote_bench and the mpqueue peer)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Code map, lowest layer first")
+    code_map = text[start : text.index("\n## ", start)]
+    trivial = {"__init__.py", "__main__.py", "_version.py"}
+    missing = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "cudalink").rglob("*"))
+        if p.suffix in (".py", ".pyx")
+        and p.name not in trivial
+        and f"{p.name}`" not in code_map  # `cli.py`, `cudalink/_backends.py`
+        and f"`{p.stem}`" not in code_map  # a command by its name: `demo`, `serve`
+    ]
+    assert not missing, f"the README's code map does not name: {missing}"

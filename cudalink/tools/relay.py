@@ -1,8 +1,11 @@
 """``python -m cudalink relay ucx://HOST:PORT/NAME --as LOCAL``: a remote stream as a local link.
 
 Unmodified local consumers (a TouchDesigner Script TOP, say) read ``LOCAL`` as any link. Each remote frame
-is written once into a slot taken with ``Sender.reserve()``; a format change upstream reconfigures the
-local link (its slots are sized to the remote link's capacity, so every format the producer may send fits).
+lands in the relay's own buffers (host, or a GPU pool on ``--device``) and is then copied once into a slot of the
+local link by ``send()``: one copy more than issue 33 asks (landing straight into a slot taken with
+``Sender.reserve()`` needs the UCX source to land into memory it does not own). A format change upstream
+reconfigures the local link (its slots are sized to the remote link's capacity, so every format the producer may
+send fits).
 A producer restart upstream keeps the local link up: consumers see a gap, not an error (one whose frames no
 longer fit its slots restarts the local link: consumers see a new generation, as after any restart). The relay
 says on stdout when its upstream goes away and when it is back.

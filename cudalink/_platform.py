@@ -63,8 +63,8 @@ def check_name(name: object) -> str:
         other = (
             f"; a cuda-link segment is read as 'cuda-link:{seg}' and written by Sender({seg!r}, ..., "
             "protocol='cuda-link')"
-            if ">>" in name or seg != name
-            else ""
+            if (">>" in name or seg != name) and seg and "/" not in seg and "\\" not in seg and ".." not in seg
+            else ""  # no hint that names an invalid name: 'cuda-link:' alone, or a path
         )
         raise ArgumentError(
             f"cudalink: invalid link name {name!r}: use 1-48 letters, digits, '_', '-' or '.', "

@@ -337,7 +337,9 @@ def error_text_reads(tree: ast.AST) -> list[int]:
 
 def test_no_code_branches_on_an_error_message() -> None:
     """Issue 15: code branches on structure (an exception's class, ``ProtocolError.reason``, an attribute), never
-    on a message's words, which are for people and change freely."""
+    on a message's words, which are for people and change freely. What this finds: a test of the text inside the
+    ``except ... as exc`` handler that caught it (``in str(exc)``, ``str(exc).startswith``, through a name
+    assigned from it); text passed on to a helper, or read through ``exc.args``, is not followed."""
     found = [
         f"{path.relative_to(PKG.parent)}:{line}"
         for path in sorted(PKG.rglob("*.py"))

@@ -123,6 +123,8 @@ def test_pixel_format_and_origin_compare_equal_to_their_names(pair: PairFactory)
     with rx.recv(timeout=2.0) as got:
         assert (got.pixel_format, got.origin) == ("BGRA", "bottom")
         assert got.spec.label == "BGRA32F bottom-up"
+    # read as the name on every Python (a str mixin's format() differs between 3.10 and 3.11+)
+    assert (str(PixelFormat.RGBA), f"{PixelFormat.RGBA}", f"{RowOrigin.TOP:>4}") == ("RGBA", "RGBA", " top")
 
 
 def test_mismatched_nbytes_are_refused() -> None:

@@ -41,7 +41,6 @@ NO_CUDA_PACKAGES_DETAIL = (
     "where NVIDIA ships wheels, not on macOS); on a machine with an NVIDIA GPU run "
     "`pip install cuda-core cuda-bindings`"
 )
-NO_CUDA_PACKAGES = NO_CUDA_PACKAGES_DETAIL + ", or " + NO_GPU_HINT
 
 
 def no_gpu(detail: str, joiner: str = "; ") -> CudaUnavailable:

@@ -58,7 +58,18 @@ SUPPORTED_DTYPES: tuple[str, ...] = (
 )
 
 
-class PixelFormat(str, enum.Enum):
+class _Named(str, enum.Enum):
+    """A str enum that equals its value (``frame.origin == "bottom"``) and reads as it in ``str()`` and f-strings
+    on every Python: a str mixin's ``format()`` gave the value on 3.10 and the member's name on 3.11+."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class PixelFormat(_Named):
     """Channel order of the last axis; bit depth comes from the dtype (RGBA + uint8 = RGBA8)."""
 
     GRAY = "GRAY"
@@ -73,7 +84,7 @@ class PixelFormat(str, enum.Enum):
         return 1 if self is PixelFormat.GRAY else len(self.value)
 
 
-class RowOrigin(str, enum.Enum):
+class RowOrigin(_Named):
     """Where row 0 is. TouchDesigner (OpenGL) hands out bottom-up images."""
 
     TOP = "top"
@@ -119,7 +130,8 @@ class FrameSpec:
     """An immutable, validated frame description. Build it with keywords; it checks itself on creation.
 
     ``strides`` are numpy-style byte strides; ``None`` means C-contiguous. ``nbytes`` is the span the
-    strides touch, which is what a slot must hold; pass ``nbytes=`` to have a buffer's size checked against it.
+    strides touch, which is what a slot must hold; ``nbytes=``, where given, must equal that span (a check of a size
+    you hold against the spec).
     A pixel format may come third, as in ``FrameSpec((1080, 1920, 4), "uint8", "RGBA8")``: a name is never strides.
     """
 

@@ -16,8 +16,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
     failed: list[str] = []
 
     def say(exc: Exception) -> None:  # one link in the way of cleaning: the others are still cleaned
-        failed.append(str(exc))
-        print(exc, file=sys.stderr)
+        if str(exc) not in failed:  # said once (a link's data segments meet the same lock in the way)
+            failed.append(str(exc))
+            print(exc, file=sys.stderr)
 
     removed = clean(dry_run=args.dry_run, only=args.names or None, on_error=say)
     verb = "would remove" if args.dry_run else "removed"

@@ -40,8 +40,10 @@ def gpu_lib_name() -> str | None:
 def short_reason(exc: BaseException) -> str:
     """One line, without cudalink's prefix and its generic way-out hint: for 'using the CPU backend (...)'."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    before = getattr(exc, "before_cpu_advice", None)  # a no-GPU error: what it says before its way-out hint
+    if before:
+        text = before.strip().rstrip(";,").removesuffix(", or").strip()
     text = text.removeprefix("cudalink: ")
-    text = text.split("; use device='cpu'")[0]
     if "NVIDIA display driver" in text or "can only be found via system search" in text:
         return "no CUDA driver"
     return text if len(text) <= 120 else text[:117] + "..."

@@ -467,10 +467,10 @@ class UcxAttachment:
                     continue
                 if kind == ucx_wire.BYE:
                     reason, text = ucx_wire.unpack_text(msg)
+                    if reason == ucx_wire.R_PRODUCER_CLOSED:  # before the flags: the Receiver's thread reads them
+                        self.last_published = ucx_wire.bye_last(msg)
                     self.producer_gone = reason in (ucx_wire.R_PRODUCER_GONE, ucx_wire.R_PRODUCER_CLOSED)
                     self.producer_closed = reason == ucx_wire.R_PRODUCER_CLOSED
-                    if self.producer_closed:
-                        self.last_published = ucx_wire.bye_last(msg)
                     said = ucx_wire.quoted(text)  # the Receiver's ProducerGone says "cudalink:" and what to do
                     return f"{ucx_wire.REASON_TEXT.get(reason, 'closed')}: {said}", reason == ucx_wire.R_SILENT
                 head = ucx_wire.unpack_frame(msg, self.capacity, self.inline)

@@ -63,7 +63,7 @@ def check_name(name: object) -> str:
         other = (
             f"; a cuda-link segment is read as 'cuda-link:{seg}' and written by Sender({seg!r}, ..., "
             "protocol='cuda-link')"
-            if (">>" in name or seg != name) and seg and "/" not in seg and "\\" not in seg and ".." not in seg
+            if (">>" in name or seg != name) and segment_name_ok(seg)
             else ""  # no hint that names an invalid name: 'cuda-link:' alone, or a path
         )
         raise ArgumentError(
@@ -152,6 +152,12 @@ def runtime_dir() -> str:
     if hasattr(os, "getuid") and st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def segment_name_ok(seg: str) -> bool:
+    """Whether ``seg`` can name a cuda-link segment: taken as given (cuda-link's names hold ``>`` and other
+    characters), but never empty, a path or NUL, which no shared-memory name can hold."""
+    return bool(seg) and "/" not in seg and "\0" not in seg and seg not in (".", "..")
 
 
 def socket_path(name: str) -> str:

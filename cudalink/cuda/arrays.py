@@ -99,18 +99,19 @@ def _host_read(read: Callable[[], T], name: str, how: str) -> T:
 def _pixels(arr: npt.NDArray[np.generic], cls: type) -> npt.NDArray[np.generic]:
     """``arr``, unless it holds no pixels: None, bytes, a str or another object (which numpy wraps in an array
     of objects, strings or void), or an array of those; "call reconfigure" could never fix them."""
-    what = cls.__name__ if cls is not np.ndarray else f"a numpy array of {arr.dtype.name}"
-    if arr.dtype.isbuiltin == 2:  # numbers of a dtype a package adds (ml_dtypes' bfloat16, float8_*): numpy says "V"
+    dt = arr.dtype
+    if dt.isbuiltin != 2 and dt.kind not in "OSUVT":  # numbers (T: numpy's StringDType): no message built per send
+        return arr
+    what = cls.__name__ if cls is not np.ndarray else f"a numpy array of {dt.name}"
+    if dt.isbuiltin == 2:  # numbers of a dtype a package adds (ml_dtypes' bfloat16, float8_*): numpy says "V"
         raise FormatError(
             f"cudalink: {what} has a dtype cudalink does not carry (numpy, torch, cupy and jax do not all read it); "
             f"convert it first, e.g. x.astype(np.float32), or send its bits: x.view(np.uint{8 * arr.itemsize})"
         )
-    if arr.dtype.kind in "OSUVT":  # T: numpy's StringDType
-        raise FormatError(
-            f"cudalink: {what} is not an array of pixels; pass a numpy, torch, cupy or jax array of numbers, or "
-            "any object with DLPack or the CUDA array interface (raw bytes: np.frombuffer(data, np.uint8).reshape(...))"
-        )
-    return arr
+    raise FormatError(
+        f"cudalink: {what} is not an array of pixels; pass a numpy, torch, cupy or jax array of numbers, or "
+        "any object with DLPack or the CUDA array interface (raw bytes: np.frombuffer(data, np.uint8).reshape(...))"
+    )
 
 
 class TorchTensor(Protocol):

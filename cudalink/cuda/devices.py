@@ -241,6 +241,17 @@ def ordinal_of(uuid: bytes, gpus: list[tuple[int, bytes]] | None = None) -> int 
     return None
 
 
+def wanted_ordinal(device: object) -> int | None:
+    """A Receiver's ``device=``: None for the host (``"cpu"``) or no choice (None), else the GPU ordinal, checked
+    now: a bad value, or a GPU that is not there (naming those that are), fails when the Receiver is made, not
+    at its first attach."""
+    if device is None or device == "cpu":
+        return None
+    ordinal = parse_device(device)
+    check_ordinal(ordinal)
+    return ordinal
+
+
 def check_ordinal(ordinal: int, gpus: list[tuple[int, bytes]] | None = None) -> None:
     """A clear error naming the GPUs that exist when ``ordinal`` is not one of them."""
     gpus = visible() if gpus is None else gpus

@@ -42,7 +42,7 @@ def short_reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     before = getattr(exc, "before_cpu_advice", None)  # a no-GPU error: what it says before its way-out hint
     if before:
-        text = before.strip().rstrip(";,").removesuffix(", or").strip()
+        text = before.removesuffix("; ").removesuffix(", or ")  # driver.no_gpu's two joiners
     text = text.removeprefix("cudalink: ")
     if "NVIDIA display driver" in text or "can only be found via system search" in text:
         return "no CUDA driver"

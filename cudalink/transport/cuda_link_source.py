@@ -84,7 +84,7 @@ def strip_prefix(name: str) -> str:
             f"shows it (e.g. 'cuda-link:{cw.DEFAULT_NAMES[1]}')"
         )
     seg = name[len(PREFIX) :] if name.startswith(PREFIX) else name
-    if not seg or "/" in seg or "\0" in seg or seg in (".", ".."):
+    if not _platform.segment_name_ok(seg):
         raise ArgumentError(
             f"cudalink: {name!r} is not a cuda-link segment name; write cuda-link:NAME with NAME as cuda-link "
             f"shows it (e.g. cuda-link:{cw.DEFAULT_NAMES[1]})"
@@ -422,10 +422,10 @@ class CudaLinkSource:
             generation = _generation(_ino(getattr(shm, "_fd", -1)), header.version, cw.read_handles(handles, n, 0)[0])
             if generation == dead_generation:
                 raise NoProducer("only the closed producer's leftovers are there")
-            snap = bytes(buf[: cw.off_metadata(n) + cw.META_SIZE])  # checked and parsed as one read
-            if not cw.format_published(snap, n):
-                raise NoProducer("the producer has not published a frame format yet")
-            meta = cw.read_metadata(snap, n, header.magic)
+            try:
+                meta = cw.read_metadata(buf, n, header.magic)
+            except cw.FormatNotPublished as exc:
+                raise NoProducer("the producer has not published a frame format yet") from exc
             spec = cw.spec_from_meta(meta)
             mem = self._make_memory()
             try:

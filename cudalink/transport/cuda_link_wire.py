@@ -48,11 +48,11 @@ __all__ = [
     "MAGIC",
     "MAGIC_V09",
     "MAX_SLOTS",
+    "FormatNotPublished",
     "Header",
     "Metadata",
     "Segment",
     "check_size",
-    "format_published",
     "meta_from_spec",
     "pack_segment",
     "read_header",
@@ -328,20 +328,15 @@ def read_metadata(buf: bytes | bytearray | memoryview, nslots: int, magic: int =
     return meta
 
 
-def format_published(buf: bytes | bytearray | memoryview, nslots: int) -> bool:
-    """Whether the producer has written a frame format yet: width, height and num_comps (the first 12 metadata
-    bytes in v1 and v0.9 alike) all non-zero. A segment too short to say is left to :func:`read_metadata`."""
-    off = off_metadata(nslots)
-    if len(buf) < off + 12:
-        return True
-    width, height, comps = struct.unpack_from("<III", buf, off)
-    return bool(width and height and comps)
+class FormatNotPublished(FormatError):
+    """The metadata's sizes are zero: the producer has not written a frame format yet (or the segment is
+    corrupt). A reader waits for it rather than refusing the segment."""
 
 
 def check_metadata(meta: Metadata) -> None:
     """What cuda-link's own TD receiver checks, plus what a cudalink frame needs."""
     if meta.width == 0 or meta.height == 0 or meta.num_comps == 0:
-        raise FormatError(
+        raise FormatNotPublished(
             f"cudalink: cuda-link segment describes a {meta.width}x{meta.height}x{meta.num_comps} frame; its "
             f"producer has not published a format yet (or the segment is corrupt)"
         )

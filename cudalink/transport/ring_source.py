@@ -300,18 +300,13 @@ class RingSource:
         #: whether ``copy="always"`` copies a host link's frames too (the ucx server says no: it sends host
         #: frames straight from the slot, and copies only GPU frames into memory of its own)
         self.copy_host = copy_host
-        if device is not None and device != "cpu":
-            devices.parse_device(device)  # a bad device= is an ArgumentError now, not at the first attach
         self.transport = transport
         self.want_device = device
         self.copy = copy
         #: ``device=N`` as an ordinal here, checked now: a GPU that is not there is named before any attach
-        self._ordinal: int | None = None
+        self._ordinal = devices.wanted_ordinal(device)
         self._closed = False
         self._handshaking: Client | None = None  # the client whose handshake runs now (see close)
-        if device is not None and device != "cpu":
-            self._ordinal = devices.parse_device(device)
-            devices.check_ordinal(self._ordinal)
 
     def attach(self, deadline: float, dead_generation: int) -> Attachment:
         try:

@@ -90,10 +90,10 @@ class UcxSource:
                 "cudalink: frames from another host always land in buffers this Receiver owns; "
                 "use copy='auto' with a ucx:// address"
             )
-        if device is not None and device not in ("cpu", -1):  # as a local Receiver: a bad device= (or a GPU
-            from ..cuda import devices  # that is not there, naming those that are) is refused now, not at attach
+        if device != -1:  # -1 lands on the host, as "cpu"; the rest is checked as a local Receiver's device=
+            from ..cuda import devices
 
-            devices.check_ordinal(devices.parse_device(device))
+            devices.wanted_ordinal(device)
         self._stage = ucx_engine.stage_mode()  # a bad CUDALINK_UCX_STAGE fails here, before any connection
         ucx_engine.load()  # the clear error naming the extra, now rather than at the first recv
         self.key, _ = ucx_engine.load_key()

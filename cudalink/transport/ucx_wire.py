@@ -409,25 +409,23 @@ def pack_ping() -> bytes:
 # -- addresses ------------------------------------------------------------------------------------------------
 
 
-class BadAddress(ProtocolError, ArgumentError):
-    """A malformed ``ucx://`` address: the ProtocolError it always was, and a bad argument value (an
-    ArgumentError, so a ValueError) as the README says of every bad argument."""
+class _Refused(ProtocolError):
+    """A ucx:// address refused before any connection: a ProtocolError (REFUSED), as it always was."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, ProtocolReason.REFUSED)
 
-    def __reduce__(self) -> tuple[type[BadAddress], tuple[str]]:  # type: ignore[override]
+    def __reduce__(self) -> tuple[type[_Refused], tuple[str]]:  # type: ignore[override]
         return type(self), (str(self),)
 
 
-class AddressTypeError(ProtocolError, ArgumentTypeError):
+class BadAddress(_Refused, ArgumentError):
+    """A malformed ``ucx://`` address: also a bad argument value (an ArgumentError, so a ValueError), as the
+    README says of every bad argument."""
+
+
+class AddressTypeError(_Refused, ArgumentTypeError):
     """An address that is not a str at all: a mistyped argument (an ArgumentTypeError, so a TypeError)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, ProtocolReason.REFUSED)
-
-    def __reduce__(self) -> tuple[type[AddressTypeError], tuple[str]]:  # type: ignore[override]
-        return type(self), (str(self),)
 
 
 @dataclass(frozen=True)

@@ -326,12 +326,13 @@ class CudaLinkSender:
             return self._publish(timestamp_ns)
 
     def reserve(
-        self, *, stream: object = None, meta: bytes = b"", timeout: float | None = None
+        self, *, stream: object = None, meta: bytes = b"", timeout: float | None = None, timestamp_ns: int | None = None
     ) -> contextlib.AbstractContextManager[Frame]:
         """Zero-copy: the next slot as a writable Frame, published when the block exits cleanly (the slot's
-        event recorded after your streams). If the block raises, nothing is published."""
+        event recorded after your streams), stamped ``timestamp_ns`` as ``send()``'s. If the block raises,
+        nothing is published."""
         self._check_open(meta)  # here, not only when the block begins
-        return _Reservation(self, stream, meta)
+        return _Reservation(self, stream, meta, timestamp_ns)
 
     def reconfigure(
         self,
@@ -471,12 +472,13 @@ def _say_shutdown(buf: memoryview, n: int) -> None:
 class _Reservation:
     """One ``reserve()`` block: the Sender's lock from entry to exit, the slot published on a clean exit."""
 
-    __slots__ = ("_frame", "_stream", "_tx")
+    __slots__ = ("_frame", "_stream", "_ts", "_tx")
 
-    def __init__(self, tx: CudaLinkSender, stream: object, meta: bytes) -> None:
+    def __init__(self, tx: CudaLinkSender, stream: object, meta: bytes, ts: int | None) -> None:
         tx._check_open(meta)
         self._tx = tx
         self._stream = stream
+        self._ts = ts
         self._frame: Frame | None = None
 
     def __enter__(self) -> Frame:
@@ -503,6 +505,6 @@ class _Reservation:
             frame.release()
             if exc_type is None:
                 tx._slots.commit(tx._idx % tx._n, streams, self._stream)
-                tx._publish(None)
+                tx._publish(self._ts)
         finally:
             tx._lock.release()

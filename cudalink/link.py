@@ -752,7 +752,7 @@ class Sender:
         return self._seq
 
     def reserve(
-        self, *, stream: object = None, meta: Meta = b"", timeout: float | None = None
+        self, *, stream: object = None, meta: Meta = b"", timeout: float | None = None, timestamp_ns: int | None = None
     ) -> contextlib.AbstractContextManager[Frame]:
         """Zero-copy: yields the next slot as a writable Frame; it is published when the block exits cleanly.
 
@@ -762,12 +762,14 @@ class Sender:
         :class:`LinkTimeout` (after ``timeout`` under ``policy="block"``, at once under ``"drop"``).
         Inside the block the frame's ``seq`` is the one it gets if nothing is published before it (a ``send()``
         or another block inside this one goes first); after the block, its ``seq``, ``timestamp_ns`` and
-        ``meta`` are what it was published with.
+        ``meta`` are what it was published with. ``timestamp_ns``, as ``send()``'s: default the publish time
+        (a relay passes on its upstream's).
         """
         self._check_open()  # here, not only when the block begins
         if stream is not None and self._slots.stream is None:
             raise _backends.host_stream()
-        return _Reservation(self, stream, _meta_bytes(meta), None if timeout is None else _call_timeout(timeout))
+        meta_b, ts = self._checked(meta, timestamp_ns)
+        return _Reservation(self, stream, meta_b, None if timeout is None else _call_timeout(timeout), ts)
 
     def _reserve(self, stream: object, meta: bytes, timeout: float | None) -> tuple[int, FrameSpec, Frame]:
         """The start of a ``reserve()`` block, under the lock the block holds: (slot, spec, frame)."""
@@ -794,9 +796,12 @@ class Sender:
         self._reserved |= 1 << slot
         return slot, spec, frame
 
-    def _commit(self, slot: int, spec: FrameSpec, frame: Frame, stream: object, meta: bytes) -> None:
+    def _commit(
+        self, slot: int, spec: FrameSpec, frame: Frame, stream: object, meta: bytes, ts: int | None = None
+    ) -> None:
         """The clean end of a ``reserve()`` block: the ready event after the writer's streams, then the publish,
-        stamped now, as ``send()``'s frames are (not when the block began: its rendering is not handoff)."""
+        stamped now (``ts`` None), as ``send()``'s frames are (not when the block began: its rendering is not
+        handoff)."""
         streams = frame._export_streams()
         frame.release()
         try:
@@ -804,7 +809,8 @@ class Sender:
         except BaseException:
             self._ring.abort(slot)
             raise
-        ts = time.time_ns()
+        if ts is None:
+            ts = time.time_ns()
         # the frame now says what it went out as: inside the block a send() or a nested block may go first
         frame._seq, frame._timestamp_ns, frame._meta = self._publish(slot, spec, ts, meta), ts, meta
 
@@ -1019,10 +1025,11 @@ class _Reservation:
     before any other send on the link.
     """
 
-    __slots__ = ("_done", "_meta", "_stream", "_taken", "_timeout", "_tx")
+    __slots__ = ("_done", "_meta", "_stream", "_taken", "_timeout", "_ts", "_tx")
 
-    def __init__(self, tx: Sender, stream: object, meta: bytes, timeout: float | None) -> None:
+    def __init__(self, tx: Sender, stream: object, meta: bytes, timeout: float | None, ts: int | None) -> None:
         self._tx = tx
+        self._ts = ts
         self._stream = stream
         self._meta = meta
         self._timeout = timeout
@@ -1056,7 +1063,7 @@ class _Reservation:
         slot, spec, frame = taken
         try:
             if exc_type is None:
-                tx._commit(slot, spec, frame, self._stream, self._meta)
+                tx._commit(slot, spec, frame, self._stream, self._meta, self._ts)
             else:  # nothing is published: the slot goes back as it was
                 frame.release()
                 tx._ring.abort(slot)

@@ -250,6 +250,24 @@ def test_our_reader_reads_our_writer(name: str, fake_slots: type[FakeCudaSlots])
                 rx.recv(timeout=1.0)
 
 
+def test_a_reserved_frame_takes_a_timestamp_as_send_does(name: str, fake_slots: type[FakeCudaSlots]) -> None:
+    """``reserve(timestamp_ns=)`` as on a cudalink link (a relay passes its upstream's stamps on). cuda-link
+    keeps seconds on the writer's ``perf_counter`` clock, which the reader maps back to wall time, so the stamp
+    comes back within microseconds, not to the nanosecond."""
+    with cudalink.Sender(name, shape=(2, 2, 4), slots=2, protocol="cuda-link") as tx:
+        src = CudaLinkSource("cuda-link:" + name, memory=HostSlotMemory)
+        with cudalink.Receiver("cuda-link:" + name, source=src, timeout=1.0) as rx:
+            stamp = time.time_ns() - 3_000_000_000
+            with tx.reserve(timestamp_ns=stamp) as f:
+                np.asarray(f.numpy()).fill(6)
+            got = rx.recv(timeout=1.0)
+            assert (got.numpy() == 6).all() and abs(got.timestamp_ns - stamp) < 100_000, got.timestamp_ns - stamp
+            got.release()
+            tx.send(np.full((2, 2, 4), 7, np.uint8))  # without one: the publish time, as before
+            got = rx.recv(timeout=1.0)
+            assert abs(got.timestamp_ns - time.time_ns()) < 1_000_000_000
+
+
 def test_a_previous_segment_is_taken_over_with_the_next_version(name: str, fake_slots: type[FakeCudaSlots]) -> None:
     keep = _open_segment(name, create=True, size=cw.segment_size(3))
     assert keep.buf is not None

@@ -142,6 +142,23 @@ def test_a_reserved_frame_is_stamped_when_published_not_when_reserved(pair: Pair
         assert f.timestamp_ns >= published_after, (f.timestamp_ns - published_after) / 1e6
 
 
+def test_a_reserved_frame_takes_a_timestamp_as_send_does(pair: PairFactory, transport: Transport) -> None:
+    """``reserve(timestamp_ns=)``, as ``send()``'s: a relay republishes its upstream's frames with their own
+    stamps. A stamp that is no u64 is refused before a slot is taken."""
+    tx, rx = pair(transport, shape=(4,), dtype="uint8")
+    with tx, rx:
+        with tx.reserve(timestamp_ns=123_456_789) as w:
+            np.from_dlpack(w)[...] = 3
+        assert w.timestamp_ns == 123_456_789
+        f = rx.recv(1)
+        assert f.timestamp_ns == 123_456_789 and np.from_dlpack(f)[0] == 3
+        f.release()
+        for bad in (-1, 1 << 64, 1.5, "now"):
+            with pytest.raises(cudalink.FormatError, match="timestamp_ns must be an int"):
+                tx.reserve(timestamp_ns=bad)  # type: ignore[arg-type]
+        assert tx.stats()["published"] == 1
+
+
 def test_a_send_inside_a_reserve_block_never_writes_the_reserved_slot(pair: PairFactory, transport: Transport) -> None:
     """With one slot, a send() (or a second reserve()) inside an open block had the block's own slot: it wrote
     over the frame being rendered, and one of the two frames was lost. It is refused, saying what to do; with

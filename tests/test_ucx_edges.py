@@ -759,3 +759,151 @@ def test_the_server_of_a_killed_producer_run_by_a_parent_that_has_not_reaped_it_
     assert out.returncode == -9 and "serving" in out.stdout, out.stdout + out.stderr
     assert time.monotonic() - started < 20, "the server held the killed producer's output pipe"
     clean(only=[name])  # what the killed producer left
+
+
+@pytest.mark.parametrize("shape", [(8, 8, 4), (160, 160, 4)], ids=["inline", "rendezvous"])
+def test_a_relay_lands_each_frame_in_a_slot_of_its_local_link_without_a_copy(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33: the receiving side lands frames "straight into a relay's slot through reserve()". The relay
+    landed each in a buffer of its own and copied it into the local link with ``send()``. Frames of both sizes
+    (pixels inline in the header, and sent on their own) arrive whole, in order, with their timestamp and meta."""
+    from cudalink.tools import relay as relay_tool
+
+    name, local = unique("y"), unique("yl")
+    copied: list[str] = []
+    send = cudalink.Sender.send
+
+    def counted(self: cudalink.Sender, *args: object, **kw: object) -> int | None:
+        copied.append(self.name)
+        return send(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cudalink.Sender, "send", counted)
+    port = free_port()
+    stamps: dict[int, int] = {}
+    with cudalink.Sender(name, shape=shape, slots=8, serve=f"ucx://127.0.0.1:{port}") as tx:
+        done = threading.Event()
+        relayed: list[int] = []
+
+        def run() -> None:
+            relayed.append(
+                relay_tool.relay(f"ucx://127.0.0.1:{port}/{name}", local, latest=False, seconds=8.0, quiet=True)
+            )
+
+        def feed() -> None:
+            while not done.is_set():
+                seq = tx.seq + 1
+                stamps[seq] = 1_000_000_000 * seq + 11
+                tx.send(pattern(shape, seq), meta=struct.pack("<Q", seq), timestamp_ns=stamps[seq])
+                time.sleep(0.005)
+
+        relay_thread = threading.Thread(target=run, daemon=True)
+        feeder = threading.Thread(target=feed, daemon=True)
+        relay_thread.start()
+        feeder.start()
+        try:
+            got: list[tuple[int, int]] = []  # (local seq, upstream seq)
+            deadline = time.monotonic() + 7.0
+            with cudalink.Receiver(local, latest=False, timeout=0.2, connect=False) as rx:
+                while len(got) < 30:
+                    assert time.monotonic() < deadline, got
+                    try:
+                        f = rx.recv(timeout=0.2)
+                    except (cudalink.LinkTimeout, cudalink.ProducerGone):
+                        continue
+                    with f:
+                        check(f, relayed=True)
+                        sent = struct.unpack("<Q", f.meta)[0]
+                        assert f.timestamp_ns == stamps[sent]
+                        got.append((f.seq, sent))
+        finally:
+            done.set()
+            feeder.join(5)
+            relay_thread.join(15)
+    assert not relay_thread.is_alive()
+    assert [s for s, _ in got] == list(range(got[0][0], got[0][0] + len(got)))  # every frame, in order
+    ups = [u for _, u in got]
+    assert ups == sorted(ups) and len(set(ups)) == len(ups)
+    assert relayed and relayed[0] >= len(got)
+    assert local not in copied, "the relay copied frames into its local link with send()"
+
+
+def test_a_relay_whose_local_slots_are_all_held_drops_frames_and_relays_again_once_one_is_free() -> None:
+    """A frame that finds every slot of the relay's local link held by its consumers is dropped there, as a
+    local producer's ``send()`` drops it; the relay goes on, and relays again as soon as a slot is free."""
+    local = unique("hl")
+    with served("hh", "--frames", "1000000", "--fps", "200") as (_, _, url):
+        relay = Proc(["-m", "cudalink", "relay", url, "--as", local, "--slots", "2"])
+        try:
+            relay.expect("cudalink: relaying", 20.0)
+            with cudalink.Receiver(local, latest=False, timeout=10.0) as rx:
+                held = [rx.recv(timeout=5.0), rx.recv(timeout=5.0)]  # every slot of the local link
+                last = max(struct.unpack("<Q", f.meta)[0] for f in held)
+                time.sleep(0.5)  # ~100 frames come meanwhile, and find no slot
+                for f in held:
+                    check(f, relayed=True)  # still whole: nothing was landed over them
+                    f.release()
+                seen = 0
+                deadline = time.monotonic() + 10.0
+                while seen < 10:
+                    assert time.monotonic() < deadline, "".join(relay.log)
+                    with rx.recv(timeout=5.0) as f:
+                        check(f, relayed=True)
+                        assert struct.unpack("<Q", f.meta)[0] > last
+                        seen += 1
+            assert relay.p.poll() is None, "".join(relay.log)
+        finally:
+            relay.stop()
+
+
+def test_a_relay_whose_local_name_is_taken_says_so_and_exits() -> None:
+    """The local link is made on the UCX thread as the first frame's header arrives; a failure there (the
+    name published by a live producer) must end the relay with that error, not read as a lost connection
+    retried for ever."""
+    local = unique("tk")
+    with (
+        cudalink.Sender(local, shape=(4, 4, 4)),
+        served("tk", "--frames", "1000000", "--fps", "100") as (_, _, url),
+    ):
+        relay = Proc(["-m", "cudalink", "relay", url, "--as", local])
+        try:
+            assert relay.p.wait(20) != 0, "".join(relay.log)
+            relay.reader.join(5)
+            said = "".join(relay.log)
+            assert f"cudalink: link {local!r} is already published by a live producer" in said, said
+            assert "Traceback" not in said, said
+        finally:
+            relay.stop()
+
+
+def test_a_relay_follows_a_reconfigure_upstream_in_its_slots() -> None:
+    """A format change upstream that fits the local link's slots reconfigures it (on the UCX thread, where the
+    frames now land): local consumers get the new shape, whole, from the same link."""
+    name, local = unique("rc"), unique("rcl")
+    port = free_port()
+    with cudalink.Sender(name, shape=(16, 16, 4), serve=f"ucx://127.0.0.1:{port}") as tx:
+        relay = Proc(["-m", "cudalink", "relay", f"ucx://127.0.0.1:{port}/{name}", "--as", local])
+        try:
+            shapes: list[tuple[int, ...]] = []
+            generations: set[int] = set()  # one: the local link was reconfigured, not made again
+            deadline = time.monotonic() + 30.0
+            with cudalink.Receiver(local, timeout=0.2, connect=False) as rx:
+                while len(set(shapes)) < 2:
+                    assert time.monotonic() < deadline, (shapes, "".join(relay.log))
+                    shape = (16, 16, 4) if len(shapes) < 3 else (6, 10, 4)
+                    if shape != tx.shape:
+                        tx.reconfigure(shape=shape)
+                    seq = tx.seq + 1
+                    tx.send(pattern(shape, seq), meta=struct.pack("<Q", seq))
+                    try:
+                        f = rx.recv(timeout=0.05)
+                    except (cudalink.LinkTimeout, cudalink.ProducerGone):
+                        continue
+                    with f:
+                        check(f, relayed=True)
+                        shapes.append(f.shape)
+                        generations.add(rx.generation)
+            assert shapes[-1] == (6, 10, 4) and len(generations) == 1, (shapes, generations)
+            assert relay.p.poll() is None and "started again" not in "".join(relay.log), "".join(relay.log)
+        finally:
+            relay.stop()

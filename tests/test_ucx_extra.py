@@ -27,6 +27,28 @@ def test_an_address_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) 
         cudalink.Receiver("ucx://127.0.0.1:5000/cam", timeout=0.1)
 
 
+def test_a_ucxx_that_fails_to_load_is_not_called_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed UCXX that raises ImportError as it loads (it refuses a UCX of the system older than it
+    takes, found before the wheel's) was reported as "not installed": the fix is a reinstall with its libraries."""
+    import builtins
+
+    real = builtins.__import__
+
+    def failing(name: str, *args: object, **kw: object) -> object:
+        if name == "ucxx":
+            raise ImportError("Support for UCX 1.16.0 has ended. Please upgrade to 1.19.0 or newer.")
+        return real(name, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ucx_engine, "_ucxx", None)
+    monkeypatch.delitem(sys.modules, "ucxx", raising=False)
+    monkeypatch.setattr(builtins, "__import__", failing)
+    with pytest.raises(cudalink.LinkError) as err:
+        ucx_engine.load()
+    said = str(err.value)
+    assert "not installed" not in said and "UCX 1.16.0 has ended" in said, said
+    assert 'pip install --force-reinstall "cudalink[ucx]"' in said and "librmm-cu13" in said, said
+
+
 def test_bench_remote_without_the_extra_names_it_before_starting_anything(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -145,3 +145,43 @@ def test_gpu_producer_to_remote_consumer(
         prod.stop()
     srv.reader.join(10)
     print("server: UCX lines saying 'context is destroyed':", sum("context is destroyed" in ln for ln in srv.log))
+
+
+@pytest.mark.parametrize("tls", ["tcp,cuda_copy", "tcp,cuda_copy,cuda_ipc"])
+def test_a_gpu_relay_lands_remote_frames_in_its_local_links_slots(tls: str) -> None:
+    """``cudalink relay --device 0``: each remote GPU frame lands in a slot of the relay's local GPU link,
+    taken with ``reserve()`` (staged through host memory with ``tcp,cuda_copy``: one copy from its page-locked
+    buffer into the slot; with ``cuda_ipc`` UCX writes the slot itself), and an unmodified local consumer
+    checks every frame through torch."""
+    pytest.importorskip("torch")
+    name, local = unique("gr"), unique("grl")
+    env = {"UCX_TLS": tls}
+    prod = Proc(
+        ["-m", "tests._ucx_procs", "producer", name, "--frames", "1000000", "--fps", "100", "--device", "0",
+         "--shape", "1080,1920,4", "--slots", "4"],
+        **env,
+    )  # fmt: skip
+    prod.expect("ready", 60.0)
+    port = free_port()
+    srv = Proc(["-m", "cudalink", "serve", name, "--listen", f"ucx://127.0.0.1:{port}"], **env)
+    relay = None
+    try:
+        srv.expect("cudalink: serving", 60.0)
+        relay = Proc(
+            ["-m", "cudalink", "relay", f"ucx://127.0.0.1:{port}/{name}", "--as", local, "--device", "0", "--in-order"],
+            **env,
+        )
+        assert "(1080x1920x4 uint8)" in relay.expect("cudalink: relaying", 60.0)
+        cons = Proc(["-m", "tests._ucx_procs", "gpu-consumer", local, "--device", "0", "--lib", "torch",
+                     "--frames", "60"])  # fmt: skip
+        line = cons.expect("checked", 120.0)
+        print(f"\n[relay {tls}] {line}")
+        assert " bad 0 " in line and "device cuda:0" in line, line
+        assert cons.p.wait(30) == 0, "".join(cons.log[-20:])
+        assert relay.p.poll() is None, "".join(relay.log)
+    finally:
+        if relay is not None:
+            relay.stop()
+        srv.stop()
+        prod.stop()
+    assert relay.p.returncode == 0, "".join(relay.log)

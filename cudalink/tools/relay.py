@@ -1,11 +1,11 @@
 """``python -m cudalink relay ucx://HOST:PORT/NAME --as LOCAL``: a remote stream as a local link.
 
 Unmodified local consumers (a TouchDesigner Script TOP, say) read ``LOCAL`` as any link. Each remote frame
-lands in the relay's own buffers (host, or a GPU pool on ``--device``) and is then copied once into a slot of the
-local link by ``send()``: one copy more than issue 33 asks (landing straight into a slot taken with
-``Sender.reserve()`` needs the UCX source to land into memory it does not own). A format change upstream
-reconfigures the local link (its slots are sized to the remote link's capacity, so every format the producer may
-send fits).
+lands straight in a slot of the local link, taken with ``Sender.reserve()`` as its header arrives, and is
+published there: no copy after the network's (a GPU link's frames staged through host memory take the one
+host-to-GPU copy, into the slot). A frame that finds every local slot held by consumers is dropped, and the
+local link counts it, as its own ``send()`` would. A format change upstream reconfigures the local link (its
+slots are sized to the remote link's capacity, so every format the producer may send fits).
 A producer restart upstream keeps the local link up: consumers see a gap, not an error (one whose frames no
 longer fit its slots restarts the local link: consumers see a new generation, as after any restart). The relay
 says on stdout when its upstream goes away and when it is back.
@@ -16,16 +16,154 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import math
+import threading
 import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from .. import _platform
-from ..errors import ArgumentError, LinkTimeout, ProducerGone, int_arg
+from ..errors import ArgumentError, LinkError, LinkTimeout, ProducerGone, int_arg
+from ..frames.frame import Frame
 from ..frames.spec import FrameSpec
-from ..link import Receiver, Sender
-from ..transport import wire
+from ..link import Receiver, Sender, default_transport
+from ..transport import ucx_wire, wire
+from ..transport.sources import open_source
 from ..transport.ucx_engine import say
+from ..transport.ucx_source import UcxAttachment, UcxSource
 from .ui import Stopped, sigterm_stops, stop_requested
+
+
+class _Local:
+    """The local link a relay republishes to: made at the first frame, reconfigured or made again as the
+    upstream's format changes, and what the relay says about it and its upstream."""
+
+    def __init__(self, url: str, local: str, device: int | str, slots: int, quiet: bool) -> None:
+        self.url = url
+        self.local = local
+        self.device = device
+        self.slots = slots
+        self.quiet = quiet
+        self.tx: Sender | None = None
+        self.stream: Any = None  # a GPU link's: where frames are landed (see _Slot)
+        self.stream_int = 0
+        self.lost = False  # the upstream went away and has sent nothing since: said once, and once when back
+        self.relayed = 0
+
+    def _make(self, spec: FrameSpec, capacity: int) -> Sender:
+        tx = Sender(
+            self.local,
+            shape=spec.shape,
+            dtype=spec.dtype,
+            slots=self.slots,
+            device=self.device,
+            pixel_format=spec.pixel_format,
+            origin=spec.origin,
+            capacity=max(capacity, spec.nbytes),
+        )
+        if tx.device != "cpu" and self.stream is None:
+            from ..cuda import devices, driver
+
+            self.stream = devices.device(int(tx.device.split(":")[1])).create_stream()
+            self.stream_int = driver.stream_handle(self.stream)
+        return tx
+
+    def ready_for(self, spec: FrameSpec, capacity: int) -> Sender:
+        """The local link, ready for a frame of ``spec`` from an upstream whose frames take up to ``capacity``."""
+        if self.lost and not self.quiet:
+            say(f"cudalink: {self.url} is back ({spec.label})")
+        self.lost = False
+        tx = self.tx
+        if tx is None:
+            tx = self.tx = self._make(spec, capacity)
+            if not self.quiet:
+                say(f"cudalink: relaying {self.url} as {self.local!r} ({spec.label})")
+        elif tx.spec != spec:
+            if spec.nbytes > tx.capacity:  # a restarted producer with larger frames: a new local link
+                self.tx = None
+                tx.close()
+                tx = self.tx = self._make(spec, capacity)
+                if not self.quiet:
+                    say(f"cudalink: {self.url} now sends {spec.label}; {self.local!r} started again")
+            else:
+                tx.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
+        return tx
+
+    def lose(self, exc: ProducerGone) -> None:
+        if not (self.quiet or self.lost):
+            why = str(exc).removeprefix("cudalink: ").split("; recv() again")[0]
+            why = why.replace(f"producer of {self.url!r}", "its producer")
+            say(f"cudalink: lost {self.url}: {why}; {self.local!r} stays up, waiting for it")
+        self.lost = True
+
+    def close(self) -> None:
+        tx, self.tx = self.tx, None
+        if tx is not None:
+            tx.close()
+
+
+class _Slot:
+    """A reserved slot of the local link, lent to the UCX source for one frame's bytes (``ucx_source.Target``)."""
+
+    def __init__(self, lander: _Lander, block: contextlib.AbstractContextManager[Frame], frame: Frame) -> None:
+        self.lander = lander
+        self.block = block
+        self.ptr = frame.ptr
+        self.stream = lander.local.stream_int
+        self.host: npt.NDArray[np.uint8] | None = None
+        if frame.device == "cpu":  # the slot's bytes (the Sender keeps them mapped while it is open)
+            raw = (ctypes.c_uint8 * frame.spec.nbytes).from_address(frame.ptr)
+            self.host = np.ctypeslib.as_array(raw)
+
+    def commit(self) -> None:
+        try:
+            self.block.__exit__(None, None, None)
+            self.lander.local.relayed += 1
+        finally:
+            self.lander.busy = False
+
+    def abort(self) -> None:
+        try:
+            with contextlib.suppress(LinkError):
+                self.block.__exit__(LinkError, None, None)  # publishes nothing: the slot goes back as it was
+        finally:
+            self.lander.busy = False
+
+
+class _Lander:
+    """Lends a slot of the local link for each remote frame, on the UCX loop's thread (``ucx_source.Lander``)."""
+
+    def __init__(self, local: _Local) -> None:
+        self.local = local
+        self.lock = threading.Lock()
+        self.closed = False
+        self.busy = False  # a frame is landing in a slot now: the next one waits for it to be published
+        #: why the local link could not be made or changed (its name taken, say): the relay's thread raises it
+        self.failed: BaseException | None = None
+
+    def take(self, head: ucx_wire.FrameHeader, att: UcxAttachment) -> _Slot | None:
+        with self.lock:
+            if self.closed or self.busy:
+                return None
+            try:
+                tx = self.local.ready_for(head.spec, att.capacity)
+                stream = self.local.stream if tx.device != "cpu" else None
+                block = tx.reserve(stream=stream, meta=head.meta, timestamp_ns=head.timestamp_ns)
+                frame = block.__enter__()
+            except LinkTimeout:  # every local slot is held by consumers: dropped (the local link counts it)
+                return None
+            except Exception as exc:  # on the UCX thread it would read as a lost connection: the relay's says it
+                self.failed, self.closed = exc, True
+                return None
+            self.busy = True
+            return _Slot(self, block, frame)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
 
 
 def relay(
@@ -37,8 +175,13 @@ def relay(
     latest: bool = True,
     seconds: float | None = None,
     quiet: bool = False,
+    land: bool = True,
 ) -> int:
-    """Republish ``url`` as ``local`` until ``seconds`` pass (None: forever); returns the frames relayed."""
+    """Republish ``url`` as ``local`` until ``seconds`` pass (None: forever); returns the frames relayed.
+
+    ``land=False`` lands each ``ucx://`` frame in the Receiver's own buffers and copies it into the local link
+    with ``send()``, as frames from any other source are: ``benchmarks/relay_rate.py`` sets the two side by side.
+    """
     _platform.check_name(local)  # before waiting for a first frame: a bad --as or --slots fails now
     int_arg(slots, "relay --slots", 1, wire.MAX_SLOTS, "--slots 4")
     if seconds is not None and (
@@ -49,65 +192,41 @@ def relay(
             f"stopped), got {seconds!r}; pass e.g. --seconds 60"
         )
     stop = None if seconds is None else time.monotonic() + seconds
-    relayed = 0
     # the first connection gets 5 s, no more than --seconds leaves: `--seconds 2` against a server that is down
     # ran 6 s before it said so
     first = 5.0 if stop is None else min(5.0, max(0.0, stop - time.monotonic()))
-    with Receiver(url, device=device, latest=latest, timeout=first) as rx:
-        tx: Sender | None = None
-
-        def make(spec: FrameSpec) -> Sender:
-            return Sender(
-                local,
-                shape=spec.shape,
-                dtype=spec.dtype,
-                slots=slots,
-                device=device,
-                pixel_format=spec.pixel_format,
-                origin=spec.origin,
-                capacity=max(rx.capacity, spec.nbytes),
-            )
-
-        lost = False  # the upstream went away and has sent nothing since: said once, and once when it is back
-        try:
-            while (stop is None or time.monotonic() < stop) and not stop_requested():
-                try:
-                    frame = rx.recv(timeout=0.5 if stop is None else max(0.01, min(0.5, stop - time.monotonic())))
-                except LinkTimeout:
-                    continue
-                except ProducerGone as exc:
-                    if not (quiet or lost):
-                        why = str(exc).removeprefix("cudalink: ").split("; recv() again")[0]
-                        why = why.replace(f"producer of {url!r}", "its producer")
-                        say(f"cudalink: lost {url}: {why}; {local!r} stays up, waiting for it")
-                    lost = True
-                    continue
-                with frame:
-                    spec = frame.spec
-                    if lost and not quiet:
-                        say(f"cudalink: {url} is back ({spec.label})")
-                    lost = False
-                    if tx is None:
-                        tx = make(spec)
-                        if not quiet:
-                            say(f"cudalink: relaying {url} as {local!r} ({spec.label})")
-                    elif tx.spec != spec:
-                        if spec.nbytes > tx.capacity:  # a restarted producer with larger frames: a new local link
-                            tx.close()
-                            tx = None
-                            tx = make(spec)
-                            if not quiet:
-                                say(f"cudalink: {url} now sends {spec.label}; {local!r} started again")
-                        else:
-                            tx.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
-                    # send() copies once, from the landed frame (host or GPU) into the slot, with its timestamp
-                    src = frame.numpy() if frame.device == "cpu" else frame
-                    tx.send(src, timestamp_ns=frame.timestamp_ns, meta=frame.meta)
-                    relayed += 1
-        finally:
-            if tx is not None:
-                tx.close()
-    return relayed
+    out = _Local(url, local, device, slots, quiet)
+    source = open_source(url, transport=default_transport(), device=device, copy="auto", latest=latest)
+    lander = None
+    if land and isinstance(source, UcxSource):  # frames land in the local link's slots (see the module's docstring)
+        lander = source.lander = _Lander(out)
+    try:
+        with Receiver(url, source=source, latest=latest, timeout=first) as rx:
+            try:
+                while (stop is None or time.monotonic() < stop) and not stop_requested():
+                    if lander is not None and lander.failed is not None:
+                        raise lander.failed
+                    try:
+                        frame = rx.recv(timeout=0.5 if stop is None else max(0.01, min(0.5, stop - time.monotonic())))
+                    except LinkTimeout:
+                        continue
+                    except ProducerGone as exc:
+                        out.lose(exc)
+                        continue
+                    with frame:
+                        if lander is not None:  # one the lander did not take: no local slot was free (dropped)
+                            continue
+                        tx = out.ready_for(frame.spec, rx.capacity)
+                        # send() copies once, from the landed frame (host or GPU) into the slot, with its timestamp
+                        src = frame.numpy() if frame.device == "cpu" else frame
+                        tx.send(src, timestamp_ns=frame.timestamp_ns, meta=frame.meta)
+                        out.relayed += 1
+            finally:
+                if lander is not None:  # no slot is lent from now on; closing the Receiver ends the one landing
+                    lander.close()
+    finally:
+        out.close()  # after the Receiver: its UCX reader has ended, and no frame lands in a slot any more
+    return out.relayed
 
 
 def cmd_relay(args: argparse.Namespace) -> int:

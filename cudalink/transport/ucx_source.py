@@ -17,7 +17,9 @@ the frame's ready event is recorded after that copy. Its HELLO asks for GPU memo
 own UCX has a GPU path (``ucx_engine.gpu_as_is``).
 
 ``copy``: frames always land in memory this Receiver owns, so ``"auto"`` and ``"always"`` mean the same,
-and ``"never"`` is refused (the network has no zero-copy).
+and ``"never"`` is refused (the network has no zero-copy). The one exception is a :class:`Lander` (the relay's):
+it lends a slot of its own local link for each frame, the bytes land there and it publishes them, so a relayed
+frame is never copied after it arrives; a frame it does not take lands here as any other.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import _platform
 from ..errors import FormatError, LinkError, ProtocolError
@@ -43,7 +46,7 @@ from . import ucx_engine, ucx_wire, wire
 from .base import NoProducer
 from .source import NO_TIME, Copy, Counters, account
 
-__all__ = ["UcxAttachment", "UcxSource"]
+__all__ = ["Lander", "Target", "UcxAttachment", "UcxSource"]
 
 #: landing buffers (and so frames in flight or queued) per Receiver
 CREDITS = 3
@@ -58,6 +61,35 @@ HANGUP_S = 0.3
 #: the longest one attempt to connect may take (a CUDA context, the connection, the handshake); the Receiver
 #: tries again until its own deadline, which may be none (``timeout=None``)
 _ATTEMPT_S = 30.0
+
+
+class Target(Protocol):
+    """Memory lent for one frame's bytes: a slot of a local link, published by :meth:`commit`.
+
+    ``host`` is a writable uint8 view of it on a host link (None on a GPU link). On a GPU link, ``ptr`` is
+    its address and ``stream`` the stream that was ordered after its readers; a copy into it goes there,
+    and UCX's own writes wait (CPU-side) until that stream has drained."""
+
+    host: npt.NDArray[np.uint8] | None
+    ptr: int
+    stream: int
+
+    def commit(self) -> None:
+        """The bytes are in place (UCX has finished, or a copy is queued on ``stream``): publish them."""
+        ...
+
+    def abort(self) -> None:
+        """The frame never arrived whole: publish nothing."""
+        ...
+
+
+class Lander(Protocol):
+    """Lends memory for frames as their headers arrive (on the UCX loop's thread): ``cudalink relay``."""
+
+    def take(self, head: ucx_wire.FrameHeader, att: UcxAttachment) -> Target | None:
+        """Where ``head``'s bytes go, or None: they land in the attachment's own buffer and ``recv()`` gets
+        them, as without a lander. The target's device matches the attachment's (``att.device_id``)."""
+        ...
 
 
 def _pick_device(device: int | str | None) -> int:
@@ -108,6 +140,8 @@ class UcxSource:
         self._closed = False
         #: a connection ``poll()`` started in the background, taken by the next attach
         self._pending: concurrent.futures.Future[UcxAttachment] | None = None
+        #: lends memory for each frame instead of the Receiver's own buffers (see :class:`Lander`)
+        self.lander: Lander | None = None
 
     def attach(self, deadline: float, dead_generation: int) -> UcxAttachment:
         """Connect within ``deadline``; with no time left (``poll()``), connect in the background instead and
@@ -480,6 +514,18 @@ class UcxAttachment:
                     raise ProtocolError(f"cudalink: frame seq {head.seq} after seq {self.last_seq}")
                 if not self.free:
                     raise ProtocolError("cudalink: the ucx server sent a frame beyond its credits")
+                lander = self.source.lander if self.source is not None else None
+                target = lander.take(head, self) if lander is not None else None
+                if target is not None:  # lent memory: the frame is published there, and its credit goes back
+                    credit = self.free.pop()
+                    try:
+                        await self._land_in(target, head, buf)
+                    except BaseException:
+                        self.free.append(credit)  # the frame never landed: the credit is ours again
+                        raise
+                    self._landed(head)
+                    self._returned(credit)
+                    continue
                 idx = slot = self.free.pop()
                 try:
                     if head.inline:  # the pixels came in this message (only a host landing asks for that)
@@ -492,9 +538,7 @@ class UcxAttachment:
                 except BaseException:
                     self.free.append(slot)  # the frame never landed: its buffer (and credit) is ours again
                     raise
-                self.heard = time.monotonic()
-                self.fruitless = 0
-                self.last_seq = head.seq
+                self._landed(head)
                 ready = self.ready
                 ready.append((head, idx))
                 if self.latest and not self.free and len(ready) > 1:
@@ -513,6 +557,37 @@ class UcxAttachment:
         except Exception as exc:
             # a server drops a stalled consumer with a reset where a send to it was under way
             return f"connection lost ({type(exc).__name__}: {exc})", self._was_stalled()
+
+    def _landed(self, head: ucx_wire.FrameHeader) -> None:
+        self.heard = time.monotonic()
+        self.fruitless = 0
+        self.last_seq = head.seq
+
+    async def _land_in(self, target: Target, head: ucx_wire.FrameHeader, buf: bytearray) -> None:
+        """Land a frame in memory a :class:`Lander` lent, and commit it there (abort it if it never came)."""
+        n = head.nbytes
+        try:
+            if target.host is not None:
+                if head.inline:
+                    target.host[:n] = np.frombuffer(buf, np.uint8, n, ucx_wire.MSG_SIZE)
+                    buf[ucx_wire.MSG_SIZE : ucx_wire.MSG_SIZE + n] = bytes(n)  # zeroed for the next (as below)
+                else:
+                    await self.ep.recv_sized(target.host[:n])
+            else:
+                from ..cuda import ucx as cuda_ucx
+
+                pinned = self.pinned
+                if pinned is not None:  # host bytes: into page-locked memory, then one copy on the target's stream
+                    await pinned.idle()
+                    await self.ep.recv_sized(pinned.array[:n])
+                    pinned.to_device(target.ptr, n, target.stream)
+                else:  # UCX writes with its own stream: the target's readers must be done first
+                    await cuda_ucx.drained(target.stream)
+                    await self.ep.recv_sized(cuda_ucx.DeviceBytes(target.ptr, n))
+        except BaseException:
+            target.abort()
+            raise
+        target.commit()
 
     def _was_stalled(self) -> bool:
         """Our loop is held up now, or was a moment ago: a lost connection is then likely the server's drop

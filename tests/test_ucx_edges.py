@@ -907,3 +907,20 @@ def test_a_relay_follows_a_reconfigure_upstream_in_its_slots() -> None:
             assert relay.p.poll() is None and "started again" not in "".join(relay.log), "".join(relay.log)
         finally:
             relay.stop()
+
+
+def test_a_relay_follows_a_pixel_format_cleared_upstream() -> None:
+    """An upstream that clears its pixel format (same shape) reconfigured the local link with
+    ``pixel_format=None``, which keeps the old one: local frames still said RGBA, and every frame reconfigured
+    the link again (the specs never matched)."""
+    from cudalink.frames.spec import FrameSpec
+    from cudalink.tools import relay as relay_tool
+
+    out = relay_tool._Local("ucx://127.0.0.1:1/up", unique("pf"), "cpu", 2, True)
+    try:
+        tx = out.ready_for(FrameSpec((8, 8, 4), "uint8", pixel_format="RGBA8"), 256)
+        assert tx.spec.pixel_format is not None
+        bare = FrameSpec((8, 8, 4), "uint8")
+        assert out.ready_for(bare, 256) is tx and tx.spec == bare, tx.spec
+    finally:
+        out.close()

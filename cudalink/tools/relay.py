@@ -88,8 +88,9 @@ class _Local:
                 tx = self.tx = self._make(spec, capacity)
                 if not self.quiet:
                     say(f"cudalink: {self.url} now sends {spec.label}; {self.local!r} started again")
-            else:
-                tx.reconfigure(spec.shape, spec.dtype, pixel_format=spec.pixel_format, origin=spec.origin)
+            else:  # "" clears a format: None would keep the old one (and the specs would never match)
+                fmt = "" if spec.pixel_format is None else spec.pixel_format
+                tx.reconfigure(spec.shape, spec.dtype, pixel_format=fmt, origin=spec.origin)
         return tx
 
     def lose(self, exc: ProducerGone) -> None:

@@ -49,6 +49,29 @@ def test_a_ucxx_that_fails_to_load_is_not_called_missing(monkeypatch: pytest.Mon
     assert 'pip install --force-reinstall "cudalink[ucx]"' in said and "librmm-cu13" in said, said
 
 
+@pytest.mark.parametrize("missing", ["ucxx._lib.libucxx", "rapids_logger"])
+def test_a_ucxx_missing_a_part_of_its_own_is_not_called_missing(missing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``import ucxx`` that fails on a module ucxx itself imports (a broken install, a dependency gone) raises
+    ModuleNotFoundError too, naming that module: UCXX is there, and "not installed" sent users to the install
+    they already had."""
+    import builtins
+
+    real = builtins.__import__
+
+    def failing(name: str, *args: object, **kw: object) -> object:
+        if name == "ucxx":
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real(name, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ucx_engine, "_ucxx", None)
+    monkeypatch.delitem(sys.modules, "ucxx", raising=False)
+    monkeypatch.setattr(builtins, "__import__", failing)
+    with pytest.raises(cudalink.LinkError) as err:
+        ucx_engine.load()
+    said = str(err.value)
+    assert "not installed" not in said and missing in said and "--force-reinstall" in said, said
+
+
 def test_bench_remote_without_the_extra_names_it_before_starting_anything(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

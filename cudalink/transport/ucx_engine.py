@@ -93,11 +93,11 @@ def load() -> ModuleType:
         _user_rndv = os.environ.get("UCX_RNDV_THRESH")
     try:
         import ucxx
-    except ModuleNotFoundError as exc:
-        raise LinkError(
-            f"cudalink: ucx:// addresses need UCXX, which is not installed ({exc}); {INSTALL_HINT}"
-        ) from exc
     except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "ucxx":  # not a module ucxx itself imports
+            raise LinkError(
+                f"cudalink: ucx:// addresses need UCXX, which is not installed ({exc}); {INSTALL_HINT}"
+            ) from exc
         # installed, but it failed to load: where a UCX of the system (an MPI's, say) is older than UCXX takes, it
         # was loaded instead of the wheel's libucx-cu13, as happens when librmm-cu13 is missing (one H200 lease,
         # 2026-11-27: "Support for UCX 1.16.0 has ended" from Debian's libucx0 until librmm-cu13 was installed)

@@ -332,7 +332,9 @@ class CudaLinkSender:
         event recorded after your streams), stamped ``timestamp_ns`` as ``send()``'s. If the block raises,
         nothing is published."""
         self._check_open(meta)  # here, not only when the block begins
-        return _Reservation(self, stream, meta, timestamp_ns)
+        from .link import _timestamp  # a stamp that is no u64 is refused now, as a cudalink link's, not at publish
+
+        return _Reservation(self, stream, meta, _timestamp(timestamp_ns))
 
     def reconfigure(
         self,

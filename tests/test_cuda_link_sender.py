@@ -268,6 +268,18 @@ def test_a_reserved_frame_takes_a_timestamp_as_send_does(name: str, fake_slots: 
             assert abs(got.timestamp_ns - time.time_ns()) < 1_000_000_000
 
 
+def test_a_reserve_with_a_stamp_that_is_no_u64_is_refused_before_a_slot_is_written(
+    name: str, fake_slots: type[FakeCudaSlots]
+) -> None:
+    """As on a cudalink link: a bad ``timestamp_ns`` is a FormatError from ``reserve()``, not a TypeError (or
+    a negative stamp published) as the block ends, after the slot was written."""
+    with cudalink.Sender(name, shape=(2, 2, 4), slots=2, protocol="cuda-link") as tx:
+        for bad in (-1, 1 << 64, 1.5, "now"):
+            with pytest.raises(cudalink.FormatError, match="timestamp_ns must be an int"):
+                tx.reserve(timestamp_ns=bad)  # type: ignore[arg-type]
+        assert tx.stats()["published"] == 0
+
+
 def test_a_previous_segment_is_taken_over_with_the_next_version(name: str, fake_slots: type[FakeCudaSlots]) -> None:
     keep = _open_segment(name, create=True, size=cw.segment_size(3))
     assert keep.buf is not None

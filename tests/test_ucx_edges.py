@@ -786,8 +786,12 @@ def test_a_relay_lands_each_frame_in_a_slot_of_its_local_link_without_a_copy(
         relayed: list[int] = []
 
         def run() -> None:
+            # slots to spare: a local consumer more than two frames behind (one slot it reads, one landing) lost
+            # one to the drop policy (3 runs in 7 on a 2-core VM, 160x160), which is no fault of the landing
             relayed.append(
-                relay_tool.relay(f"ucx://127.0.0.1:{port}/{name}", local, latest=False, seconds=8.0, quiet=True)
+                relay_tool.relay(
+                    f"ucx://127.0.0.1:{port}/{name}", local, slots=16, latest=False, seconds=8.0, quiet=True
+                )
             )
 
         def feed() -> None:
@@ -821,7 +825,7 @@ def test_a_relay_lands_each_frame_in_a_slot_of_its_local_link_without_a_copy(
             feeder.join(5)
             relay_thread.join(15)
     assert not relay_thread.is_alive()
-    assert [s for s, _ in got] == list(range(got[0][0], got[0][0] + len(got)))  # every frame, in order
+    assert [s for s, _ in got] == list(range(got[0][0], got[0][0] + len(got))), got  # every frame, in order
     ups = [u for _, u in got]
     assert ups == sorted(ups) and len(set(ups)) == len(ups)
     assert relayed and relayed[0] >= len(got)

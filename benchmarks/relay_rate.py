@@ -3,16 +3,18 @@ default, issue 33's "straight into a relay's slot through reserve()") or landed 
 and copied into the local link with ``send()`` (``land=False``: what the relay did before, and what it still
 does for sources other than ``ucx://``).
 
-One producer process (``Sender(serve=)``, host frames, flat out) serves all rounds. Each round starts a relay
-process of one kind, for ``--seconds``, and a local consumer (``latest=True``) in this process that counts the
-frames it gets once the first has come. The kinds alternate round by round, so both see the same machine.
+One producer process (``Sender(serve=)``, host frames unless ``--producer``, flat out) serves all rounds. Each
+round starts a relay process of one kind, for ``--seconds``, and a local consumer (``latest=True``) in this
+process that counts the frames it gets once the first has come. The kinds alternate round by round, so both
+see the same machine.
 Reported per kind: the consumer's frames per second and the relay process's CPU time per relayed frame (all its
 threads: ``time.process_time``), as medians over the rounds.
 
     python benchmarks/relay_rate.py [--shape 1080x1920x4] [--seconds 4] [--rounds 3] [--device cpu|0]
 
 ``--device 0``: the relay lands on GPU 0 (host bytes from the network go through its page-locked buffer), and
-the consumer reads the GPU link. ``UCX_TLS`` is left to the caller (the producer sends host frames).
+the consumer reads the GPU link. ``--producer 0``: the producer's frames are on GPU 0, so with ``--device 0`` and
+``cuda_ipc`` in ``UCX_TLS`` (or UCX's choice) UCX writes them into the relay's slots itself.
 """
 
 from __future__ import annotations
@@ -35,11 +37,22 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split("x"))
 
 
-def producer(name: str, port: int, shape: tuple[int, ...], ready: mp.Event, stop: mp.Event) -> None:  # type: ignore[valid-type]
+def producer(name: str, port: int, shape: tuple[int, ...], device: str, ready: mp.Event, stop: mp.Event) -> None:  # type: ignore[valid-type]
     import cudalink
 
-    frames = [np.full(shape, v, np.uint8) for v in (1, 2)]
-    with cudalink.Sender(name, shape=shape, slots=8, serve=f"ucx://127.0.0.1:{port}") as tx:
+    frames: list[object] = [np.full(shape, v, np.uint8) for v in (1, 2)]
+    dev: int | str = int(device) if device.isdigit() else device
+    if dev != "cpu":  # a GPU link takes GPU arrays: torch's, else cupy's
+        try:
+            import torch
+
+            frames = [torch.from_numpy(f).to(f"cuda:{dev}") for f in frames]  # type: ignore[arg-type]
+        except ImportError:
+            import cupy
+
+            with cupy.cuda.Device(dev):
+                frames = [cupy.asarray(f) for f in frames]
+    with cudalink.Sender(name, shape=shape, slots=8, device=dev, serve=f"ucx://127.0.0.1:{port}") as tx:
         ready.set()  # type: ignore[attr-defined]
         while not stop.is_set():  # type: ignore[attr-defined]
             seq = tx.seq + 1
@@ -76,8 +89,9 @@ def one_round(url: str, local: str, args: argparse.Namespace, land: bool) -> dic
                 continue
             with f:
                 seq = struct.unpack("<Q", f.meta)[0]
-                v = int(np.asarray(f.to_numpy() if f.device != "cpu" else f.numpy()).reshape(-1)[-1])
-                bad += int(v != (2 if seq & 1 else 1))  # the producer sends frames[seq & 1]
+                if f.device == "cpu" or got % 16 == 0:  # a GPU frame's read-back would be the consumer's limit
+                    v = int(np.asarray(f.to_numpy() if f.device != "cpu" else f.numpy()).reshape(-1)[-1])
+                    bad += int(v != (2 if seq & 1 else 1))  # the producer sends frames[seq & 1]
                 now = time.monotonic()
                 if not got:
                     first = now
@@ -95,6 +109,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--producer", default="cpu", help="the producer device: 0 sends GPU frames")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     sys.path.insert(0, HERE)
@@ -105,7 +120,7 @@ def main() -> None:
     port = ucx_engine.free_port()
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
-    prod = ctx.Process(target=producer, args=(name, port, shape, ready, stop))
+    prod = ctx.Process(target=producer, args=(name, port, shape, args.producer, ready, stop))
     prod.start()
     if not ready.wait(60):
         raise SystemExit("the producer did not start")
@@ -123,7 +138,10 @@ def main() -> None:
         prod.join(30)
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("fps", "cpu_us")} for k, v in rows.items()}
     tls = os.environ.get("UCX_TLS", "(UCX's choice)")
-    print(f"\nrelay of {args.shape} uint8 host frames, device {args.device}, UCX_TLS={tls}, medians of {args.rounds}:")
+    print(
+        f"\nrelay of {args.shape} uint8 frames from {args.producer} to {args.device}, UCX_TLS={tls}, "
+        f"medians of {args.rounds}:"
+    )
     for k, label in (("slot", "landed in the local link's slots"), ("copy", "landed, then copied with send()")):
         print(f"  {label:34} {med[k]['fps']:7.1f} fps   relay CPU {med[k]['cpu_us']:7.0f} us/frame")
     if med["copy"]["fps"]:

@@ -928,3 +928,39 @@ def test_a_relay_follows_a_pixel_format_cleared_upstream() -> None:
         assert out.ready_for(bare, 256) is tx and tx.spec == bare, tx.spec
     finally:
         out.close()
+
+
+def test_a_relay_that_cannot_publish_a_landed_frame_ends_with_that_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish that fails on the UCX thread (a CUDA error recording the slot's event, say) read there as a lost
+    connection, which the relay's Receiver took up again and again; the relay now stops lending slots and its
+    own thread raises the error, as for a local link it could not make."""
+    import types
+
+    from cudalink.frames.spec import FrameSpec
+    from cudalink.tools import relay as relay_tool
+    from cudalink.transport import ucx_wire
+
+    out = relay_tool._Local("ucx://127.0.0.1:1/up", unique("pc"), "cpu", 2, True)
+    lander = relay_tool._Lander(out)
+    spec = FrameSpec((4, 4, 4), "uint8")
+    head = ucx_wire.FrameHeader(1, 0, 1, 123, spec, b"")
+    att = types.SimpleNamespace(capacity=spec.nbytes)
+    try:
+        slot = lander.take(head, att)  # type: ignore[arg-type]
+        assert slot is not None and slot.host is not None and lander.busy
+        broken = cudalink.LinkError("cudalink: the slot's event could not be recorded")
+
+        def fail(*args: object) -> None:
+            raise broken
+
+        assert out.tx is not None
+        monkeypatch.setattr(out.tx, "_commit", fail)
+        slot.commit()  # not raised on the UCX thread
+        assert lander.failed is broken and lander.closed and not lander.busy
+        assert lander.take(head, att) is None  # type: ignore[arg-type]
+        monkeypatch.undo()
+        assert out.tx.stats()["published"] == 0
+        with out.tx.reserve() as w:  # the slot and the Sender's lock were given back
+            np.from_dlpack(w)[...] = 1
+    finally:
+        out.close()

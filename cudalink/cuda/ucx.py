@@ -92,6 +92,11 @@ async def drained(stream: object) -> None:
     await passed(mark(stream))
 
 
+def copy_on_gpu(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Queue a device-to-device copy on ``stream`` (a relay's landed frame into its local link's slot)."""
+    driver.memcpy_dtod(dst, src, nbytes, stream)
+
+
 class Pinned:
     """``nbytes`` of page-locked host memory (``cuMemHostAlloc``) in GPU ``ordinal``'s context: copies to
     and from the GPU run asynchronously at the bus's speed, and UCX sends and receives it as host memory.

@@ -1,11 +1,13 @@
 """``python -m cudalink relay ucx://HOST:PORT/NAME --as LOCAL``: a remote stream as a local link.
 
 Unmodified local consumers (a TouchDesigner Script TOP, say) read ``LOCAL`` as any link. Each remote frame
-lands straight in a slot of the local link, taken with ``Sender.reserve()`` as its header arrives, and is
-published there: no copy after the network's (a GPU link's frames staged through host memory take the one
-host-to-GPU copy, into the slot). A frame that finds every local slot held by consumers is dropped, and the
-local link counts it, as its own ``send()`` would. A format change upstream reconfigures the local link (its
-slots are sized to the remote link's capacity, so every format the producer may send fits).
+lands in a slot of the local link, taken with ``Sender.reserve()`` as its header arrives, and is published
+there, on the UCX thread: host bytes are received straight into the slot; on a GPU link the one copy a GPU
+landing makes (from the page-locked buffer host bytes arrive in, or from the buffer UCX writes GPU memory into:
+UCX writes the slots' pool memory three times slower) goes into the slot, on the GPU. A frame that finds every
+local slot held by consumers is dropped, and the local link counts it, as its own ``send()`` would. A format
+change upstream reconfigures the local link (its slots are sized to the remote link's capacity, so every format
+the producer may send fits).
 A producer restart upstream keeps the local link up: consumers see a gap, not an error (one whose frames no
 longer fit its slots restarts the local link: consumers see a new generation, as after any restart). The relay
 says on stdout when its upstream goes away and when it is back.
@@ -123,6 +125,8 @@ class _Slot:
         try:
             self.block.__exit__(None, None, None)
             self.lander.local.relayed += 1
+        except Exception as exc:  # raised on the UCX thread it would read as a lost connection: the relay's says it
+            self.lander.fail(exc)
         finally:
             self.lander.busy = False
 
@@ -157,10 +161,15 @@ class _Lander:
             except LinkTimeout:  # every local slot is held by consumers: dropped (the local link counts it)
                 return None
             except Exception as exc:  # on the UCX thread it would read as a lost connection: the relay's says it
-                self.failed, self.closed = exc, True
+                self.fail(exc)
                 return None
             self.busy = True
             return _Slot(self, block, frame)
+
+    def fail(self, exc: BaseException) -> None:
+        """The local link could not be made, changed or published to: lend nothing more, and end the relay
+        with ``exc`` (its thread raises it)."""
+        self.failed, self.closed = exc, True
 
     def close(self) -> None:
         with self.lock:

@@ -31,7 +31,16 @@ from numpy.typing import DTypeLike
 
 from . import _backends, _platform
 from .cuda import devices
-from .errors import ArgumentError, ArgumentTypeError, FormatError, LinkClosed, LinkError, int_arg, seconds_arg
+from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    FormatError,
+    LinkClosed,
+    LinkError,
+    int_arg,
+    seconds_arg,
+    timestamp_arg,
+)
 from .frames.frame import Frame
 from .frames.spec import FrameSpec, PixelFormat, RowOrigin
 from .transport import cuda_link_wire as cw
@@ -320,6 +329,8 @@ class CudaLinkSender:
         with self._lock:
             if self._closed or meta:
                 self._check_open(meta)
+            if timestamp_ns is not None:  # refused before a slot is written, as on a cudalink link
+                timestamp_ns = timestamp_arg(timestamp_ns)
             checked = self._slots.source(self._spec, array, stream)  # a refused array takes no slot
             slot = self._idx % self._n
             self._slots.copy_in(slot, self._spec, array, stream, [], checked)
@@ -332,9 +343,8 @@ class CudaLinkSender:
         event recorded after your streams), stamped ``timestamp_ns`` as ``send()``'s. If the block raises,
         nothing is published."""
         self._check_open(meta)  # here, not only when the block begins
-        from .link import _timestamp  # a stamp that is no u64 is refused now, as a cudalink link's, not at publish
-
-        return _Reservation(self, stream, meta, _timestamp(timestamp_ns))
+        # a stamp that is no u64 is refused now, as a cudalink link's, not as the block ends
+        return _Reservation(self, stream, meta, timestamp_arg(timestamp_ns))
 
     def reconfigure(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 
 import numpy as np
 
@@ -92,6 +93,22 @@ def int_arg(value: object, what: str, lo: int, hi: int, example: str) -> int:
     if not lo <= int(value) <= hi:
         raise ArgumentError(f"cudalink: {what} must be {lo}..{hi}, got {value!r}; pass e.g. {example}")
     return int(value)
+
+
+def timestamp_arg(ts: object) -> int | None:
+    """A caller's frame timestamp: an int (numpy ints too) in 0..2**64-1, or None for the publish time (every
+    producer's ``send()`` and ``reserve()``, here at the bottom layer so any module may call it)."""
+    if ts is None:
+        return None
+    try:
+        value = operator.index(ts)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if isinstance(ts, bool) or not 0 <= value < 1 << 64:
+        raise FormatError(
+            f"cudalink: timestamp_ns must be an int of nanoseconds in 0..2**64-1 (e.g. time.time_ns()), got {ts!r}"
+        )
+    return value
 
 
 class ProtocolReason(enum.Enum):

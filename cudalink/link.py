@@ -6,7 +6,6 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
-import operator
 import os
 import secrets
 import threading
@@ -33,6 +32,7 @@ from .errors import (
     ProducerGone,
     ProtocolError,
     int_arg,
+    timestamp_arg,
 )
 from .errors import seconds_arg as _seconds_arg
 from .frames.frame import Frame
@@ -513,7 +513,7 @@ class Sender:
         """Refuse what cannot be published, before a slot or a seq is taken: a closed link, meta that is not
         bytes-like or too long, a timestamp that is not a u64. Returns them as the ring writes them."""
         self._check_open()
-        return _meta_bytes(meta), _timestamp(timestamp_ns)
+        return _meta_bytes(meta), timestamp_arg(timestamp_ns)
 
     def _claim(self, timeout: float | None) -> int | None:
         slot = self._ring.claim(self._seq + 1, self._reserved)
@@ -1001,21 +1001,6 @@ def _meta_bytes(meta: object) -> bytes:
     raw = bytes(meta)
     check_meta_size(len(raw))
     return raw
-
-
-def _timestamp(ts: object) -> int | None:
-    """A caller's frame timestamp: an int (numpy ints too) in 0..2**64-1, or None for the publish time."""
-    if ts is None:
-        return None
-    try:
-        value = operator.index(ts)  # type: ignore[arg-type]
-    except TypeError:
-        value = -1
-    if isinstance(ts, bool) or not 0 <= value < 1 << 64:
-        raise FormatError(
-            f"cudalink: timestamp_ns must be an int of nanoseconds in 0..2**64-1 (e.g. time.time_ns()), got {ts!r}"
-        )
-    return value
 
 
 class _Reservation:

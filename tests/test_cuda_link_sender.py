@@ -277,7 +277,10 @@ def test_a_reserve_with_a_stamp_that_is_no_u64_is_refused_before_a_slot_is_writt
         for bad in (-1, 1 << 64, 1.5, "now"):
             with pytest.raises(cudalink.FormatError, match="timestamp_ns must be an int"):
                 tx.reserve(timestamp_ns=bad)  # type: ignore[arg-type]
+            with pytest.raises(cudalink.FormatError, match="timestamp_ns must be an int"):  # send() too
+                tx.send(np.zeros((2, 2, 4), np.uint8), timestamp_ns=bad)  # type: ignore[arg-type]
         assert tx.stats()["published"] == 0
+        assert fake_slots.instances[0].calls == []  # no slot written
 
 
 def test_a_previous_segment_is_taken_over_with_the_next_version(name: str, fake_slots: type[FakeCudaSlots]) -> None:

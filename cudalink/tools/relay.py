@@ -235,7 +235,9 @@ def relay(
                 if lander is not None:  # no slot is lent from now on; closing the Receiver ends the one landing
                     lander.close()
     finally:
-        out.close()  # after the Receiver: its UCX reader has ended, and no frame lands in a slot any more
+        # after the Receiver's close, which ends its UCX reader soon after (on that thread): a frame still landing
+        # holds the Sender's lock, so close() waits for it to be given back, then nothing is lent any more
+        out.close()
     return out.relayed
 
 

@@ -150,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="ucx://HOST:PORT/NAME (port 13337 if left out; a local link's name works too)")
     p.add_argument("--as", dest="local", required=True, help="the local link name to publish")
     p.add_argument("--device", default="cpu", help="cpu | 0 | cuda:N: where the local link's slots live (default cpu)")
-    p.add_argument("--slots", type=int, default=4, help="local ring slots (default 4)")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=4,
+        help="local ring slots (default 4): what local consumers hold at once, plus one a frame lands in",
+    )
     p.add_argument("--in-order", action="store_true", help="every frame in order (latest=False) instead of the newest")
     p.add_argument(
         "--seconds", type=float, default=None, help="stop after this long (default: until Ctrl-C or SIGTERM)"

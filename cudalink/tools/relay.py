@@ -155,8 +155,8 @@ class _Lander:
                 return None
             try:
                 tx = self.local.ready_for(head.spec, att.capacity)
-                stream = self.local.stream if tx.device != "cpu" else None
-                block = tx.reserve(stream=stream, meta=head.meta, timestamp_ns=head.timestamp_ns)
+                # the GPU link's own stream of the relay's (None on a host link, which takes none)
+                block = tx.reserve(stream=self.local.stream, meta=head.meta, timestamp_ns=head.timestamp_ns)
                 frame = block.__enter__()
             except LinkTimeout:  # every local slot is held by consumers: dropped (the local link counts it)
                 return None

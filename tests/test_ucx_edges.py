@@ -191,6 +191,20 @@ def test_relay_follows_an_upstream_restart_with_larger_frames() -> None:
         prod.stop()
 
 
+def _take_relayed(rx: cudalink.Receiver, stamps: dict[int, int], timeout: float) -> tuple[int, int] | None:
+    """One frame off a relay's local link, checked whole and stamped as its producer stamped it: (its local seq,
+    its producer's seq from the meta), or None where none came within ``timeout``."""
+    try:
+        f = rx.recv(timeout=timeout)
+    except (cudalink.LinkTimeout, cudalink.ProducerGone):
+        return None
+    with f:
+        check(f, relayed=True)
+        sent: int = struct.unpack("<Q", f.meta)[0]
+        assert f.timestamp_ns == stamps[sent]
+        return f.seq, sent
+
+
 def test_the_relay_keeps_each_frames_timestamp_and_meta() -> None:
     name = unique("t")
     local = unique("tl")
@@ -205,14 +219,7 @@ def test_the_relay_keeps_each_frames_timestamp_and_meta() -> None:
                     seq = tx.seq + 1
                     stamps[seq] = 1_000_000_000 * seq + 7
                     tx.send(pattern((4, 4, 4), seq), meta=struct.pack("<Q", seq), timestamp_ns=stamps[seq])
-                    try:
-                        f = rx.recv(timeout=0.05)
-                    except (cudalink.LinkTimeout, cudalink.ProducerGone):
-                        continue
-                    with f:
-                        check(f, relayed=True)
-                        sent = struct.unpack("<Q", f.meta)[0]
-                        assert f.timestamp_ns == stamps[sent]
+                    if _take_relayed(rx, stamps, 0.05) is not None:
                         break
                 else:
                     raise AssertionError("no relayed frame within 30 s:\n" + "".join(relay.log))
@@ -811,15 +818,9 @@ def test_a_relay_lands_each_frame_in_a_slot_of_its_local_link_without_a_copy(
             with cudalink.Receiver(local, latest=False, timeout=0.2, connect=False) as rx:
                 while len(got) < 30:
                     assert time.monotonic() < deadline, got
-                    try:
-                        f = rx.recv(timeout=0.2)
-                    except (cudalink.LinkTimeout, cudalink.ProducerGone):
-                        continue
-                    with f:
-                        check(f, relayed=True)
-                        sent = struct.unpack("<Q", f.meta)[0]
-                        assert f.timestamp_ns == stamps[sent]
-                        got.append((f.seq, sent))
+                    taken = _take_relayed(rx, stamps, 0.2)
+                    if taken is not None:
+                        got.append(taken)
         finally:
             done.set()
             feeder.join(5)

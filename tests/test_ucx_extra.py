@@ -27,16 +27,29 @@ def test_an_address_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) 
         cudalink.Receiver("ucx://127.0.0.1:5000/cam", timeout=0.1)
 
 
-def test_a_ucxx_that_fails_to_load_is_not_called_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An installed UCXX that raises ImportError as it loads (it refuses a UCX of the system older than it
-    takes, found before the wheel's) was reported as "not installed": the fix is a reinstall with its libraries."""
+@pytest.mark.parametrize(
+    ("raised", "named"),
+    [
+        # it refuses a UCX of the system older than it takes, found before the wheel's
+        (ImportError("Support for UCX 1.16.0 has ended. Please upgrade to 1.19.0 or newer."), "UCX 1.16.0 has ended"),
+        # a module ucxx itself imports is gone (a broken install): ModuleNotFoundError too, naming that module
+        (ModuleNotFoundError("No module named 'ucxx._lib.libucxx'", name="ucxx._lib.libucxx"), "ucxx._lib.libucxx"),
+        (ModuleNotFoundError("No module named 'rapids_logger'", name="rapids_logger"), "rapids_logger"),
+    ],
+    ids=["old-system-ucx", "ucxx._lib.libucxx", "rapids_logger"],
+)
+def test_a_ucxx_that_fails_to_load_is_not_called_missing(
+    raised: ImportError, named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed UCXX whose import fails was reported as "not installed", which sent users to the install
+    they already had: the fix is a reinstall with its libraries."""
     import builtins
 
     real = builtins.__import__
 
     def failing(name: str, *args: object, **kw: object) -> object:
         if name == "ucxx":
-            raise ImportError("Support for UCX 1.16.0 has ended. Please upgrade to 1.19.0 or newer.")
+            raise raised
         return real(name, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ucx_engine, "_ucxx", None)
@@ -45,31 +58,8 @@ def test_a_ucxx_that_fails_to_load_is_not_called_missing(monkeypatch: pytest.Mon
     with pytest.raises(cudalink.LinkError) as err:
         ucx_engine.load()
     said = str(err.value)
-    assert "not installed" not in said and "UCX 1.16.0 has ended" in said, said
+    assert "not installed" not in said and named in said, said
     assert 'pip install --force-reinstall "cudalink[ucx]"' in said and "librmm-cu13" in said, said
-
-
-@pytest.mark.parametrize("missing", ["ucxx._lib.libucxx", "rapids_logger"])
-def test_a_ucxx_missing_a_part_of_its_own_is_not_called_missing(missing: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``import ucxx`` that fails on a module ucxx itself imports (a broken install, a dependency gone) raises
-    ModuleNotFoundError too, naming that module: UCXX is there, and "not installed" sent users to the install
-    they already had."""
-    import builtins
-
-    real = builtins.__import__
-
-    def failing(name: str, *args: object, **kw: object) -> object:
-        if name == "ucxx":
-            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
-        return real(name, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ucx_engine, "_ucxx", None)
-    monkeypatch.delitem(sys.modules, "ucxx", raising=False)
-    monkeypatch.setattr(builtins, "__import__", failing)
-    with pytest.raises(cudalink.LinkError) as err:
-        ucx_engine.load()
-    said = str(err.value)
-    assert "not installed" not in said and missing in said and "--force-reinstall" in said, said
 
 
 def test_bench_remote_without_the_extra_names_it_before_starting_anything(

@@ -251,6 +251,38 @@ def test_the_fanout_goal_takes_the_one_consumer_runs_taken_in_turns_with_it(sing
     assert alone["reference"] == 30.0 and alone["met"] is False  # 120 > 3 x 30
 
 
+@pytest.mark.parametrize(("cores", "met"), [(9, False), (8, None), (2, None), (None, False)])
+def test_the_fanout_goal_against_one_consumer_is_not_judged_without_a_core_for_each_process(
+    cores: int | None, met: bool | None
+) -> None:
+    """8 consumers and a producer on 2 cores cannot all run at once: there the ratio to one consumer measures
+    the core count, and its verdict flipped from run to run (issue 35, part 4). The figure stays, with the reason
+    beside it; with a core for each process (or where the count is unknown) it is judged."""
+    from cudalink.tools.bench import goals
+
+    report = {
+        "floors": {"wake": _summary(10.0), "spin": _summary(1.0)},
+        "wait_modes": [],
+        "rows": [{"id": "fanout", "peer_name": "shm", "status": "ok", "cudalink": _summary(20.0, 400.0), "peer": None}],
+    }
+    extra = {"fanout_single": _summary(15.0, 100.0), "fanout_consumers": 8, "cores": cores}
+    fan = {g["goal"]: g for g in goals(report, None, extra, cuda=False)}["fan-out p99 vs one consumer's p99"]
+    assert fan["met"] is met
+    assert fan["cudalink"] == 400.0 and fan["ratio"] == pytest.approx(4.0)  # the figure is shown either way
+    assert ("not judged" in fan["reference_label"]) is (met is None)
+
+
+def test_the_bench_counts_the_cores_it_may_run_on() -> None:
+    import os
+
+    from cudalink.tools.bench import usable_cores
+
+    n = usable_cores()
+    assert n is not None and 1 <= n <= (os.cpu_count() or n)
+    if hasattr(os, "sched_getaffinity"):
+        assert n == len(os.sched_getaffinity(0))
+
+
 def _consumer(seqs: list[int], base: int) -> dict[str, object]:
     return {
         "seq": seqs,

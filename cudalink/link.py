@@ -25,6 +25,7 @@ from .cuda import driver
 from .errors import (
     ArgumentError,
     ArgumentTypeError,
+    CudaError,
     FormatError,
     LinkClosed,
     LinkError,
@@ -1304,10 +1305,20 @@ class Receiver:
         if installed and self._dead_generation:
             self.reattached += 1
 
-    def _gone(self, why: str | None = None) -> ProducerGone:
+    def _gone(self, why: str | None = None) -> LinkError:
         """The producer's end, said once: ``why``, or (None) what the source tells of it, whether the end was
-        seen by its shutdown flag or at the hang-up (poll, EOF)."""
+        seen by its shutdown flag or at the hang-up (poll, EOF). Where the source ended on an error of this
+        process's own (its ``failure``: a GPU call that failed as a frame landed), that error instead: the
+        producer is not gone."""
         att = self._att
+        failure = getattr(att, "failure", None)
+        if att is not None and isinstance(failure, LinkError):
+            self._drop(att)
+            said = str(failure).removeprefix("cudalink: ")
+            msg = f"cudalink: {self.name!r}: a frame could not be landed here: {said}; recv() again connects anew"
+            own = CudaError(msg, failure.result, failure.name) if isinstance(failure, CudaError) else LinkError(msg)
+            own.__cause__ = failure
+            return own
         closed = False
         if att is not None:
             with contextlib.suppress(Exception):  # read before the drop unmaps what says it

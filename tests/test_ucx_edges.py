@@ -965,3 +965,78 @@ def test_a_relay_that_cannot_publish_a_landed_frame_ends_with_that_error(monkeyp
             np.from_dlpack(w)[...] = 1
     finally:
         out.close()
+
+
+class _BrokenGpu:
+    """Memory a lander lends whose every write fails as a dead GPU's would: a CUDA error of this process's own."""
+
+    def _fail(self, *args: object) -> None:
+        raise cudalink.CudaError(
+            "cudalink: cuMemcpyHtoDAsync failed with CUDA_ERROR_ILLEGAL_ADDRESS", 700, "CUDA_ERROR_ILLEGAL_ADDRESS"
+        )
+
+    __getitem__ = __setitem__ = _fail
+
+
+def test_a_gpu_error_while_landing_a_remote_frame_is_raised_as_itself_not_as_a_lost_producer() -> None:
+    """A CUDA error while a remote frame landed (the page-locked -> GPU copy, say) read as "connection lost": the
+    Receiver raised ProducerGone, and a relay, which waits for a producer to come back, reconnected for ever into
+    the same error. The Receiver now raises the CudaError, naming the link; nothing lent is published; the
+    producer and its server were never at fault, and the next recv() connects anew."""
+    from cudalink.link import default_transport
+    from cudalink.transport.sources import open_source
+
+    class Target:
+        host = _BrokenGpu()
+        ptr = stream = 0
+        aborted = committed = 0
+
+        def commit(self) -> None:
+            Target.committed += 1
+
+        def abort(self) -> None:
+            Target.aborted += 1
+
+    class Lander:
+        def take(self, head: object, att: object) -> Target:
+            return Target()
+
+    with served("ge", "--frames", "1000000", "--fps", "200") as (prod, srv, url):
+        source = open_source(url, transport=default_transport(), device="cpu", copy="auto", latest=True)
+        assert isinstance(source, ucx_source.UcxSource)
+        source.lander = Lander()  # type: ignore[assignment]
+        with cudalink.Receiver(url, source=source, timeout=10.0) as rx:
+            with pytest.raises(cudalink.CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS") as got:
+                rx.recv(timeout=10.0)
+            said = str(got.value)
+            assert got.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS" and got.value.result == 700
+            assert said.startswith(f"cudalink: {url!r}") and "could not be landed here" in said, said
+            assert "recv() again" in said and not isinstance(got.value, cudalink.ProducerGone), said
+            assert Target.aborted >= 1 and Target.committed == 0
+            source.lander = None  # the GPU is well again: the same Receiver connects anew and receives
+            with rx.recv(timeout=10.0) as f:
+                check(f)
+        assert prod.p.poll() is None and srv.p.poll() is None, "".join(srv.log)
+
+
+def test_a_relay_whose_landing_hits_a_gpu_error_exits_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay waits for a lost producer to come back; a CUDA error of its own while landing read as that, so
+    it reconnected into the same error for ever. It now ends with the error, at once."""
+    from cudalink.tools import relay as relay_tool
+
+    class Target:
+        host = _BrokenGpu()
+        ptr = stream = 0
+
+        def commit(self) -> None:
+            raise AssertionError("a landing that failed was committed")
+
+        def abort(self) -> None:
+            pass
+
+    monkeypatch.setattr(relay_tool._Lander, "take", lambda self, head, att: Target())
+    with served("rg", "--frames", "1000000", "--fps", "200") as (_, _, url):
+        t0 = time.monotonic()
+        with pytest.raises(cudalink.CudaError, match="could not be landed here"):
+            relay_tool.relay(url, unique("rgl"), seconds=20.0, quiet=True)
+        assert time.monotonic() - t0 < 10.0

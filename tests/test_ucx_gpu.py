@@ -9,8 +9,10 @@ test prints the protocol lines UCX chose, so the run shows which transports carr
 
 from __future__ import annotations
 
+import struct
 import time
 
+import numpy as np
 import pytest
 
 from .test_ucx import Proc, free_port, unique
@@ -185,3 +187,49 @@ def test_a_gpu_relay_lands_remote_frames_in_its_local_links_slots(tls: str) -> N
         srv.stop()
         prod.stop()
     assert relay.p.returncode == 0, "".join(relay.log)
+
+
+def test_a_cuda_error_landing_a_remote_frame_on_the_gpu_is_raised_as_itself() -> None:
+    """A real CUDA error in a landing's page-locked -> GPU copy (a lent slot at an address no allocation holds)
+    read as a lost connection: ProducerGone, and a relay reconnected for ever. recv() now raises the CudaError,
+    naming the link; nothing is committed; once landing works again the next recv() connects anew."""
+    import cudalink
+    from cudalink.link import default_transport
+    from cudalink.transport import ucx_source
+    from cudalink.transport.sources import open_source
+
+    from ._ucx_procs import pattern
+    from .test_ucx import served
+
+    class Target:
+        host = None
+        ptr = 16  # no allocation holds it: the driver refuses the copy
+        stream = 0
+        aborted = 0
+
+        def commit(self) -> None:
+            raise AssertionError("a landing that failed was committed")
+
+        def abort(self) -> None:
+            Target.aborted += 1
+
+    class Lander:
+        def take(self, head: object, att: object) -> Target:
+            return Target()
+
+    with served("gl", "--frames", "1000000", "--fps", "200") as (prod, srv, url):  # host frames: the pinned path
+        source = open_source(url, transport=default_transport(), device=0, copy="auto", latest=True)
+        assert isinstance(source, ucx_source.UcxSource)
+        source.lander = Lander()  # type: ignore[assignment]
+        with cudalink.Receiver(url, source=source, timeout=10.0) as rx:
+            with pytest.raises(cudalink.CudaError) as got:
+                rx.recv(timeout=10.0)
+            print("raised:", got.value)
+            assert "could not be landed here" in str(got.value) and Target.aborted >= 1
+            assert not isinstance(got.value, cudalink.ProducerGone)
+            source.lander = None
+            with rx.recv(timeout=10.0) as f:
+                assert f.device == "cuda:0"
+                seq = struct.unpack("<Q", f.meta)[0]
+                assert seq == f.seq and np.array_equal(f.to_numpy(), pattern(f.shape, seq))  # whole, on the GPU
+        assert prod.p.poll() is None and srv.p.poll() is None

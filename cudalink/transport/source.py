@@ -85,6 +85,9 @@ class Attachment(Protocol):
     # Optional: ``last_published`` (int, 0 where not known): the seq of the producer's last frame, known at its
     # clean close (a remote server's goodbye). Frames after the last one taken, up to it, never come: at that
     # end the Receiver counts them as skipped. A local ring needs none: its last frame is always taken.
+    # Optional: ``failure`` (a LinkError, or None): an error of this process's own that ended the source (a GPU
+    # call that failed as a network source landed a frame). The Receiver raises it instead of ProducerGone: the
+    # producer is not gone, and treating it as gone (waiting for a new one) would hit the same error again.
     # Optional: ``stall_hint()`` (str, "" for none): why no frame may come that is this Receiver's own doing (it
     # holds every slot); added to the LinkTimeout of a wait that ran out.
 

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _platform
-from ..errors import FormatError, LinkError, ProtocolError
+from ..errors import CudaError, FormatError, LinkError, ProtocolError
 from ..frames.frame import Frame, _Hold
 from ..frames.spec import FrameSpec
 from . import ucx_engine, ucx_wire, wire
@@ -418,6 +418,8 @@ class UcxAttachment:
         #: landed frames: (header, host buffer index or GPU ``Landed``)
         self.ready: collections.deque[tuple[ucx_wire.FrameHeader, Any]] = collections.deque()
         self.dead = ""  # why the connection ended ("" while it lives)
+        #: a GPU call of ours that failed while landing a frame: the end is this process's, not the producer's
+        self.failure: CudaError | None = None
         self.leaving = False  # our goodbye is sent: the server's hang-up that follows is no loss to resume from
         self.producer_gone = False  # the server said the producer closed or died (not just: the connection ended)
         #: the server said the producer closed cleanly, after the frames it published before: what ``closing()``
@@ -555,6 +557,9 @@ class UcxAttachment:
             raise
         except ProtocolError as exc:
             return f"sent a bad message ({exc})", False
+        except CudaError as exc:  # our GPU, not the network: read as a lost connection, a relay reconnected for ever
+            self.failure = exc
+            return f"landing a frame on this process's GPU failed ({exc})", False
         except Exception as exc:
             # a server drops a stalled consumer with a reset where a send to it was under way
             return f"connection lost ({type(exc).__name__}: {exc})", self._was_stalled()

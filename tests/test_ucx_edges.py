@@ -1040,3 +1040,90 @@ def test_a_relay_whose_landing_hits_a_gpu_error_exits_with_it(monkeypatch: pytes
         with pytest.raises(cudalink.CudaError, match="could not be landed here"):
             relay_tool.relay(url, unique("rgl"), seconds=20.0, quiet=True)
         assert time.monotonic() - t0 < 10.0
+
+
+def test_a_relay_makes_its_local_link_again_on_its_own_thread_not_the_ucx_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upstream restarted with larger frames needs a new local link, and the old one's close waits for its
+    consumers (a GPU link's up to 2 s). Done on the UCX thread, as the frame's header arrived, that silence got
+    the relay dropped by its server (0.9 s) and reconnected. The relay's own thread now makes the link again;
+    a close that takes 1.5 s here costs no reconnect, and the new frames reach the local consumer whole."""
+    relay_remakes_its_link("cpu", monkeypatch, caplog)
+
+
+def relay_remakes_its_link(
+    device: str | int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The test above, on the host or (``device=0``, ``test_ucx_gpu.py``) with GPU links at both ends."""
+    import logging
+
+    from cudalink.tools import relay as relay_tool
+
+    name, local = unique("rm"), unique("rml")
+    closes: list[str] = []
+    plain_close = cudalink.Sender.close
+
+    def slow_close(self: cudalink.Sender, *args: object, **kwargs: object) -> None:
+        if self.name == local and not closes:  # the first close of the local link: the remake
+            closes.append(threading.current_thread().name)
+            time.sleep(1.5)
+        plain_close(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def frame_of(shape: tuple[int, ...], seq: int) -> object:
+        if device == "cpu":
+            return pattern(shape, seq)
+        import torch
+
+        return torch.from_numpy(pattern(shape, seq)).to(f"cuda:{device}")
+
+    monkeypatch.setattr(cudalink.Sender, "close", slow_close)
+    done = threading.Event()
+    monkeypatch.setattr(relay_tool, "stop_requested", done.is_set)  # ends the relay as SIGTERM would
+    caplog.set_level(logging.WARNING, logger="cudalink.ucx")
+    tx = cudalink.Sender(name, shape=(8, 8, 4), device=device)
+    srv, url = server(name)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            relay_tool.relay(url, local, device=device, seconds=25.0, quiet=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    relayer = threading.Thread(target=run, name="the-relay")
+    relayer.start()
+    try:
+        shapes: list[tuple[int, ...]] = []
+        deadline = time.monotonic() + 20.0
+        rx = None
+        while not shapes or shapes[-1] != (32, 32, 4) or len(shapes) < 5:
+            assert time.monotonic() < deadline and not errors, (shapes, errors, "".join(srv.log))
+            if shapes and tx.shape == (8, 8, 4):  # the upstream restarts with larger frames
+                tx.close()
+                tx = cudalink.Sender(name, shape=(32, 32, 4), device=device)
+            seq = tx.seq + 1
+            tx.send(frame_of(tx.shape, seq), meta=struct.pack("<Q", seq))
+            time.sleep(0.01)
+            try:
+                rx = rx or cudalink.Receiver(local, timeout=0.05, connect=False)
+                with rx.recv(timeout=0.05) as f:
+                    got = f.numpy() if f.device == "cpu" else f.to_numpy()
+                    assert f.device == tx.device
+                    assert np.array_equal(got, pattern(f.shape, struct.unpack("<Q", f.meta)[0]))
+                    shapes.append(f.shape)
+            except (cudalink.LinkTimeout, cudalink.ProducerGone):
+                continue
+            except cudalink.LinkError:  # the local link is not there yet
+                rx = None
+        if rx is not None:
+            rx.close()
+        assert closes == ["the-relay"], closes
+        said = [r.getMessage() for r in caplog.records]
+        assert not any("connecting again" in m for m in said), said
+    finally:
+        done.set()
+        tx.close()
+        relayer.join(30)
+        srv.stop()
+    assert not relayer.is_alive() and not errors, errors

@@ -233,3 +233,15 @@ def test_a_cuda_error_landing_a_remote_frame_on_the_gpu_is_raised_as_itself() ->
                 seq = struct.unpack("<Q", f.meta)[0]
                 assert seq == f.seq and np.array_equal(f.to_numpy(), pattern(f.shape, seq))  # whole, on the GPU
         assert prod.p.poll() is None and srv.p.poll() is None
+
+
+def test_a_gpu_relay_makes_its_local_link_again_on_its_own_thread(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``test_ucx_edges``' remake test with GPU links at both ends (GPU frames served, landed on the relay's
+    GPU, the new link made on the relay's thread, which sends the frames that came meanwhile): no reconnect,
+    and every frame of either shape whole on the GPU."""
+    pytest.importorskip("torch")
+    from .test_ucx_edges import relay_remakes_its_link
+
+    relay_remakes_its_link(0, monkeypatch, caplog)

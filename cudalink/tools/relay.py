@@ -95,6 +95,11 @@ class _Local:
                 tx.reconfigure(spec.shape, spec.dtype, pixel_format=fmt, origin=spec.origin)
         return tx
 
+    def needs_new_link(self, spec: FrameSpec) -> bool:
+        """A frame of ``spec`` does not fit the local link's slots: it must be closed and made again."""
+        tx = self.tx
+        return tx is not None and tx.spec != spec and spec.nbytes > tx.capacity
+
     def lose(self, exc: ProducerGone) -> None:
         if not (self.quiet or self.lost):
             why = str(exc).removeprefix("cudalink: ").split("; recv() again")[0]
@@ -150,8 +155,14 @@ class _Lander:
         self.failed: BaseException | None = None
 
     def take(self, head: ucx_wire.FrameHeader, att: UcxAttachment) -> _Slot | None:
-        with self.lock:
-            if self.closed or self.busy:
+        # Never waits: the relay's thread holds the lock while it makes the local link again, which closes the
+        # old one, and a GPU link's close waits up to 2 s for its consumers to unmap. On this thread that
+        # silence got the relay dropped by its server (0.9 s) and reconnected. Such a frame (and any that comes
+        # meanwhile) lands in the Receiver's own buffer instead, and the relay's thread sends it.
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            if self.closed or self.busy or self.local.needs_new_link(head.spec):
                 return None
             try:
                 tx = self.local.ready_for(head.spec, att.capacity)
@@ -165,6 +176,8 @@ class _Lander:
                 return None
             self.busy = True
             return _Slot(self, block, frame)
+        finally:
+            self.lock.release()
 
     def fail(self, exc: BaseException) -> None:
         """The local link could not be made, changed or published to: lend nothing more, and end the relay
@@ -224,9 +237,13 @@ def relay(
                         out.lose(exc)
                         continue
                     with frame:
-                        if lander is not None:  # one the lander did not take: no local slot was free (dropped)
+                        if lander is None:
+                            tx = out.ready_for(frame.spec, rx.capacity)
+                        elif out.needs_new_link(frame.spec):  # the lander leaves this to us (see _Lander.take)
+                            with lander.lock:  # no slot is lent while the old link closes
+                                tx = out.ready_for(frame.spec, rx.capacity)
+                        else:  # one the lander did not take: no local slot was free (dropped)
                             continue
-                        tx = out.ready_for(frame.spec, rx.capacity)
                         # send() copies once, from the landed frame (host or GPU) into the slot, with its timestamp
                         src = frame.numpy() if frame.device == "cpu" else frame
                         tx.send(src, timestamp_ns=frame.timestamp_ns, meta=frame.meta)

@@ -1330,7 +1330,7 @@ class Receiver:
             why = f"{why} ({said})"
         if att is not None:
             last = getattr(att, "last_published", 0)  # frames published that never came (see Attachment)
-            taken = max(self._last, self._floor)
+            taken = self._last or self._floor  # as source.account counts
             if last > taken:
                 self.skipped += last - taken
             self._dead_generation = att.generation

@@ -51,6 +51,28 @@ def test_in_order_delivery(pair: PairFactory, transport: Transport) -> None:
         assert seqs == [1, 2, 3, 4, 5] and rx.skipped == 0
 
 
+def test_an_in_order_receiver_that_joins_late_counts_every_frame_it_never_got(name: str, transport: Transport) -> None:
+    """A latest=False Receiver that joins while older frames are still in the slots takes those first. Frames it
+    then missed (the ring wrapped meanwhile) were counted from the producer's count at its join instead of from
+    the last frame it took: those in between were neither received nor skipped in ``stats()``."""
+    with cudalink.Sender(name, shape=(2,), dtype="int32", slots=8, transport=transport) as tx:
+        for i in range(1, 7):  # the producer's count is 6 as the Receiver joins, with 1..6 in the slots
+            tx.send(np.array([i, -i], np.int32))
+        with cudalink.Receiver(name, latest=False, timeout=2.0, transport=transport) as rx:
+            seqs = []
+            for _ in range(3):
+                with rx.recv() as f:
+                    seqs.append(f.seq)
+            for i in range(7, 27):  # 20 more into 8 slots: 19..26 are still there
+                tx.send(np.array([i, -i], np.int32))
+            while seqs[-1] < 26:
+                with rx.recv() as f:
+                    seqs.append(f.seq)
+            got = rx.stats()
+    assert seqs == sorted(seqs) and seqs[0] < 6 and got["received"] == len(seqs), (seqs, got)
+    assert got["received"] + got["skipped"] == 26 - seqs[0] + 1, (seqs, got)
+
+
 def test_held_slot_is_never_overwritten_and_drop_policy_counts(pair: PairFactory, transport: Transport) -> None:
     tx, rx = pair(transport, slots=2)
     with tx, rx:

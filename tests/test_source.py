@@ -312,3 +312,23 @@ def test_copy_takes_words_and_booleans(given: object, mode: str) -> None:
 def test_a_bad_copy_is_a_clear_error(bad: object) -> None:
     with pytest.raises(cudalink.LinkError, match="copy must be"):
         cudalink.Receiver("x", copy=bad, connect=False)  # type: ignore[arg-type]
+
+
+def test_frames_older_than_the_floor_taken_first_leave_none_uncounted() -> None:
+    """A latest=False Receiver joins at seq 27 (the floor) and first takes 24, 25, 26 still in the slots; the
+    next it gets is 44: 27..43 went by, 17 skipped (the floor's own frame too), not 16."""
+
+    class Rx:
+        latest = False
+        received = 0
+        skipped = 0
+        _last = 0
+        _floor = 27
+
+    rx = Rx()
+    for seq in (24, 25, 26, 44):
+        account(rx, seq)  # type: ignore[arg-type]
+    assert (rx.received, rx.skipped) == (4, 44 - 24 + 1 - 4)
+    late = Rx()  # a latest=True joiner whose first frame comes after the floor still counts from it
+    account(late, 30)  # type: ignore[arg-type]
+    assert late.skipped == 2

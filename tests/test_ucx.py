@@ -1198,3 +1198,45 @@ def test_paired_remote_bench_runs_every_pipeline_on_one_grid(tmp_path: Path) -> 
         assert 0 < s["p50_us"] <= s["p90_us"] <= s["p99_us"] < 1e6, name
     assert r["ratio_p50"]["this"] == pytest.approx(r["pipelines"]["this"]["p50_us"] / r["pipelines"]["bare"]["p50_us"])
     assert "p50 / bare" in done.stdout and "floor" in done.stdout
+
+
+def test_an_in_order_remote_consumer_counts_every_frame_it_never_got() -> None:
+    """A latest=False remote consumer first takes frames from before it joined (still in the producer's slots);
+    frames the server then skipped for it while it held its credits were counted from the producer's count at
+    its join, not from the last frame it took: one or more went neither received nor skipped."""
+    name = unique("io")
+    port = free_port()
+    shape = (8, 8, 4)
+    with cudalink.Sender(name, shape=shape, slots=8, serve=f"ucx://127.0.0.1:{port}") as tx:
+
+        def feed() -> None:
+            while not tx.closed:
+                try:
+                    tx.send(pattern(shape, tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
+                except cudalink.LinkError:
+                    return
+                time.sleep(0.01)
+
+        t = threading.Thread(target=feed, daemon=True)
+        t.start()
+        while tx.seq < 12:  # older frames in the slots as it joins
+            time.sleep(0.01)
+        rx = remote_bench.connect(port, name, within=20, device="cpu", latest=False)
+        with rx:
+            held = [rx.recv(timeout=5.0), rx.recv(timeout=5.0)]
+            first, before = held[0].seq, rx.stats()["skipped"]
+            time.sleep(0.5)  # every credit held: the server skips ~50 frames for us
+            seqs = [f.seq for f in held]
+            for f in held:
+                f.release()
+            for _ in range(5):
+                with rx.recv(timeout=5.0) as f:
+                    check(f)
+                    seqs.append(f.seq)
+            got = rx.stats()
+    t.join(5)
+    assert seqs == sorted(seqs) and seqs[-1] - seqs[1] > 5, seqs  # frames were skipped in between
+    assert got["received"] == len(seqs) and got["received"] + got["skipped"] - before == seqs[-1] - first + 1, (
+        seqs,
+        got,
+    )

@@ -302,3 +302,9 @@ def test_a_serve_address_that_is_no_str_is_a_type_error(serve: object) -> None:
     with pytest.raises(cudalink.ArgumentTypeError, match=r"^cudalink: .*ucx://HOST:PORT") as got:
         cudalink.Sender("audit-bad-serve", shape=(4, 4), serve=serve)
     assert isinstance(got.value, cudalink.ProtocolError) and isinstance(got.value, TypeError)
+
+
+@pytest.mark.parametrize("port", ["1_4051", "+14051", " 14051", "14051 ", "\u0661\u0664\u0660\u0665\u0661"])
+def test_a_port_int_would_take_but_no_one_writes_is_refused(port: str) -> None:
+    with pytest.raises(uw.BadAddress, match="is not a number from 1 to 65535"):
+        uw.parse_address(f"ucx://127.0.0.1:{port}/x", need_name=True)

@@ -633,7 +633,7 @@ cdef object _receive(rx, att):
     if _trace.ON:
         _trace.mark(_LEASED)
     floor = rx._floor
-    if last > floor:
+    if last:  # as source.account: the floor stands only until a first frame is taken
         floor = last
     if seq > floor + 1:
         rx.skipped += seq - floor - 1

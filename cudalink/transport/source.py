@@ -134,7 +134,10 @@ def account(rx: Counters, seq: int) -> None:
     Frames between the last one taken (or the floor at attach) and ``seq`` were skipped.
     """
     last = rx._last
-    floor = last if last > rx._floor else rx._floor
+    # the floor (the producer's count as we joined) stands only until a first frame is taken: a latest=False
+    # Receiver may first take older frames still in the slots, and then every frame after them that it never
+    # got was skipped, the floor's own included
+    floor = last if last else rx._floor
     if seq > floor + 1:
         rx.skipped += seq - floor - 1
     rx._last = seq

@@ -453,9 +453,11 @@ def parse_address(url: str, *, need_name: bool) -> Address:
         host, colon, port_s = hostport.rpartition(":")
         if not colon:  # no port: the default one
             host, port_s = hostport, ""
-    try:
-        port = int(port_s) if port_s else DEFAULT_PORT
-    except ValueError:
+    if not port_s:
+        port = DEFAULT_PORT
+    elif port_s.isascii() and port_s.isdigit():  # int() would take "+80", " 80", "8_0" and other scripts' digits
+        port = int(port_s)
+    else:
         port = -1
     if not host or not 0 < port < 65536:
         why = "no host" if not host else f"port {port_s!r} is not a number from 1 to 65535"

@@ -893,6 +893,22 @@ def test_relay_republishes_a_remote_stream_as_a_local_link(stream: tuple[Proc, P
         relay.stop()
 
 
+def _feed(tx: cudalink.Sender, every: float) -> threading.Thread:
+    """A thread that sends ``tx`` a checkable frame every ``every`` seconds until it closes."""
+
+    def feed() -> None:
+        while not tx.closed:
+            try:
+                tx.send(pattern(tx.shape, tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
+            except cudalink.LinkError:
+                return
+            time.sleep(every)
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    return t
+
+
 def test_sender_serve_starts_and_stops_its_server() -> None:
     name = unique("v")
     port = free_port()
@@ -900,16 +916,7 @@ def test_sender_serve_starts_and_stops_its_server() -> None:
         proc = tx._remote
         assert proc is not None
 
-        def feed() -> None:
-            while not tx.closed:
-                try:
-                    tx.send(pattern((8, 8, 4), tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
-                except cudalink.LinkError:
-                    return
-                time.sleep(0.01)
-
-        t = threading.Thread(target=feed, daemon=True)
-        t.start()
+        t = _feed(tx, 0.01)
         rx = remote_bench.connect(port, name, within=20)
         with rx, rx.recv(timeout=5.0) as f:
             check(f)
@@ -980,17 +987,7 @@ def test_a_padded_crop_arrives_compact_and_whole(shape: tuple[int, int, int]) ->
     name = unique("c")
     port = free_port()
     with cudalink.Sender(name, shape=shape, strides=strides, serve=f"ucx://127.0.0.1:{port}") as tx:
-
-        def feed() -> None:
-            while not tx.closed:
-                try:
-                    tx.send(pattern(shape, tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
-                except cudalink.LinkError:
-                    return
-                time.sleep(0.005)
-
-        t = threading.Thread(target=feed, daemon=True)
-        t.start()
+        t = _feed(tx, 0.005)
         rx = remote_bench.connect(port, name, within=20, device="cpu", latest=False)
         with rx:
             for _ in range(10):
@@ -1208,17 +1205,7 @@ def test_an_in_order_remote_consumer_counts_every_frame_it_never_got() -> None:
     port = free_port()
     shape = (8, 8, 4)
     with cudalink.Sender(name, shape=shape, slots=8, serve=f"ucx://127.0.0.1:{port}") as tx:
-
-        def feed() -> None:
-            while not tx.closed:
-                try:
-                    tx.send(pattern(shape, tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
-                except cudalink.LinkError:
-                    return
-                time.sleep(0.01)
-
-        t = threading.Thread(target=feed, daemon=True)
-        t.start()
+        t = _feed(tx, 0.01)
         while tx.seq < 12:  # older frames in the slots as it joins
             time.sleep(0.01)
         rx = remote_bench.connect(port, name, within=20, device="cpu", latest=False)

@@ -73,6 +73,30 @@ def test_an_in_order_receiver_that_joins_late_counts_every_frame_it_never_got(na
     assert got["received"] + got["skipped"] == 26 - seqs[0] + 1, (seqs, got)
 
 
+@pytest.mark.parametrize("latest", [True, False])
+def test_a_frame_a_failed_reserve_block_wiped_is_counted_as_skipped_at_the_end(
+    name: str, transport: Transport, latest: bool
+) -> None:
+    """A reserve() block that raises marks its slot empty; where that slot held the newest frame (every other slot
+    held by the consumer) that published frame is never delivered. At the producer's close it was neither received
+    nor skipped in ``stats()``: the local ring assumed its last frame is always taken."""
+    tx = cudalink.Sender(name, shape=(4,), slots=2, transport=transport)
+    rx = cudalink.Receiver(name, latest=latest, timeout=2.0, transport=transport)
+    with rx:
+        tx.send(np.full(4, 1, np.uint8))
+        held = rx.recv()  # seq 1 holds one slot
+        tx.send(np.full(4, 2, np.uint8))  # seq 2 in the other
+        with pytest.raises(RuntimeError), tx.reserve():  # claims seq 2's slot, then raises
+            raise RuntimeError("render failed")
+        held.release()
+        tx.close()
+        with pytest.raises(cudalink.ProducerGone):
+            rx.recv(0.5)
+        got = rx.stats()
+    assert tx.stats()["published"] == 2
+    assert got["received"] + got["skipped"] == 2, got
+
+
 def test_held_slot_is_never_overwritten_and_drop_policy_counts(pair: PairFactory, transport: Transport) -> None:
     tx, rx = pair(transport, slots=2)
     with tx, rx:

@@ -84,6 +84,10 @@ class _Wrapped:
     def reason(self) -> str:
         return str(getattr(self.inner, "reason", ""))
 
+    @property
+    def last_published(self) -> int:
+        return int(getattr(self.inner, "last_published", 0))
+
     def set_waiting(self, state: int) -> None:
         self.inner.set_waiting(state)
 

@@ -193,6 +193,15 @@ class RingAttachment:
         """Frames the producer has published (the seq of its last one): read by a ucx server at a clean close."""
         return wire.read_u64(self.client.header, wire.OFF_PUBLISHED)
 
+    @property
+    def last_published(self) -> int:
+        """:meth:`published`, read by the Receiver at the producer's end: a frame it published may be gone from its
+        slot (a ``reserve()`` block that raised claimed it and marked it empty), and then counts as skipped."""
+        try:
+            return self.published()
+        except (ValueError, TypeError, BufferError):  # unmapped already
+            return 0
+
     def stall_hint(self) -> str:
         """Said when a wait for a frame runs out while this Receiver's own frames hold every slot: the producer
         can land nothing new until one is released (it drops frames, or its send blocks)."""

@@ -84,7 +84,8 @@ class Attachment(Protocol):
     # cannot: close() then leaves at once, as before.
     # Optional: ``last_published`` (int, 0 where not known): the seq of the producer's last frame, known at its
     # clean close (a remote server's goodbye). Frames after the last one taken, up to it, never come: at that
-    # end the Receiver counts them as skipped. A local ring needs none: its last frame is always taken.
+    # end the Receiver counts them as skipped. A local ring reads it from its header: its last frame may have been
+    # claimed by a reserve() block that raised (its slot marked empty), and never be taken.
     # Optional: ``failure`` (a LinkError, or None): an error of this process's own that ended the source (a GPU
     # call that failed as a network source landed a frame). The Receiver raises it instead of ProducerGone: the
     # producer is not gone, and treating it as gone (waiting for a new one) would hit the same error again.

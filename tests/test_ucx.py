@@ -790,7 +790,8 @@ def test_a_key_made_meanwhile_by_another_process_wins(monkeypatch: pytest.Monkey
     real_link = os.link
 
     def link_after_them(src: str, dst: str) -> None:
-        Path(dst).write_text(theirs + "\n")  # the other process got there first
+        Path(dst).write_text(theirs + "\n")  # the other process got there first (0600, as load_key makes it)
+        os.chmod(dst, 0o600)
         real_link(src, dst)
 
     monkeypatch.setattr(os, "link", link_after_them)
@@ -813,6 +814,34 @@ def test_the_key_is_made_where_the_filesystem_has_no_hard_links(
     key, created = ucx_engine.load_key(create=True)
     assert created == str(path) and key.hex() == path.read_text().strip()
     assert os.listdir(path.parent) == ["ucx.key"] and oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_key_file_open_to_other_users_or_unreadable_is_refused_saying_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("CUDALINK_KEY", raising=False)
+    path = tmp_path / "ucx.key"
+    monkeypatch.setenv("CUDALINK_KEY_FILE", str(path))
+    key, _ = ucx_engine.load_key(create=True)
+    os.chmod(path, 0o644)  # others may read the key that lets anyone in
+    with pytest.raises(cudalink.LinkError, match=f"chmod 600 {path}"):
+        ucx_engine.load_key(create=True)
+    os.chmod(path, 0o600)
+    assert ucx_engine.load_key() == (key, None)
+    path.unlink()
+    path.mkdir()  # a path that is no file: said as a LinkError, not a raw IsADirectoryError
+    with pytest.raises(cudalink.LinkError, match="cannot read the ucx key file"):
+        ucx_engine.load_key()
+
+
+def test_a_wrong_key_from_the_environment_is_not_told_to_copy_the_key_file(
+    stream: tuple[Proc, Proc, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, url = stream
+    monkeypatch.setenv("CUDALINK_KEY", "77" * 32)  # CUDALINK_KEY wins over any key file: copying one changes nothing
+    with pytest.raises(cudalink.ProtocolError, match="refused our key") as refused:
+        cudalink.Receiver(url, timeout=10.0)
+    assert "key file to" not in str(refused.value) and "set CUDALINK_KEY to the server's key" in str(refused.value)
 
 
 async def _raw_client(url: str, send: list[bytes], proof: bool) -> str:

@@ -423,7 +423,18 @@ def load_key(create: bool = False) -> tuple[bytes, str | None]:
     path = key_path()
     try:
         with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if os.name == "posix" and mode & 0o077:  # others may read it, or put a key of their own in its place
+                raise LinkError(
+                    f"cudalink: the ucx key file {path} is open to other users (mode {mode & 0o777:o}); "
+                    f"it must be private: chmod 600 {path} (on a filesystem that keeps no modes, set CUDALINK_KEY to "
+                    "its contents instead)"
+                )
             return _decode(f.read(), path), None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise LinkError(
+            f"cudalink: cannot read the ucx key file {path} ({exc}); copy the server's key there again"
+        ) from None
     except FileNotFoundError:
         if not create:
             raise LinkError(

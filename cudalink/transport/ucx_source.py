@@ -175,11 +175,12 @@ class UcxSource:
             att = connect()
         except ucx_wire.Refused as exc:
             if exc.code == ucx_wire.R_KEY:
-                raise ProtocolError(
-                    f"cudalink: {self.name}: the server refused our key; copy the server's key file to "
-                    f"{ucx_engine.key_path()} or set CUDALINK_KEY",
-                    exc.reason,
-                ) from exc
+                ours = (
+                    "set CUDALINK_KEY to the server's key (it is set here, so the key file is not read)"
+                    if os.environ.get("CUDALINK_KEY")
+                    else f"copy the server's key file to {ucx_engine.key_path()} or set CUDALINK_KEY"
+                )
+                raise ProtocolError(f"cudalink: {self.name}: the server refused our key; {ours}", exc.reason) from exc
             if exc.reason.retryable:  # quoted inside the Receiver's LinkTimeout, which says "cudalink:"
                 raise NoProducer(ucx_wire.quoted(str(exc))) from exc
             raise

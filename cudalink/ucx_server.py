@@ -3,7 +3,8 @@
 Each remote consumer gets its own local :class:`Receiver` on the link (its own lease column, with the
 latest/in-order mode it asked for), so a slow consumer never touches another, and the producer never
 waits on the network. The server runs in its own process (its own GIL). Host frames go out straight
-from the leased slot, which is held only while its bytes are on the wire.
+from the leased slot, which is held only while its bytes are on the wire, as long as the link keeps
+``SPARE_SLOTS`` slots free of such sends; past that a frame is copied out and its slot given back at once.
 
 A GPU frame is first copied on the GPU into a buffer the server owns (the local Receiver's
 ``copy="always"``), and its slot goes back as soon as that copy has run; UCX's CUDA transports then send
@@ -25,6 +26,7 @@ the frames this consumer missed are counted (seq gaps) by both sides, never push
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -58,6 +60,12 @@ MAX_GRANT = 4
 #: it readying the next frame after the last one's send had completed; three at a time streamed 1.34-1.61x the
 #: frames (benchmarks/results/h200-2026-11-27-s18-remote-gpu-flights-ab.txt).
 MAX_FLIGHT = 3
+#: producer slots a server's sends from the slots themselves always leave free: one for the producer to write
+#: into, one for the newest frame. Each host frame on the wire from its slot holds that slot, so a few remote
+#: consumers on a link with few slots took every one, and the local producer dropped frames (2 slots, 4
+#: consumers, 1080p at 60 fps on 2 vCPUs: 8 of 387 dropped). Past that, a frame is copied out and sent from
+#: the copy.
+SPARE_SLOTS = 2
 #: how long the endpoint of a consumer dropped for silence stays open, so a stalled one can read why
 SILENT_GRACE_S = 10.0
 #: how long a consumer may stay silent while a frame's send to it from the server's own memory is under way
@@ -123,6 +131,7 @@ class _Consumer:
         self.told_end = False  # told its producer is gone: it is given a moment to read that and hang up
         self.inline = 0  # host bytes up to this many go in the FRAME message itself (the client's HELLO)
         self.out = bytearray()  # that one message, made once
+        self.copy: np.ndarray[Any, Any] | None = None  # a host frame copied out of its slot (see SPARE_SLOTS)
         self.pinned: list[Any] = []  # their page-locked buffers (``cuda.ucx.Pinned``), one per GPU frame in flight
         self.stages: list[Any] = []  # those of them free
         #: GPU frames on their way out (see _send_gpu): sends from memory of ours, no producer slot held (see
@@ -423,13 +432,15 @@ class _Consumer:
         data: Any = None
         pending = False  # the pixels' send is under way
         released = False
+        counted = False  # in the server's count of slots held by sends (SPARE_SLOTS)
         try:
             spec = frame.spec
             data = frame.numpy()
+            own = False  # data is a copy of ours: the slot is not needed for the send
             if spec.strides is not None:  # a padded crop goes contiguous: behind the header, or copied once
                 spec = FrameSpec(spec.shape, spec.dtype, None, spec.pixel_format, spec.origin)
                 if data.nbytes > self.inline:
-                    data = np.ascontiguousarray(data)
+                    data, own = np.ascontiguousarray(data), True
             if data.nbytes <= self.inline:
                 msg = self._one(self._head(frame, spec, True), data)
                 # the bytes are ours now: the producer's slot goes back before the network send (the view
@@ -440,6 +451,14 @@ class _Consumer:
                 await self.ep.send(msg)
                 return
             head = self._head(frame, spec, False)
+            held = self._held()
+            if not own and (frame.seq in held or len(held) < self._slots() - SPARE_SLOTS):
+                held[frame.seq] += 1  # sent from its slot, held until UCX is done with it
+                counted = True
+            else:  # a copy (the producer's spare slots would go, or a crop made compact): the slot goes back now
+                data = data if own else self._copied(data)
+                frame.release()
+                released = True
             # both posted at once (UCX keeps one endpoint's messages of one tag in order): the pixels need not
             # wait for the header's completion to be reported
             pending = True
@@ -458,6 +477,30 @@ class _Consumer:
             data = None
             if not released:
                 frame.release()
+            if counted:
+                held = self._held()
+                held[frame.seq] -= 1
+                if held[frame.seq] <= 0:
+                    del held[frame.seq]
+
+    def _held(self) -> collections.Counter[int]:
+        rx = self.rx
+        assert rx is not None
+        return self.server.held[rx.name]
+
+    def _slots(self) -> int:
+        """The link's slot count (its producer's ring)."""
+        rx = self.rx
+        parts = getattr(rx._att, "parts", None) if rx is not None else None
+        return len(parts) if parts is not None else 0
+
+    def _copied(self, data: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """``data`` copied into a buffer of this consumer's (one, reused: a frame's send ends before the next)."""
+        if self.copy is None or self.copy.nbytes < data.nbytes:
+            self.copy = np.empty(data.nbytes, np.uint8)
+        out: np.ndarray[Any, Any] = self.copy[: data.nbytes].view(data.dtype).reshape(data.shape)
+        np.copyto(out, data)
+        return out
 
     def _send_gpu(self, frame: Frame) -> None:
         """A GPU frame goes to a flight of its own (:meth:`_flight`): the sender takes the next frame while
@@ -590,6 +633,9 @@ class Server:
         self.name = name
         self.parent = parent
         self.consumers: set[_Consumer] = set()
+        #: per link, the seqs of the host frames on the wire from their slots, with how many sends each (one slot
+        #: held per seq): see SPARE_SLOTS
+        self.held: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         self._tasks: set[asyncio.Task[None]] = set()
         self.listener: Any = None
         self.stage_mode = ucx_engine.stage_mode()

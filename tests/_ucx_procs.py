@@ -92,6 +92,18 @@ def consumer(args: argparse.Namespace) -> None:
     time.sleep(60)
 
 
+def reader(args: argparse.Namespace) -> None:
+    """Receive and release frames for ever (newest wins): a consumer that keeps up, until a test stops it."""
+    import cudalink
+
+    rx = cudalink.Receiver(args.url, timeout=10.0, device="cpu")
+    with rx.recv(timeout=10.0):
+        print("reading", flush=True)
+    while True:
+        with rx.recv(timeout=10.0):
+            pass
+
+
 def hold_the_gil(seconds: float) -> None:
     """Keep the GIL for ``seconds``, as a long C call or an import would: no other thread of ours runs."""
     old = sys.getswitchinterval()
@@ -218,6 +230,8 @@ def main() -> None:
     q.add_argument("--device", default="cpu")
     q = sub.add_parser("consumer")
     q.add_argument("url")
+    q = sub.add_parser("reader")
+    q.add_argument("url")
     q = sub.add_parser("gpu-consumer")
     q.add_argument("url")
     q.add_argument("--device", default="0")
@@ -230,7 +244,13 @@ def main() -> None:
     q.add_argument("port", type=int)
     q.add_argument("lie", choices=["credits", "capacity", "seq", "short"])
     args = p.parse_args()
-    run = {"producer": producer, "consumer": consumer, "gpu-consumer": gpu_consumer, "lying-server": lying_server}
+    run = {
+        "producer": producer,
+        "consumer": consumer,
+        "reader": reader,
+        "gpu-consumer": gpu_consumer,
+        "lying-server": lying_server,
+    }
     run[args.cmd](args)
     sys.exit(0)
 

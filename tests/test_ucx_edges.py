@@ -9,6 +9,7 @@ import gc
 import glob
 import math
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -1127,3 +1128,33 @@ def relay_remakes_its_link(
         relayer.join(30)
         srv.stop()
     assert not relayer.is_alive() and not errors, errors
+
+
+def test_remote_consumers_stuck_mid_send_never_take_the_producers_last_slots() -> None:
+    """Host frames go out straight from their slot, held while the bytes are on the wire. Two consumers that
+    stopped in the middle of a send (a rendezvous waits for them) held two slots: a producer with two had none
+    left and dropped frames, which its local consumers lost too. The server now keeps two slots free and sends
+    a copy past that."""
+    name = unique("sp")
+    prod = producer(name, "--frames", "250", "--fps", "100", "--shape", "512,512,4", "--slots", "2")
+    srv, url = server(name)
+    readers = [Proc(["-m", "tests._ucx_procs", "reader", url]) for _ in range(2)]
+    try:
+        for r in readers:
+            r.expect("reading", 20.0)
+        time.sleep(0.3)
+        for r in readers:  # stopped one after the other: each mid-send of another frame
+            r.p.send_signal(signal.SIGSTOP)
+            time.sleep(0.05)
+        time.sleep(0.6)  # under the 0.9 s after which the server drops a silent consumer (leases back)
+        for r in readers:
+            r.p.send_signal(signal.SIGCONT)
+        done = prod.expect("done", 30.0)
+        assert done.endswith("dropped=0"), done
+    finally:
+        for r in readers:
+            with contextlib.suppress(ProcessLookupError):
+                r.p.send_signal(signal.SIGCONT)
+            r.stop()
+        srv.stop()
+        prod.stop()

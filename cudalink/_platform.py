@@ -194,6 +194,11 @@ def write_private(path: str, data: bytes) -> None:
             time.sleep(0.002)
 
 
+def open_to_others(st_mode: int) -> bool:
+    """Whether a file's mode lets users other than its owner read or write it. Windows keeps no such bits: no."""
+    return not IS_WINDOWS and bool(st_mode & 0o077)
+
+
 def read_regular(path: str, size: int, follow: bool = True) -> bytes | None:
     """Up to ``size`` bytes of the regular file ``path``; None where something else carries the name: a FIFO
     (an open() of one blocks until a writer comes, which none may) or a directory. Raises as ``open`` does

@@ -424,7 +424,7 @@ def load_key(create: bool = False) -> tuple[bytes, str | None]:
     try:
         with open(path) as f:
             mode = os.fstat(f.fileno()).st_mode
-            if os.name == "posix" and mode & 0o077:  # others may read it, or put a key of their own in its place
+            if _platform.open_to_others(mode):  # others may read it, or put a key of their own in its place
                 raise LinkError(
                     f"cudalink: the ucx key file {path} is open to other users (mode {mode & 0o777:o}); "
                     f"it must be private: chmod 600 {path} (on a filesystem that keeps no modes, set CUDALINK_KEY to "

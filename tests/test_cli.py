@@ -1139,3 +1139,22 @@ def test_a_sigterm_whose_stop_is_dropped_on_its_way_still_stops_the_relay(monkey
         assert ui.stop_requested() and len(turns) == 2
     with ui.sigterm_stops():
         assert not ui.stop_requested()  # each command's stop is its own
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("relay", "ucx://127.0.0.1:1/x"), "the following arguments are required: --as"),
+        (("relay", "ucx://127.0.0.1:1/x", "--as", "y", "--slots", "abc"), "argument --slots: invalid int value"),
+        (("serve",), "the following arguments are required: name"),
+        (("bogus",), "invalid choice: 'bogus'"),
+    ],
+)
+def test_a_usage_error_is_a_cudalink_line_that_points_at_help(args: tuple[str, ...], said: str) -> None:
+    """argparse said ``python -m cudalink relay: error: ...``: the one kind of bad input whose message did not start
+    with ``cudalink:`` as every other error's does."""
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("cudalink: python -m cudalink") and said in last and last.endswith("--help"), proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -13,6 +13,7 @@ import contextlib
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .._version import __version__
 from ..errors import LinkError
@@ -25,15 +26,24 @@ from .report import check_bench_args, cmd_bench
 from .serve import cmd_serve
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors read as every other cudalink error does: a ``cudalink:`` line that
+    says where to look. Its sub-commands' parsers are of this class too (``add_subparsers`` makes them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"cudalink: {self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--debug",
         action="store_true",
         default=argparse.SUPPRESS,
         help="show full tracebacks instead of one-line errors",
     )
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m cudalink",
         parents=[common],
         description="cudalink: zero-copy GPU (and CPU) frames between processes.",

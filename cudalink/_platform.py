@@ -194,6 +194,15 @@ def write_private(path: str, data: bytes) -> None:
             time.sleep(0.002)
 
 
+def usable_cores() -> int | None:
+    """CPUs this process may run on: its affinity where the OS has one (a container or ``taskset`` limits it
+    below ``os.cpu_count()``), else the count of the machine's; None where neither is known."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows
+        return os.cpu_count()
+
+
 def open_to_others(st_mode: int) -> bool:
     """Whether a file's mode lets users other than its owner read or write it. Windows keeps no such bits: no."""
     return not IS_WINDOWS and bool(st_mode & 0o077)

@@ -477,8 +477,7 @@ class _Consumer:
             data = None
             if not released:
                 frame.release()
-            if counted:
-                held = self._held()
+            if counted:  # held is this link's count, taken above
                 held[frame.seq] -= 1
                 if held[frame.seq] <= 0:
                     del held[frame.seq]

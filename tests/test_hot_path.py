@@ -275,7 +275,7 @@ def test_the_fanout_goal_against_one_consumer_is_not_judged_without_a_core_for_e
 def test_the_bench_counts_the_cores_it_may_run_on() -> None:
     import os
 
-    from cudalink.tools.bench import usable_cores
+    from cudalink._platform import usable_cores
 
     n = usable_cores()
     assert n is not None and 1 <= n <= (os.cpu_count() or n)

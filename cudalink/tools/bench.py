@@ -1351,7 +1351,7 @@ class Bench:
         if self._fanout_floor:
             out["fanout_floor"] = summarize(self._fanout_floor)
         out["fanout_consumers"] = self.fanout
-        out["cores"] = usable_cores()
+        out["cores"] = _platform.usable_cores()
         small = self._get("small_throughput", "cudalink")
         if isinstance(small, RunResult):
             out["small_fps_cudalink"] = small.fps()
@@ -1665,15 +1665,6 @@ def _throughput_note(ours: RunResult | str | None, theirs: RunResult | str | Non
             skipped = f" ({run.skipped()} skipped)" if who == "cudalink" else ""
             parts.append(f"{who} {run.fps():,.0f} fps{skipped}")
     return " · ".join(parts)
-
-
-def usable_cores() -> int | None:
-    """CPUs this process may run on: its affinity where the OS has one (a container or ``taskset`` limits it
-    below ``os.cpu_count()``), else the count of the machine's; None where neither is known."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # macOS, Windows
-        return os.cpu_count()
 
 
 def machine_info(backend: Backend) -> Machine:

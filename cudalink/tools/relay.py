@@ -83,16 +83,15 @@ class _Local:
             tx = self.tx = self._make(spec, capacity)
             if not self.quiet:
                 say(f"cudalink: relaying {self.url} as {self.local!r} ({spec.label})")
-        elif tx.spec != spec:
-            if spec.nbytes > tx.capacity:  # a restarted producer with larger frames: a new local link
-                self.tx = None
-                tx.close()
-                tx = self.tx = self._make(spec, capacity)
-                if not self.quiet:
-                    say(f"cudalink: {self.url} now sends {spec.label}; {self.local!r} started again")
-            else:  # "" clears a format: None would keep the old one (and the specs would never match)
-                fmt = "" if spec.pixel_format is None else spec.pixel_format
-                tx.reconfigure(spec.shape, spec.dtype, pixel_format=fmt, origin=spec.origin)
+        elif self.needs_new_link(spec):  # a restarted producer with larger frames: a new local link
+            self.tx = None
+            tx.close()
+            tx = self.tx = self._make(spec, capacity)
+            if not self.quiet:
+                say(f"cudalink: {self.url} now sends {spec.label}; {self.local!r} started again")
+        elif tx.spec != spec:  # "" clears a format: None would keep the old one (and the specs would never match)
+            fmt = "" if spec.pixel_format is None else spec.pixel_format
+            tx.reconfigure(spec.shape, spec.dtype, pixel_format=fmt, origin=spec.origin)
         return tx
 
     def needs_new_link(self, spec: FrameSpec) -> bool:

@@ -320,8 +320,9 @@ class FakePars:
         return iter(list(self._pars.values()))
 
 
-_FORMATS = ["useinput"] + [
-    f"{ch}{depth}" for ch in ("r", "rg", "rgba") for depth in ("8fixed", "16fixed", "16float", "32float")
+#: the Pixel Format (``format``) menu of a TOP's Common page, as TD names its entries: one channel is "mono"
+_FORMATS = ["useinput", "rgba8fixed", "srgba8fixed", "rgba16float", "rgba32float", "rgb10a2fixed", "rgba16fixed"] + [
+    f"{ch}{depth}" for ch in ("mono", "rg", "a", "monoalpha") for depth in ("8fixed", "16fixed", "16float", "32float")
 ]
 
 

@@ -101,7 +101,7 @@ def test_labels_and_helpers() -> None:
     assert frame.spec.label == "BGRA8 bottom-up"
     assert ctd.pixel_format_for(np.float32, 4) is PixelFormat.RGBA
     assert ctd.td_format_name(np.uint8, 4) == "rgba8fixed"
-    assert ctd.td_format_name(np.float32, 1) == "r32float"
+    assert ctd.td_format_name(np.float32, 1) == "mono32float"
     assert ctd.td_format_name(np.uint16, 2) == "rg16fixed"
     assert ctd.td_format_name(np.uint8, 3) is None
     for t in TD_TYPES:
@@ -591,6 +591,24 @@ def test_script_top_shows_errors_and_keeps_the_image(receiver_dat: Any) -> None:
         op.cook(receiver_dat)  # a frame TD takes clears it
         assert op.errors == [] and op.warnings == []
         np.testing.assert_array_equal(op.texture, good)
+        receiver_dat._receivers[op.id].close()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fmt"), [(np.uint8, "mono8fixed"), (np.uint16, "mono16fixed"), (np.float32, "mono32float")]
+)
+def test_match_format_sets_tds_own_mono_formats(receiver_dat: Any, dtype: Any, fmt: str) -> None:
+    """TD's Pixel Format menu names one channel "mono" (``mono8fixed``); "r8fixed" is no entry of it, so
+    Match Resolution/Format never matched a mono TOP's frames and warned instead."""
+    name = link_name()
+    op = script_top(receiver_dat, name)
+    src = texture(4, 5, 1, dtype, seed=1)
+    with cudalink.Sender(name, shape=src.shape, dtype=src.dtype, origin="bottom") as tx:
+        tx.send(src)
+        fakes.cook_until(receiver_dat, op, lambda: op.texture is not None)
+        assert op.warnings == [] and op.errors == []
+        assert op.par.format.eval() == fmt
+        np.testing.assert_array_equal(op.texture, src)
         receiver_dat._receivers[op.id].close()
 
 

@@ -107,9 +107,9 @@ def pixel_format_for(dtype: npt.DTypeLike, comps: int) -> PixelFormat:
 
 
 def td_format_name(dtype: npt.DTypeLike, comps: int) -> str | None:
-    """The Script TOP ``format`` menu entry (``rgba8fixed``, ``r32float``...); None where TD has none."""
+    """The Script TOP ``format`` menu entry (``rgba8fixed``, ``mono32float``...); None where TD has none."""
     depth = {"uint8": "8fixed", "uint16": "16fixed", "float32": "32float"}.get(np.dtype(dtype).name)
-    channels = {1: "r", 2: "rg", 4: "rgba"}.get(comps)
+    channels = {1: "mono", 2: "rg", 4: "rgba"}.get(comps)  # TD's menu calls one channel "mono", not "r"
     return None if depth is None or channels is None else channels + depth
 
 

@@ -105,7 +105,7 @@ class HostSlotMemory:
         assert buf is not None
         arr = np.ndarray(spec.shape, spec.dtype, buffer=buf).copy()
         self.frames += 1
-        f = Frame.from_array(arr, pixel_format=spec.pixel_format, seq=seq, timestamp_ns=ts_ns)
+        f = Frame.from_array(arr, pixel_format=spec.pixel_format, origin=spec.origin, seq=seq, timestamp_ns=ts_ns)
         f.generation = generation
         return f
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import cudalink
 from cudalink import _platform
-from cudalink.frames import PixelFormat
+from cudalink.frames import PixelFormat, RowOrigin
 from cudalink.link import default_transport
 from cudalink.transport import cuda_link_wire as cw
 from cudalink.transport.cuda_link_source import CudaLinkAttachment, CudaLinkSource, strip_prefix
@@ -111,6 +111,29 @@ def test_format_change_mid_stream(name: str, producer: FakeProducer) -> None:
         f = rx.recv(timeout=1.0)
         assert f.shape == (2, 3, 1) and f.dtype == np.float32 and (f.numpy() == 2).all()
         assert f.pixel_format is PixelFormat.GRAY
+
+
+def test_frames_are_bottom_up_as_every_cuda_link_endpoint_lays_them_out(name: str, producer: FakeProducer) -> None:
+    """cuda-link's TD exporter copies TD's memory as it is (rows bottom-up) and its TD importer hands the bytes
+    to copyCUDAMemory as they are: its frames were labelled top-down, so a Script TOP on "auto" flipped TD's own
+    image upside down (and a relay passed the wrong origin on)."""
+    import cudalink.td as ctd
+
+    from .td_fakes import FakeCUDAMemoryShape, FakeScriptTOP
+
+    producer.set_format((4, 6, 4), "uint8", cw.FLAG_BGRA)
+    producer.publish(0)
+    td_memory = np.arange(4 * 6 * 4, dtype=np.uint8).reshape(4, 6, 4)  # row 0 is the image's bottom row
+    np.ndarray((4, 6, 4), np.uint8, buffer=producer.data[0].buf)[...] = td_memory
+    assert cw.spec_from_meta(cw.read_metadata(producer.buf, producer.n)).origin is RowOrigin.BOTTOM
+    with _rx(name, timeout=2.0) as rx:
+        f = rx.recv(timeout=1.0)
+        assert f.origin is RowOrigin.BOTTOM and f.pixel_format is PixelFormat.BGRA
+        op = FakeScriptTOP()
+        op.modify_outside_cook = True
+        up = ctd.to_script_top(f, op, flip="auto", swap_rb="auto", method="cuda", shape_factory=FakeCUDAMemoryShape)
+        assert up.steps == [] and up.zero_copy  # TD's layout already: no pass, no flip
+        np.testing.assert_array_equal(op.texture, td_memory)
 
 
 def test_a_frame_larger_than_the_slots_is_refused(name: str, producer: FakeProducer) -> None:

@@ -105,7 +105,7 @@ def test_golden_bytes_v1() -> None:
     assert seg.metadata == cw.Metadata(1920, 1080, 4, 1, 8, 4, 1920 * 1080 * 4)
     assert seg.timestamp == 12.5
     spec = cw.spec_from_meta(seg.metadata)
-    assert spec == FrameSpec((1080, 1920, 4), "uint8", pixel_format="BGRA")
+    assert spec == FrameSpec((1080, 1920, 4), "uint8", pixel_format="BGRA", origin="bottom")  # TD's rows
 
     out = bytearray(len(gold))
     cw.pack_segment(out, seg)
@@ -121,7 +121,7 @@ def test_golden_bytes_v09() -> None:
     gold[meta : meta + 20] = struct.pack("<IIIII", 64, 32, 4, 1, 64 * 32 * 4 * 2)  # dtype 1 = float16
     m = cw.read_metadata(bytes(gold), 1, cw.read_header(bytes(gold)).magic)
     assert (m.dtype_name, m.dtype_code, m.bits, m.format_kind) == ("float16", 1, 16, 2)
-    assert cw.spec_from_meta(m) == FrameSpec((32, 64, 4), "float16", pixel_format="RGBA")
+    assert cw.spec_from_meta(m) == FrameSpec((32, 64, 4), "float16", pixel_format="RGBA", origin="bottom")
 
 
 @pytest.mark.parametrize(

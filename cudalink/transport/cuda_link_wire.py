@@ -22,7 +22,8 @@ offset                size   field
 41 + 128·N            f64    timestamp: the producer's ``time.perf_counter()`` at publish
 ====================  =====  =================================================================================
 
-Pixels are tightly packed HWC; ``data_size`` must be ``width·height·num_comps·bits/8``. There is no
+Pixels are tightly packed HWC, rows bottom-up as TouchDesigner's memory (no field says so: every cuda-link
+endpoint copies TD's bytes as they are); ``data_size`` must be ``width·height·num_comps·bits/8``. There is no
 back-pressure: the producer overwrites slots freely (latest frame wins).
 
 Everything here is pure Python over a buffer (bytes, bytearray, memoryview): no CUDA, no OS calls.
@@ -440,8 +441,9 @@ def pack_segment(buf: bytearray | memoryview, seg: Segment) -> None:
 def spec_from_meta(meta: Metadata) -> FrameSpec:
     """The cudalink frame a cuda-link metadata describes: (height, width, num_comps), its dtype and pixel format.
 
-    Row origin is top: the layout does not say (frames from TouchDesigner's own exporter are bottom-up, as
-    every TD texture is; flip them with ``t.flip(0)`` where that matters).
+    Row origin is bottom: the layout has no field for it, and every cuda-link endpoint moves TouchDesigner's
+    memory as it is (its exporter copies a TOP's bottom-up rows, its importer hands the bytes to
+    ``copyCUDAMemory``), so the frame says so (``t.flip(0)`` gives top-down rows).
     """
     name = meta.dtype_name
     if name == "bfloat16":
@@ -451,7 +453,7 @@ def spec_from_meta(meta: Metadata) -> FrameSpec:
         )
     if name not in _KIND_BITS_OF:
         raise FormatError(f"cudalink: cuda-link segment carries {name} components, which cudalink does not support")
-    return FrameSpec((meta.height, meta.width, meta.num_comps), name, None, _pixel_format(meta), RowOrigin.TOP)
+    return FrameSpec((meta.height, meta.width, meta.num_comps), name, None, _pixel_format(meta), RowOrigin.BOTTOM)
 
 
 def _pixel_format(meta: Metadata) -> PixelFormat | None:

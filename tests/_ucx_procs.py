@@ -7,6 +7,7 @@ Frames carry their own checksum: every byte of frame ``seq`` is a function of it
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import struct
 import sys
@@ -59,6 +60,10 @@ def producer(args: argparse.Namespace) -> None:
     worst = 0.0
     period = 1.0 / args.fps
     nxt = time.monotonic()
+    while args.go_file and not os.path.exists(args.go_file):  # frames until the test says go, then --frames more
+        tx.send(pattern(tx.shape, tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
+        nxt += period
+        time.sleep(max(0.0, nxt - time.monotonic()))
     for i in range(1, args.frames + 1):
         if shape2 is not None and i % args.every == 0:  # toggle between the two shapes
             tx.reconfigure(shape2 if tx.shape == shape else shape)
@@ -228,6 +233,7 @@ def main() -> None:
     q.add_argument("--report", action="store_true")
     q.add_argument("--linger", type=float, default=0.0)
     q.add_argument("--device", default="cpu")
+    q.add_argument("--go-file", default="", help="send until this file exists, then --frames more (host only)")
     q = sub.add_parser("consumer")
     q.add_argument("url")
     q = sub.add_parser("reader")

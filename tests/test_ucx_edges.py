@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1130,18 +1131,22 @@ def relay_remakes_its_link(
     assert not relayer.is_alive() and not errors, errors
 
 
-def test_remote_consumers_stuck_mid_send_never_take_the_producers_last_slots() -> None:
+def test_remote_consumers_stuck_mid_send_never_take_the_producers_last_slots(tmp_path: Path) -> None:
     """Host frames go out straight from their slot, held while the bytes are on the wire. Two consumers that
     stopped in the middle of a send (a rendezvous waits for them) held two slots: a producer with two had none
     left and dropped frames, which its local consumers lost too. The server now keeps two slots free and sends
     a copy past that."""
     name = unique("sp")
-    prod = producer(name, "--frames", "250", "--fps", "100", "--shape", "512,512,4", "--slots", "2")
+    go = tmp_path / "go"  # the 250 frames start once both readers read: a loaded machine starts them late
+    prod = producer(
+        name, "--frames", "250", "--fps", "100", "--shape", "512,512,4", "--slots", "2", "--go-file", str(go)
+    )
     srv, url = server(name)
     readers = [Proc(["-m", "tests._ucx_procs", "reader", url]) for _ in range(2)]
     try:
         for r in readers:
             r.expect("reading", 20.0)
+        go.touch()
         time.sleep(0.3)
         for r in readers:  # stopped one after the other: each mid-send of another frame
             r.p.send_signal(signal.SIGSTOP)

@@ -17,7 +17,7 @@ import cudalink
 from ._content import CHAOS_SHAPE, checksum, content, pattern
 from ._procs import taker
 
-INT_VIEW = {"float32": "int32", "float16": "int16", "uint8": "uint8", "uint16": "int16"}
+INT_VIEW = {"float32": "int32", "float16": "int16", "uint8": "uint8", "uint16": "int16", "bfloat16": "int16"}
 
 
 def wait_consumers(tx: cudalink.Sender, want: int, timeout: float = 120.0) -> None:

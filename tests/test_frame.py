@@ -29,7 +29,12 @@ def _array(shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
 
 
 @settings(max_examples=150, deadline=None)
-@given(shape=shapes, dtype=st.sampled_from(SUPPORTED_DTYPES), seed=st.integers(0, 2**32 - 1))
+# numpy's from_dlpack takes no bfloat16 (DLPack's kDLBfloat): test_bfloat16.py reads those frames
+@given(
+    shape=shapes,
+    dtype=st.sampled_from([d for d in SUPPORTED_DTYPES if d != "bfloat16"]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_host_frame_roundtrips_through_numpy_dlpack(shape: tuple[int, ...], dtype: str, seed: int) -> None:
     arr = _array(shape, dtype, seed)
     frame = Frame.from_array(arr)

@@ -307,6 +307,39 @@ def test_float16_is_converted_to_float32() -> None:
     np.testing.assert_array_equal(op.texture, src.astype(np.float32))
 
 
+def test_bfloat16_is_converted_to_float32_and_cupy_which_has_none_is_not_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's bfloat16 output shown in TD: converted to float32 like float16 (every bfloat16 is a float32)."""
+    import ml_dtypes
+
+    from cudalink.td import convert
+
+    src = (np.arange(4 * 6 * 4, dtype=np.float32).reshape(4, 6, 4) / 7 - 3).astype(ml_dtypes.bfloat16)
+    op, upload = show(host_frame(src, "RGBA", "bottom"), method="cuda")
+    assert op.copies[-1]["dataType"] is np.float32 and upload.steps == ["bfloat16->float32"]
+    np.testing.assert_array_equal(op.texture, src.astype(np.float32))
+    # on the GPU the conversion runs in torch, never cupy (cupy has no bfloat16)
+    asked: list[str | None] = []
+
+    def module(preferred: str | None) -> tuple[str, Any]:
+        asked.append(preferred)
+        return (preferred or "cupy", object())
+
+    monkeypatch.setattr(convert, "_array_module", module)
+    frame = host_frame(src, "RGBA", "bottom")
+    plan = convert._Plan(frame, "auto", "auto", "cuda")
+    with pytest.raises(FormatError, match=r"^cudalink: cupy has no bfloat16.*array_backend='torch'"):
+        convert._convert_cuda(frame, plan, 0, "cupy")
+
+    def no_lib(*args: object) -> None:
+        raise RuntimeError("torch asked")
+
+    monkeypatch.setattr(convert, "ArrayLib", no_lib)
+    monkeypatch.setattr(convert.devices, "device", lambda d: None)
+    with pytest.raises(RuntimeError, match="torch asked"):
+        convert._convert_cuda(frame, plan, 0, None)
+    assert asked == ["cupy", "torch"]
+
+
 def test_float64_and_2d_frames() -> None:
     src = np.linspace(0, 1, 12).reshape(3, 4)
     op, _ = show(host_frame(src, None, "bottom"), method="cuda")

@@ -953,6 +953,38 @@ def test_sender_serve_starts_and_stops_its_server() -> None:
     assert proc.poll() is not None  # close() stopped it
 
 
+@pytest.mark.parametrize("shape", [(8, 8, 4), (256, 160, 4)], ids=["inline", "two-messages"])
+def test_bfloat16_frames_cross_the_network_bit_for_bit(shape: tuple[int, ...]) -> None:
+    """bfloat16 (ml_dtypes' to numpy) travels as its dtype code; a remote consumer's frames keep every bit."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    n = int(np.prod(shape))
+
+    def bits(seq: int) -> np.ndarray:
+        return ((np.arange(n, dtype=np.uint32) * 2654435761 + seq * 40503) & 0xFFFF).astype(np.uint16).reshape(shape)
+
+    name, port = unique("b"), free_port()
+    with cudalink.Sender(name, shape=shape, dtype="bfloat16", serve=f"ucx://127.0.0.1:{port}") as tx:
+
+        def feed() -> None:
+            while not tx.closed:
+                try:
+                    tx.send(bits(tx.seq + 1).view(bf16))
+                except cudalink.LinkError:
+                    return
+                time.sleep(0.01)
+
+        t = threading.Thread(target=feed, daemon=True)
+        t.start()
+        with remote_bench.connect(port, name, within=20, device="cpu") as rx:
+            for _ in range(5):
+                with rx.recv(timeout=5.0) as f:
+                    assert f.dtype == bf16 and f.shape == shape
+                    assert np.array_equal(f.numpy().view(np.uint16), bits(f.seq))
+    t.join(5)
+
+
 def _behind_at_a_clean_close(behind_s: float) -> tuple[list[int], dict[str, object], cudalink.ProducerGone]:
     """A remote consumer holds every frame it may (3: no credit left) while its producer publishes 4 more and
     closes; ``behind_s`` later it gives them back and reads on. The seqs it got after those, its stats, its end."""

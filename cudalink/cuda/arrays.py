@@ -64,7 +64,7 @@ def describe_array(obj: object, stream_ptr: int = -1) -> ArrayInfo:
     dl_dev = getattr(obj, "__dlpack_device__", None)
     if dl_dev is not None:
         if int(_host_read(dl_dev, cls.__name__, "DLPack")[0]) in (1, 3):  # CPU or pinned host memory (torch CPU)
-            return host_info(_host_read(lambda: np.from_dlpack(obj), cls.__name__, "DLPack"))  # type: ignore[arg-type]
+            return host_info(_host_read(lambda: _host_dlpack(obj), cls.__name__, "DLPack"))
     elif not has_cai:
         try:
             arr = np.asarray(obj)
@@ -84,6 +84,29 @@ def describe_array(obj: object, stream_ptr: int = -1) -> ArrayInfo:
     return _device_info(obj, view)
 
 
+def bfloat16() -> np.dtype[np.generic] | None:
+    """numpy's bfloat16 (ml_dtypes', as cuda.core and jax read it), or None where ml_dtypes is missing."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    dt: np.dtype[np.generic] = np.dtype(ml_dtypes.bfloat16)
+    return dt
+
+
+def _host_dlpack(obj: object) -> npt.NDArray[np.generic]:
+    """A host array's numpy view through DLPack; numpy takes no bfloat16 there (DLPack's code 4), so a torch
+    bfloat16 tensor is read as its int16 bits and viewed back as ml_dtypes' bfloat16, still with no copy."""
+    try:
+        return np.from_dlpack(obj)  # type: ignore[arg-type]
+    except BufferError:
+        bf16 = bfloat16()
+        if bf16 is None or type(obj).__module__ != "torch" or str(getattr(obj, "dtype", "")) != "torch.bfloat16":
+            raise
+    bits = getattr(obj, "view")(sys.modules["torch"].int16)  # noqa: B009
+    return np.from_dlpack(bits).view(bf16)
+
+
 def _host_read(read: Callable[[], T], name: str, how: str) -> T:
     """``read()``: a host array's own export failing (a torch tensor that requires grad, a dtype DLPack has no
     code for) is a FormatError naming the array, as a GPU array's is."""
@@ -92,7 +115,8 @@ def _host_read(read: Callable[[], T], name: str, how: str) -> T:
     except Exception as exc:
         raise FormatError(
             f"cudalink: cannot read {name} through {how}: {str(exc).rstrip('.')}; pass a plain array of numbers "
-            "(torch: x.detach(), and x.float() for a dtype numpy has not, as bfloat16; numpy: np.ascontiguousarray(x))"
+            "(torch: x.detach(), and x.float() for a dtype cudalink does not carry, as float8; "
+            "numpy: np.ascontiguousarray(x))"
         ) from exc
 
 
@@ -102,8 +126,10 @@ def _pixels(arr: npt.NDArray[np.generic], cls: type) -> npt.NDArray[np.generic]:
     dt = arr.dtype
     if dt.isbuiltin != 2 and dt.kind not in "OSUVT":  # numbers (T: numpy's StringDType): no message built per send
         return arr
+    if dt.isbuiltin == 2 and dt.name == "bfloat16":  # ml_dtypes' bfloat16: numpy says "V", DLPack has a code
+        return arr
     what = cls.__name__ if cls is not np.ndarray else f"a numpy array of {dt.name}"
-    if dt.isbuiltin == 2:  # numbers of a dtype a package adds (ml_dtypes' bfloat16, float8_*): numpy says "V"
+    if dt.isbuiltin == 2:  # numbers of a dtype a package adds (ml_dtypes' float8_*, int4): numpy says "V"
         raise FormatError(
             f"cudalink: {what} has a dtype cudalink does not carry (numpy, torch, cupy and jax do not all read it); "
             f"convert it first, e.g. x.astype(np.float32), or send its bits: x.view(np.uint{8 * arr.itemsize})"
@@ -135,11 +161,13 @@ _UNSET = np.dtype("V1")  # a sentinel no torch dtype maps to
 
 
 def _numpy_dtype(torch_dtype: object) -> np.dtype[np.generic] | None:
-    """numpy's dtype of a torch dtype's name, or None where numpy has none (bfloat16, fp8); learnt once."""
+    """numpy's dtype of a torch dtype's name (bfloat16: ml_dtypes'), or None where numpy has none (fp8); learnt
+    once."""
     dtype: np.dtype[np.generic] | None = _torch_dtypes.get(torch_dtype, _UNSET)
     if dtype is _UNSET:
+        name = str(torch_dtype).removeprefix("torch.")
         try:
-            dtype = np.dtype(str(torch_dtype).removeprefix("torch."))
+            dtype = bfloat16() if name == "bfloat16" else np.dtype(name)
         except TypeError:
             dtype = None
         _torch_dtypes[torch_dtype] = dtype
@@ -161,6 +189,7 @@ def _torch_info(t: TorchTensor) -> ArrayInfo | None:
 _KDLCPU = 1
 _KDLCUDA = 2
 _DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}  # numpy kind -> DLPack type code
+_DL_BFLOAT = 4  # kDLBfloat: ml_dtypes' bfloat16 is numpy kind "V"
 _dl_dtypes: dict[np.dtype[np.generic], tuple[int, int]] = {}
 
 
@@ -168,7 +197,7 @@ def _dl_dtype(dtype: np.dtype[np.generic]) -> tuple[int, int]:
     """DLPack's (code, bits) of a numpy dtype; (-1, 0), which nothing matches, where DLPack has none."""
     got = _dl_dtypes.get(dtype)
     if got is None:
-        code = _DL_CODES.get(dtype.kind, -1)
+        code = _DL_BFLOAT if dtype.name == "bfloat16" else _DL_CODES.get(dtype.kind, -1)
         got = _dl_dtypes[dtype] = (code, dtype.itemsize * 8) if code >= 0 else (-1, 0)
     return got
 

@@ -153,10 +153,30 @@ class _HostArrayRef:
         self.__array_interface__ = {
             "version": 3,
             "shape": spec.shape,
-            "typestr": spec.dtype.str,
+            "typestr": _typestr(spec),
             "strides": spec.strides,
             "data": (hold.ptr, readonly),
         }
+
+
+def _packaged(spec: FrameSpec) -> bool:
+    """Whether the frames' dtype is one numpy has only through a package (ml_dtypes' bfloat16: kind "V")."""
+    return spec.dtype.kind == "V"
+
+
+def _uncompiled(spec: FrameSpec, exporter: str, instead: str) -> ExportError:
+    """Only the compiled core exports bfloat16 through DLPack: numpy and cuda.core 1.x refuse it."""
+    return ExportError(
+        f"cudalink: {exporter} cannot export {spec.dtype.name} through DLPack, and this install lacks cudalink's "
+        f"compiled core, which can; read the frame with {instead}, or reinstall cudalink where a C compiler "
+        "exists (pip install --force-reinstall --no-binary cudalink cudalink)"
+    )
+
+
+def _typestr(spec: FrameSpec) -> str:
+    """The array interfaces' type: ml_dtypes' bfloat16 has none (its ``str`` is raw bytes, ``<V2``), so its bits
+    go as uint16 and the reader views them back (:meth:`Frame.numpy`)."""
+    return spec.dtype.str if not _packaged(spec) else f"<u{spec.itemsize}"
 
 
 class _HeldArray(np.ndarray):  # type: ignore[type-arg]  # a view type: numpy's own parameters apply
@@ -473,15 +493,22 @@ class Frame:
             hold = self._hold
             if hold is None:
                 raise ExportError("cudalink: this frame was released; cannot export it")
-            export = self._export
+            export = self._export if self._export is not None or not _packaged(self._spec) else self._exporter()
             if export is not None and not copy:  # one C call; only a versioned capsule can say read-only
                 return export.capsule(hold, not legacy and not self._writable, not legacy)
             host = self._host
-            if host is not None and not copy:
+            if host is not None and not copy and not _packaged(self._spec):
                 # a legacy capsule cannot say read-only: exported writable, as below
                 held = host[0 if legacy or self._writable else 1].view(_HeldArray)
                 held._cudalink_hold = hold
                 return held.__dlpack__() if legacy else held.__dlpack__(max_version=_DLPACK_V1, copy=False)
+            if _packaged(self._spec):  # numpy's DLPack export takes no bfloat16
+                if export is not None:
+                    raise ExportError(
+                        f"cudalink: numpy cannot copy {self._spec.dtype.name} through DLPack; take the frame without "
+                        "copy= and copy it in your framework (torch.from_dlpack(frame).clone())"
+                    )
+                raise _uncompiled(self._spec, "numpy", "frame.numpy() (an ml_dtypes array)")
             if legacy:
                 # Legacy capsules cannot say "read-only" (numpy refuses to export such arrays); like torch,
                 # we export anyway: writing through it is the consumer's bug, as with any DLPack 0.x tensor.
@@ -503,10 +530,19 @@ class Frame:
             _order(self._sync, s, self._device_id)
             if s not in hold.streams:
                 hold.streams.append(s)
-        export = self._export
+        export = self._export if self._export is not None or not _packaged(self._spec) else self._exporter()
         if export is not None:  # one C call, exported writable as the view below is
             return export.capsule(hold, False, not legacy)
+        if _packaged(self._spec):
+            raise _uncompiled(self._spec, "cuda.core", "frame.to_numpy() (a host copy)")
         return self._cuda_view().__dlpack__(stream=None, max_version=None if legacy else _DLPACK_V1)
+
+    def _exporter(self) -> Exporter | None:
+        """The compiled capsule maker, made here for a frame that came with none (``Frame.from_array``): the only
+        exporter of bfloat16 on the host, where numpy's refuses it."""
+        hold = self._live()
+        self._export = arrays.dlpack_exporter(hold.ptr, self._spec, self._device_id)
+        return self._export
 
     def _cuda_view(self) -> StridedView:
         view = self._view
@@ -525,6 +561,11 @@ class Frame:
         (``torch.from_dlpack(frame)``)."""
         if not self._is_cuda:
             raise AttributeError("cudalink: __cuda_array_interface__ exists only on CUDA frames; use np.from_dlpack")
+        if _packaged(self._spec):
+            raise AttributeError(
+                f"cudalink: the CUDA array interface has no {self._spec.dtype.name} (it would read as raw bytes); "
+                "take the frame through DLPack (torch.from_dlpack(frame), jax.dlpack.from_dlpack(frame))"
+            )
         hold = self._live()
         # CAI consumers keep the *frame* alive, not our hold: so release() must not drop the hold now.
         self._cai_exported = True
@@ -548,7 +589,7 @@ class Frame:
             raise FormatError("cudalink: this frame is on the GPU; use frame.to_numpy() for a host copy")
         hold = self._live()
         out: npt.NDArray[np.generic] = np.asarray(_HostArrayRef(hold, self._spec, readonly=not self._writable))
-        return out
+        return out.view(self._spec.dtype) if out.dtype != self._spec.dtype else out
 
     def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> npt.NDArray[np.generic]:
         if self._is_cuda:

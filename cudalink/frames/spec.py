@@ -55,7 +55,28 @@ SUPPORTED_DTYPES: tuple[str, ...] = (
     "float64",
     "complex64",
     "complex128",
+    "bfloat16",  # numpy's through ml_dtypes (as jax and cuda.core read it); DLPack's kDLBfloat
 )
+
+#: Element types numpy has only through a package, and which package: imported when one is first named.
+_PACKAGED = {"bfloat16": "ml_dtypes"}
+_packaged: dict[str, np.dtype[np.generic]] = {}
+
+
+def _packaged_dtype(name: str) -> np.dtype[np.generic]:
+    """numpy's dtype for ``bfloat16``: ml_dtypes registers it with numpy on import, which costs ~5 ms, so only
+    a process that meets one pays it."""
+    dt = _packaged.get(name)
+    if dt is None:
+        try:
+            mod = __import__(_PACKAGED[name])
+        except ImportError as exc:
+            raise FormatError(
+                f"cudalink: {name} frames need the {_PACKAGED[name]} package, which gives numpy that type "
+                f"(pip install {_PACKAGED[name]}); or send float16/float32"
+            ) from exc
+        dt = _packaged[name] = np.dtype(getattr(mod, name))
+    return dt
 
 
 class _Named(str, enum.Enum):
@@ -105,8 +126,12 @@ def as_dtype(dtype: DTypeLike) -> np.dtype[np.generic]:
     """Normalise anything numpy understands (``"float32"``, ``np.float32``, a dtype) and check it is supported."""
     if dtype is None:  # numpy reads None as float64: a link of another dtype than the caller meant
         raise FormatError(f"cudalink: dtype None is not a dtype; use one of {', '.join(SUPPORTED_DTYPES)} (e.g. uint8)")
+    # a framework's dtype object (torch.float16, torch.bfloat16) by its name: numpy reads none of torch's
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.") if _is_torch(dtype) else None
+    if name in _PACKAGED:
+        return _packaged_dtype(name)
     try:
-        dt = np.dtype(dtype)
+        dt = np.dtype(name if name is not None else dtype)
     except TypeError as exc:
         raise FormatError(f"cudalink: {dtype!r} is not a dtype; use one of {', '.join(SUPPORTED_DTYPES)}") from exc
     if dt.byteorder == ">" or dt.name not in SUPPORTED_DTYPES:
@@ -117,6 +142,10 @@ def as_dtype(dtype: DTypeLike) -> np.dtype[np.generic]:
         )
     out: np.dtype[np.generic] = dt.newbyteorder("=")
     return out
+
+
+def _is_torch(obj: object) -> bool:
+    return type(obj).__module__ == "torch"
 
 
 def _check_int(value: object, what: str) -> int:

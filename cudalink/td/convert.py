@@ -72,7 +72,7 @@ class _Plan:
             self.dtype = frame.dtype
         else:
             raise FormatError(
-                f"cudalink: TouchDesigner textures are uint8, uint16 or float32 (float16/float64 are "
+                f"cudalink: TouchDesigner textures are uint8, uint16 or float32 (float16/bfloat16/float64 are "
                 f"converted to float32); a {name} frame needs converting by its producer"
             )
         want_bgr = self.comps == 4 and self.dtype == np.uint8 and method == "cuda"
@@ -131,8 +131,9 @@ def _array_module(preferred: str | None) -> tuple[str, ModuleType]:
 
 def _convert_cuda(frame: Frame, plan: _Plan, stream: int, backend: str | None) -> tuple[GpuArray, int, int]:
     """Run the plan's steps on ``stream`` with cupy or torch; returns (array to keep, ptr, nbytes)."""
+    bf16 = frame.dtype.name == "bfloat16"
     try:
-        name, mod = _array_module(backend)
+        name, mod = _array_module(backend if backend is not None or not bf16 else "torch")  # cupy has no bfloat16
     except LinkError as exc:
         raise FormatError(
             f"{exc}. This {frame.spec.label} frame needs {', '.join(plan.steps(frame))} before "
@@ -141,6 +142,12 @@ def _convert_cuda(frame: Frame, plan: _Plan, stream: int, backend: str | None) -
             "send what TD takes as-is "
             "(uint8/uint16/float32, origin='bottom', BGRA for 8-bit RGBA)"
         ) from exc
+    if name == "cupy" and bf16:
+        raise FormatError(
+            "cudalink: cupy has no bfloat16, so it cannot convert this frame to the float32 TouchDesigner takes; "
+            "install torch into TD's Python (td/README.md) and pass array_backend='torch', or pass "
+            "method='numpy' for a slow host round trip, or have the producer send float16 or float32"
+        )
     dev = frame._device_id
     devices.device(dev)
     lib = ArrayLib(name, dev, mod)

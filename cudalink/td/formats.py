@@ -14,8 +14,9 @@ from ..frames.spec import FrameSpec, PixelFormat, RowOrigin
 #: The numpy scalar types TouchDesigner's CUDA calls accept (8-bit fixed, 16-bit fixed, 32-bit float).
 TD_DTYPES: tuple[type[np.generic], ...] = (np.uint8, np.uint16, np.float32)
 
-#: Element types we convert to float32 before TD sees them (TD refuses float16; float64 is no texture).
-_TO_FLOAT32 = ("float16", "float64")
+#: Element types we convert to float32 before TD sees them (TD refuses float16 and bfloat16; float64 is no
+#: texture). A model's bfloat16 output shown in TD is the common case of the second.
+_TO_FLOAT32 = ("float16", "float64", "bfloat16")
 
 Switch = bool | str  # True/False, or "auto"/"on"/"off" (TD menus give strings)
 Method = Literal["auto", "cuda", "numpy"]

@@ -446,12 +446,7 @@ def spec_from_meta(meta: Metadata) -> FrameSpec:
     ``copyCUDAMemory``), so the frame says so (``t.flip(0)`` gives top-down rows).
     """
     name = meta.dtype_name
-    if name == "bfloat16":
-        raise FormatError(
-            "cudalink: this cuda-link segment carries bfloat16 frames, which cudalink frames cannot describe "
-            "yet (numpy has no bfloat16); have the producer send float16 or float32"
-        )
-    if name not in _KIND_BITS_OF:
+    if name not in _KIND_BITS_OF and name != "bfloat16":
         raise FormatError(f"cudalink: cuda-link segment carries {name} components, which cudalink does not support")
     return FrameSpec((meta.height, meta.width, meta.num_comps), name, None, _pixel_format(meta), RowOrigin.BOTTOM)
 
@@ -481,14 +476,15 @@ def meta_from_spec(spec: FrameSpec) -> Metadata:
         height, width, comps = spec.shape
     else:
         raise FormatError(f"cudalink: cuda-link frames are (height, width, channels) images; shape {spec.shape} is not")
-    kb = _KIND_BITS_OF.get(spec.dtype.name)
+    bf16 = spec.dtype.name == "bfloat16"  # v1's float 16 with its bfloat16 flag
+    kb = (FORMAT_FLOAT, 16) if bf16 else _KIND_BITS_OF.get(spec.dtype.name)
     if kb is None:
         raise FormatError(
             f"cudalink: cuda-link's layout cannot carry {spec.dtype.name}; use one of "
             f"{', '.join(sorted(_KIND_BITS_OF))} (its TD components read uint8, uint16, float16, float32)"
         )
     pf = spec.pixel_format
-    flags = FLAG_BGRA if pf in (PixelFormat.BGRA, PixelFormat.BGR) else 0
+    flags = (FLAG_BGRA if pf in (PixelFormat.BGRA, PixelFormat.BGR) else 0) | (FLAG_BFLOAT16 if bf16 else 0)
     size = height * width * comps * spec.itemsize
     if size > 0xFFFFFFFF or max(height, width, comps) > 0xFFFFFFFF:
         raise FormatError(f"cudalink: a cuda-link frame holds at most 4 GiB (u32 data_size); {spec.shape} does not fit")
@@ -501,5 +497,5 @@ def allocation_size(nbytes: int) -> int:
 
 
 def dtype_of(meta: Metadata) -> np.dtype[np.generic]:
-    """The numpy dtype of ``meta`` (a :class:`FormatError` for bfloat16 and other foreign types)."""
+    """The numpy dtype of ``meta`` (a :class:`FormatError` for a type cudalink frames do not carry)."""
     return spec_from_meta(meta).dtype

@@ -678,7 +678,14 @@ class Core:
         return fut
 
     def array(self, buf: Any) -> Any:
-        return buf if isinstance(buf, self.Array) else self.Array(buf)
+        if isinstance(buf, self.Array):
+            return buf
+        dtype = getattr(buf, "dtype", None)
+        if dtype is not None and dtype.kind == "V" and hasattr(buf, "view"):
+            # UCXX reads buffers through the buffer protocol, which has no format for ml_dtypes' bfloat16
+            # ("cannot include dtype 'E' in a buffer"): its bits go as unsigned ints of the same size
+            buf = buf.view(f"u{dtype.itemsize}")
+        return self.Array(buf)
 
     async def _peer_info(self, ep: Any, listener: bool) -> tuple[int, int]:
         """UCXX's endpoint wire-up: each side's receive tag, over UCX streams; (send tag, receive tag)."""

@@ -104,8 +104,6 @@ import struct
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from ..errors import ProtocolError, ProtocolReason
 from ..frames.spec import MAX_NDIM, META_MAX, SUPPORTED_DTYPES, FrameSpec, PixelFormat, RowOrigin
 
@@ -485,7 +483,7 @@ def _unpack_record(buf: ReadBuf, off: int, capacity: int) -> SlotRecord:
     try:
         spec = FrameSpec(
             shape[:ndim],
-            np.dtype(DTYPE_NAMES[dcode]),
+            DTYPE_NAMES[dcode],
             None if not any(st) else st,
             PIXFMT_BY_CODE[pcode],
             ORIGIN_BY_CODE[ocode],

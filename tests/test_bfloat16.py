@@ -1,0 +1,225 @@
+"""bfloat16 frames: the dtype AI pipelines run in, carried as numpy knows it through ml_dtypes (as jax and cuda.core
+do) and exported through DLPack's kDLBfloat, so torch and jax take them with no copy."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import sys
+import time
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cudalink
+from cudalink import _native
+from cudalink.frames import spec as spec_mod
+from cudalink.transport import cuda_link_wire as cw
+from cudalink.transport import wire
+
+from .conftest import DEFAULT, PairFactory, Spawned
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_DL_BFLOAT = 4  # DLPack's kDLBfloat
+
+
+def bits_of(seq: int, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    """bfloat16 bits that differ for every seq, with the awkward values among them: NaN, infinities, -0, a
+    subnormal. A copy through float32 or float16 would change some; a copy of the bytes changes none."""
+    n = int(np.prod(shape))
+    bits = ((np.arange(n, dtype=np.uint32) * 2654435761 + seq * 40503) & 0xFFFF).astype(np.uint16)
+    bits[:5] = [0x7FC1, 0x7F80, 0xFF80, 0x8000, 0x0001]
+    return bits.reshape(shape)
+
+
+class _TorchDtype:
+    """Stands in for a torch dtype object (``torch.bfloat16``): numpy reads none of them."""
+
+    __module__ = "torch"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+def test_bfloat16_is_named_every_way_a_user_writes_it() -> None:
+    for said in ("bfloat16", ml_dtypes.bfloat16, BF16, _TorchDtype("bfloat16")):
+        spec = cudalink.FrameSpec((2, 3, 4), said, pixel_format="RGBA")  # type: ignore[arg-type]
+        assert spec.dtype == BF16 and spec.nbytes == 2 * 3 * 4 * 2 and spec.label == "RGBA bfloat16"
+    assert cudalink.FrameSpec((2,), _TorchDtype("float16")).dtype == np.float16  # type: ignore[arg-type]
+    assert "bfloat16" in cudalink.frames.SUPPORTED_DTYPES
+    with pytest.raises(cudalink.FormatError, match=r"^cudalink: dtype float8_e4m3fn is not supported"):
+        cudalink.FrameSpec((2,), ml_dtypes.float8_e4m3fn)
+    with pytest.raises(cudalink.FormatError, match=r"^cudalink: .*is not a dtype"):
+        cudalink.FrameSpec((2,), _TorchDtype("quint8"))  # type: ignore[arg-type]
+
+
+def test_without_ml_dtypes_a_bfloat16_link_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes raises ImportError
+    monkeypatch.setattr(spec_mod, "_packaged", {})
+    with pytest.raises(cudalink.FormatError, match=r"^cudalink: bfloat16 frames need the ml_dtypes .*pip install"):
+        cudalink.FrameSpec((2,), "bfloat16")
+
+
+def test_the_slot_record_carries_bfloat16() -> None:
+    spec = cudalink.FrameSpec((5, 7, 3), "bfloat16", pixel_format="RGB", origin="bottom")
+    buf = bytearray(wire.RECORD_SIZE)
+    wire.pack_record(buf, 0, 9, 123, spec, b"m")
+    rec = wire.unpack_record(buf, 0, spec.nbytes)
+    assert rec.spec == spec and rec.spec.dtype == BF16
+
+
+def test_cuda_link_segments_carry_bfloat16_as_its_flag_both_ways() -> None:
+    spec = cudalink.FrameSpec((4, 6, 4), "bfloat16", pixel_format="BGRA", origin="bottom")
+    meta = cw.meta_from_spec(spec)
+    assert (meta.format_kind, meta.bits) == (cw.FORMAT_FLOAT, 16)
+    assert meta.flags == cw.FLAG_BFLOAT16 | cw.FLAG_BGRA and meta.data_size == spec.nbytes
+    assert cw.spec_from_meta(meta) == spec
+    # a float16 frame keeps no flag: the two 16-bit floats stay apart
+    assert cw.meta_from_spec(cudalink.FrameSpec((4, 6, 4), "float16")).flags & cw.FLAG_BFLOAT16 == 0
+    with pytest.raises(cudalink.FormatError, match=r"v0\.9 carries only"):
+        cw.write_metadata(bytearray(4096), 1, meta, cw.MAGIC_V09)
+
+
+def _dl_dtype(capsule: object) -> tuple[int, int, int]:
+    """(code, bits, lanes) of a legacy ``dltensor`` capsule: DLTensor's dtype sits after data, device and ndim."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    ptr = get(capsule, b"dltensor")
+    raw = (ctypes.c_uint8 * 4).from_address(ptr + 20)
+    return raw[0], raw[1], raw[2] | raw[3] << 8
+
+
+@pytest.mark.parametrize("transport", [None, DEFAULT], ids=["memory", "shm"])
+def test_bfloat16_frames_travel_bit_for_bit_and_export_as_kdlbfloat(pair: PairFactory, transport: Any) -> None:
+    shape = (6, 5, 4)
+    tx, rx = pair(transport=transport, shape=shape, dtype="bfloat16", device="cpu", rx={"latest": False})
+    with tx, rx:
+        for seq in (1, 2, 3):
+            tx.send(bits_of(seq, shape).view(BF16))
+        for seq in (1, 2, 3):
+            with rx.recv(2) as frame:
+                assert frame.dtype == BF16 and frame.shape == shape and frame.seq == seq
+                got = frame.numpy()
+                assert got.dtype == BF16 and np.array_equal(got.view(np.uint16), bits_of(seq, shape))
+                assert np.array_equal(np.asarray(frame).view(np.uint16), bits_of(seq, shape))
+                if _native.dlpack is None:
+                    with pytest.raises(cudalink.ExportError, match=r"^cudalink: numpy cannot export bfloat16.*numpy"):
+                        frame.__dlpack__()
+                    continue
+                capsule = frame.__dlpack__()
+                assert _dl_dtype(capsule) == (_DL_BFLOAT, 16, 1)
+                with pytest.raises(cudalink.ExportError, match=r"^cudalink: numpy cannot copy bfloat16"):
+                    frame.__dlpack__(copy=True)
+                del capsule
+
+
+def test_a_bfloat16_array_of_ones_own_becomes_a_frame_and_a_capsule() -> None:
+    arr = bits_of(7, (3, 8)).view(BF16)
+    frame = cudalink.Frame.from_array(arr)
+    assert frame.dtype == BF16 and frame.numpy().ctypes.data == arr.ctypes.data  # no copy
+    if _native.dlpack is not None:
+        assert _dl_dtype(frame.__dlpack__()) == (_DL_BFLOAT, 16, 1)
+
+
+def _produce(name: str, n: int, ready: Any, go: Any) -> None:
+    with cudalink.Sender(name, shape=(16, 9), dtype="bfloat16", device="cpu", slots=4) as tx:
+        ready.set()
+        go.wait(30)
+        for seq in range(1, n + 1):
+            tx.send(bits_of(seq, (16, 9)).view(BF16), meta=seq.to_bytes(4, "little"))
+            time.sleep(0.002)
+
+
+def test_bfloat16_frames_from_another_process_arrive_bit_for_bit(name: str) -> None:
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_produce, args=(name, 40, ready, go), daemon=True)
+    p.start()
+    seqs: list[int] = []
+    try:
+        assert ready.wait(60)
+        with cudalink.Receiver(name, timeout=10, latest=False) as rx:
+            go.set()
+            while True:
+                try:
+                    frame = rx.recv()
+                except cudalink.ProducerGone:
+                    break
+                with frame:
+                    assert frame.seq == int.from_bytes(frame.meta, "little") and frame.dtype == BF16
+                    assert np.array_equal(frame.numpy().view(np.uint16), bits_of(frame.seq, (16, 9)))
+                    seqs.append(frame.seq)
+            skipped = rx.stats()["skipped"]
+    finally:
+        p.join(20)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0
+    assert seqs == sorted(seqs) and seqs[-1] == 40 and len(seqs) + skipped == 40, (seqs, skipped)
+
+
+# -- torch, jax and the GPU (where they are installed: the GPU machine) ----------------------------------------
+
+
+def test_a_torch_cpu_bfloat16_tensor_is_sent_and_read_back_as_torch(pair: PairFactory) -> None:
+    """numpy takes no bfloat16 through DLPack: a CPU tensor is read as its int16 bits, still with no copy."""
+    torch = pytest.importorskip("torch")
+    src = (torch.arange(6 * 5 * 4, dtype=torch.float32).reshape(6, 5, 4) / 7 - 3).to(torch.bfloat16)
+    frame = cudalink.Frame.from_array(src)
+    assert frame.dtype == BF16 and frame.ptr == src.data_ptr()
+    tx, rx = pair(DEFAULT, shape=(6, 5, 4), dtype=torch.bfloat16, device="cpu")
+    with tx, rx:
+        tx.send(src)
+        with rx.recv(2) as got:
+            assert np.array_equal(got.numpy().view(np.int16), src.view(torch.int16).numpy())
+            if _native.dlpack is not None:
+                assert torch.equal(torch.from_dlpack(got), src)
+
+
+@pytest.mark.gpu
+def test_a_cuda_bfloat16_tensor_is_a_frame_torch_and_jax_read_and_the_cai_refuses(pair: PairFactory) -> None:
+    torch = pytest.importorskip("torch")
+    src = (torch.arange(5 * 6 * 4, dtype=torch.float32, device="cuda").reshape(5, 6, 4) / 7 - 3).to(torch.bfloat16)
+    ref = src.view(torch.int16).cpu().numpy()
+    frame = cudalink.Frame.from_array(src)
+    assert frame.is_cuda and frame.dtype == BF16 and frame.ptr == src.data_ptr()
+    if _native.dlpack is None:  # cuda.core 1.x refuses to export bfloat16 ("Unsupported dtype for DLPack export")
+        with pytest.raises(cudalink.ExportError, match=r"^cudalink: cuda\.core cannot export bfloat16.*compiled core"):
+            torch.from_dlpack(frame)
+        assert np.array_equal(frame.to_numpy().view(np.int16), ref)
+        return
+    assert torch.equal(torch.from_dlpack(frame), src)
+    assert np.array_equal(frame.to_numpy().view(np.int16), ref)
+    with pytest.raises(AttributeError, match=r"no bfloat16 .*DLPack"):
+        frame.__cuda_array_interface__  # noqa: B018
+    jax = pytest.importorskip("jax")
+    assert np.array_equal(np.asarray(jax.dlpack.from_dlpack(frame)).view(np.int16), ref)
+    tx, rx = pair(DEFAULT, shape=(5, 6, 4), dtype="bfloat16", device=0, rx={"timeout": 5.0})
+    with tx, rx:
+        tx.send(src)
+        with rx.recv(timeout=5) as f:
+            assert f.dtype == BF16 and torch.equal(torch.from_dlpack(f), src)
+            assert np.array_equal(np.asarray(jax.dlpack.from_dlpack(f)).view(np.int16), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("framework", "mode"), [("torch", "send"), ("torch", "reserve"), ("jax", "send")])
+def test_bfloat16_gpu_frames_from_another_process_verify_on_the_device(
+    spawned: Spawned, name: str, framework: str, mode: str
+) -> None:
+    from . import _gpu_procs as gp
+
+    if _native.dlpack is None:
+        pytest.skip("bfloat16 CUDA frames export through the compiled core only (cuda.core 1.x refuses them)")
+    result = spawned.queue()
+    prod = spawned.ready(gp.gpu_producer, name, 300, (64, 48, 4), "bfloat16", 4, mode, every=0.001, policy="block")
+    spawned(gp.gpu_consumer, name, framework, result, False, framework == "jax")
+    fw, got, mism, err = result.get(timeout=120)
+    prod.join(60)
+    assert mism == 0 and got > 0, (fw, got, mism, err)
+    assert prod.exitcode == 0

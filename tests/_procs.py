@@ -290,3 +290,50 @@ def write_into_a_received_frame(name: str, ready: Any) -> None:
         ready.set()
         ctypes.memset(frame.ptr, 0xEE, frame.nbytes)
         time.sleep(600)
+
+
+def blocked_producer_forever(name: str, ready: Any) -> None:
+    """Send forever on a 2-slot link with policy='block': once a consumer holds both slots, this waits in send()
+    (the header's producer-waiting flag set) until one is released; the test SIGKILLs it there."""
+    with cudalink.Sender(name, shape=(16,), dtype="uint8", slots=2, policy="block", timeout=600.0) as tx:
+        ready.set()
+        while True:
+            tx.send(np.zeros(16, np.uint8))
+            time.sleep(0.005)
+
+
+def sigpipe_default_consumer(name: str, ready: Any, go: Any) -> None:
+    """A consumer whose SIGPIPE is at its default action (a CLI that sets SIG_DFL; a host that embeds Python):
+    it holds both slots of ``blocked_producer_forever``'s link, then (``go``: that producer was killed meanwhile)
+    releases them, which tells a producer waiting for a slot over its socket, and receives once more. A dead
+    producer's socket must raise nothing worse than its ProducerGone here: exit code 0."""
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    with cudalink.Receiver(name, timeout=10.0, latest=False) as rx:
+        held = [rx.recv(), rx.recv()]
+        ready.set()
+        go.wait(30)
+        held.clear()
+        with contextlib.suppress(cudalink.ProducerGone):
+            rx.recv(timeout=5.0)
+
+
+def sigpipe_default_producer(name: str, ready: Any, joined: Any, held: Any, left: Any) -> None:
+    """A producer whose SIGPIPE is at its default action, publishing while a consumer that sleeps on its
+    ``fileno()`` (woken for every frame) has closed its end and the control thread has not yet taken it out
+    (its leave is held here, as a busy control thread or a consumer killed mid-stream leaves it for a moment).
+    Its wake-up then meets a closed peer: exit code 0, never SIGPIPE's. The test sets ``joined`` once its consumer
+    is in, and ``left`` once it closed; ``held`` says the leave is held."""
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    with cudalink.Sender(name, shape=(16,), dtype="uint8") as tx:
+        ready.set()
+        joined.wait(30)
+        with tx._server._loop._lock:  # type: ignore[attr-defined]  # the control thread's leave waits for this
+            held.set()
+            left.wait(30)
+            time.sleep(0.2)  # the consumer's end is closed by now
+            for _ in range(3):
+                tx.send(np.zeros(16, np.uint8))

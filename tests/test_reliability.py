@@ -9,6 +9,7 @@ import gc
 import os
 import queue
 import random
+import signal
 import time
 from typing import Any
 
@@ -117,6 +118,38 @@ def test_eight_consumers_join_leave_and_die_at_random(spawned: Spawned, name: st
 @pytest.mark.slow
 def test_consumer_churn_long(spawned: Spawned, name: str) -> None:
     _churn(spawned, name, 120.0)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGPIPE"), reason="SIGPIPE is POSIX's")
+def test_a_killed_producer_never_kills_its_consumer_with_sigpipe(spawned: Spawned, name: str, control: str) -> None:
+    """A consumer whose SIGPIPE is at its default action releases frames after its producer was killed while it
+    waited for a slot: the release's note to that producer meets a dead socket, an EPIPE, never a SIGPIPE."""
+    prod = spawned.ready(_procs.blocked_producer_forever, name, forever=True)
+    go = spawned.event()
+    consumer = spawned.ready(_procs.sigpipe_default_consumer, name, go=go)
+    time.sleep(0.3)  # the producer waits in send() for one of the two slots the consumer holds
+    spawned.kill(prod)
+    go.set()
+    consumer.join(30)
+    assert consumer.exitcode == 0, f"the consumer ended with {consumer.exitcode} (-13: SIGPIPE) as its producer died"
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGPIPE"), reason="SIGPIPE is POSIX's")
+def test_a_consumer_gone_mid_stream_never_kills_its_producer_with_sigpipe(
+    spawned: Spawned, name: str, control: str
+) -> None:
+    """A producer whose SIGPIPE is at its default action wakes a consumer whose end is already closed (it died, or
+    closed, and the control thread has not taken it out yet): an EPIPE it ignores, never a SIGPIPE."""
+    joined, held, left = spawned.event(), spawned.event(), spawned.event()
+    prod = spawned.ready(_procs.sigpipe_default_producer, name, joined=joined, held=held, left=left)
+    rx = cudalink.Receiver(name, timeout=10.0)
+    rx.fileno()  # woken for every frame from now on
+    joined.set()
+    assert held.wait(30)
+    rx.close()
+    left.set()
+    prod.join(30)
+    assert prod.exitcode == 0, f"the producer ended with {prod.exitcode} (-13: SIGPIPE) as its consumer left"
 
 
 def test_a_consumer_that_never_releases_gets_the_full_ring_policy(pair: PairFactory) -> None:

@@ -37,7 +37,10 @@ _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _log = logging.getLogger("cudalink")
 #: a wait longer than this is a wait with no limit (``poll`` takes an int of milliseconds; ``inf`` is no int)
 _LONGEST_WAIT_S = 2e6
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # Windows has none; our sockets are non-blocking anyway
+#: a send to a peer that died is an EPIPE we handle, never a SIGPIPE: a process whose SIGPIPE is at its default
+#: (a CLI that sets SIG_DFL, a host that embeds Python) was killed by it when the process at the other end died
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # Linux; Windows and macOS have none
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0) | _NOSIGNAL  # Windows has none; our sockets are non-blocking anyway
 
 
 class Gate:
@@ -259,7 +262,7 @@ class ControlLoop:
         try:
             if greeting:  # a few bytes into a fresh socket's empty buffer: never blocks for long
                 sock.settimeout(HANDSHAKE_TIMEOUT)
-                sock.sendall(greeting)
+                sock.sendall(greeting, _NOSIGNAL)
             sock.setblocking(False)
         except OSError:
             sock.close()
@@ -312,9 +315,9 @@ class ControlLoop:
             sock.setblocking(True)
             sock.settimeout(HANDSHAKE_TIMEOUT)
             if fds:
-                socket.send_fds(sock, [reply_data], list(fds))
+                socket.send_fds(sock, [reply_data], list(fds), _NOSIGNAL)
             else:
-                sock.sendall(reply_data)
+                sock.sendall(reply_data, _NOSIGNAL)
             sock.setblocking(False)
         except OSError:
             sent = False
@@ -410,7 +413,7 @@ class ClientSocket:
         if self._key is not None:
             challenge = self._recv_exact(wire.CHALLENGE_SIZE)
             hello = wire.proof(self._key, challenge) + hello
-        self.sock.sendall(hello)
+        self.sock.sendall(hello, _NOSIGNAL)
         data = b""
         fds: list[int] = []
         while len(data) < reply_size:

@@ -186,6 +186,7 @@ def test_from_array_says_how_to_wrap_what_it_cannot_wrap_as_is(view: np.ndarray)
         ({"timestamp_ns": 1.5}, TypeError, "timestamp_ns must be an integer"),  # was 1
         ({"timestamp_ns": -1}, ValueError, "timestamp_ns must be 0.."),  # was -1
         ({"meta": b"x" * 65}, ValueError, "at most 64 travel with a frame"),  # was kept whole: send() refuses it
+        ({"meta": memoryview(np.zeros(40, np.int16))}, ValueError, "meta is 80 bytes"),  # len() counted 40 items
     ],
 )
 def test_from_array_refuses_what_a_frame_cannot_carry(kw: dict[str, object], kind: type, words: str) -> None:

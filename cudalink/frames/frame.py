@@ -320,8 +320,8 @@ class Frame:
                 f"cudalink: meta must be bytes, bytearray or memoryview (or None), got {type(meta).__name__}"
                 + ("; encode it first, e.g. meta=text.encode()" if isinstance(meta, str) else "")
             )
-        if meta is not None:
-            check_meta_size(len(meta))
+        raw = b"" if meta is None else bytes(meta)  # its bytes: a memoryview's len() counts items, not bytes
+        check_meta_size(len(raw))
         info = arrays.describe_array(obj)
         try:
             spec = FrameSpec(info.shape, info.dtype, info.strides, pixel_format, origin)
@@ -341,7 +341,7 @@ class Frame:
             device=device,
             seq=seq,
             timestamp_ns=ts,
-            meta=b"" if meta is None else bytes(meta),
+            meta=raw,
             writable=not info.readonly,
             sync=sync,
         )

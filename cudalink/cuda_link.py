@@ -65,7 +65,8 @@ class CudaLinkSender:
 
     ``slots`` is cuda-link's N (1..10). There is no ``policy="block"`` (cuda-link readers take no leases) and no
     ``meta`` (the layout has no room for it); frames are (height, width, channels) images of uint8, uint16,
-    float16 or float32, the types cuda-link's own exporter writes (its readers turn the rest into other types).
+    float16 or float32, the types cuda-link's own exporter writes (its readers turn the rest into other types),
+    bottom-up as TD lays them out (``origin="bottom"``: the layout cannot say otherwise).
     """
 
     def __init__(
@@ -77,7 +78,7 @@ class CudaLinkSender:
         slots: int = 3,
         device: int | str = 0,
         pixel_format: PixelFormat | str | None = None,
-        origin: RowOrigin | str = RowOrigin.TOP,
+        origin: RowOrigin | str = RowOrigin.BOTTOM,
         strides: tuple[int, ...] | None = None,
         capacity: int | None = None,
         policy: str = "drop",
@@ -465,7 +466,15 @@ WRITTEN_DTYPES = ("uint8", "uint16", "float16", "float32")
 
 
 def _written_meta(spec: FrameSpec) -> cw.Metadata:
-    """The metadata for frames of ``spec``, refusing dtypes cuda-link's readers would silently misread."""
+    """The metadata for frames of ``spec``, refusing dtypes cuda-link's readers would silently misread, and rows
+    they would show upside down: the layout has no origin, and every cuda-link reader (TD's component, its
+    importer, cudalink's) takes the rows as TD lays them out, bottom-up."""
+    if spec.origin is not RowOrigin.BOTTOM:
+        raise FormatError(
+            "cudalink: a cuda-link segment's rows run bottom-up (TD's layout; it has no field to say otherwise), so "
+            "cuda-link readers would show top-down frames upside down; flip each frame's rows (t.flip(0)) and "
+            "pass origin='bottom' (the default for protocol='cuda-link')"
+        )
     if spec.dtype.name not in WRITTEN_DTYPES:
         raise FormatError(
             f"cudalink: cuda-link readers (TD's CUDA IPC component, its importer) read {spec.dtype.name} frames as "

@@ -409,6 +409,24 @@ def test_a_live_writer_of_a_layout_we_cannot_read_keeps_its_segment(name: str, f
     seg.close()
 
 
+def test_its_frames_are_bottom_up_as_every_cuda_link_reader_takes_them(
+    name: str, fake_slots: type[FakeCudaSlots]
+) -> None:
+    """The layout has no origin and its readers take TD's bottom-up rows: a Sender says so of its frames (our
+    reader labels them bottom-up too), and refuses top-down ones, which TD would show upside down."""
+    with pytest.raises(cudalink.FormatError, match=r"rows run bottom-up.*t\.flip\(0\).*origin='bottom'"):
+        cudalink.Sender(name, shape=(4, 6, 4), origin="top", protocol="cuda-link")
+    with cudalink.Sender(name, shape=(4, 6, 4), protocol="cuda-link") as tx:
+        assert tx.spec.origin is cudalink.RowOrigin.BOTTOM
+        src = CudaLinkSource("cuda-link:" + name, memory=HostSlotMemory)
+        with cudalink.Receiver("cuda-link:" + name, source=src, timeout=1.0) as rx:
+            tx.send(np.full((4, 6, 4), 3, np.uint8))
+            assert rx.recv(timeout=1.0).origin is cudalink.RowOrigin.BOTTOM
+        with pytest.raises(cudalink.FormatError, match="rows run bottom-up"):
+            tx.reconfigure(origin="top")
+        assert tx.version == 1 and tx.spec.origin is cudalink.RowOrigin.BOTTOM
+
+
 def test_reconfigure_beyond_the_slots_is_refused(name: str, fake_slots: type[FakeCudaSlots]) -> None:
     with cudalink.Sender(name, shape=(4, 6, 4), protocol="cuda-link") as tx:
         with pytest.raises(cudalink.FormatError, match="capacity="):

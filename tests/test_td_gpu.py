@@ -10,6 +10,7 @@ cupy for the cupy conversion cases).
 from __future__ import annotations
 
 import gc
+import importlib.util
 import itertools
 import multiprocessing as mp
 import os
@@ -301,6 +302,25 @@ def test_gpu_conversions_in_process(torch: Any, backend: str) -> None:
     sink.show(cudalink.Frame.from_array(u16, pixel_format="RGB", origin="bottom"), op, swap_rb=True)
     np.testing.assert_array_equal(op.texture, to_host(torch, u16)[..., ::-1])
     sink.release()
+
+
+def test_a_bfloat16_frame_is_converted_in_torch_whichever_library_comes_first(torch: Any) -> None:
+    """A model's bfloat16 output shown in TD: converted to float32 in torch, never handed to cupy (which has no
+    bfloat16), unless cupy is asked for by name, which is refused saying so."""
+    bf = pattern(torch, (20, 30, 4), "bfloat16", 4)
+    torch.cuda.synchronize()
+    sink = ctd.ScriptTopSink(shape_factory=fakes.FakeCUDAMemoryShape)
+    op = script_top()
+    frame = cudalink.Frame.from_array(bf, pixel_format="RGBA", origin="top")
+    up = sink.show(frame, op, flip="auto", swap_rb="auto")
+    assert up.steps == ["row flip", "bfloat16->float32"] and op.copies[-1]["dataType"] is np.float32
+    np.testing.assert_array_equal(op.texture, to_host(torch, bf.flip(0).float()))
+    sink.release()
+    if importlib.util.find_spec("cupy") is not None:
+        cupy_sink = ctd.ScriptTopSink(shape_factory=fakes.FakeCUDAMemoryShape, array_backend="cupy")
+        with pytest.raises(cudalink.FormatError, match="cupy has no bfloat16"):
+            cupy_sink.show(frame, script_top(), flip="auto", swap_rb="auto")
+        cupy_sink.release()
 
 
 def test_no_gpu_array_library_is_a_clear_error(torch: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -194,9 +194,14 @@ class _NoName:
         return "<no name>"
 
     @staticmethod
-    def check(name: object, what: str) -> None:
+    def check(name: object, what: str, extra: tuple[object, ...] = (), example: str = "...") -> None:
         if isinstance(name, _NoName):
             raise ArgumentTypeError(f"cudalink: {what} needs a link name first, e.g. {what}('cam0', ...)")
+        if extra:  # Python's own "takes 2 positional arguments but 3 were given" is no LinkError either
+            raise ArgumentTypeError(
+                f"cudalink: {what} takes only the link name by position, and got {len(extra)} more "
+                f"({', '.join(repr(a) for a in extra)}); pass the rest by keyword, e.g. {what}('cam0', {example})"
+            )
 
 
 _NO_NAME: Any = _NoName()
@@ -315,7 +320,7 @@ class Sender:
     def __new__(cls, name: str = _NO_NAME, *args: object, protocol: str = "cudalink", **kwargs: object) -> Sender:
         """``protocol="cuda-link"`` makes a :class:`~cudalink.cuda_link.CudaLinkSender` (same API, cuda-link's
         segment layout, for its TouchDesigner components and importers)."""
-        _NoName.check(name, "Sender")
+        _NoName.check(name, "Sender", args, "shape=(480, 640, 3), dtype='uint8'")
         if protocol == "cuda-link":
             from .cuda_link import CudaLinkSender
 
@@ -1101,6 +1106,10 @@ class Receiver:
     #: frames otherwise binds its source's pair on its instance when it attaches
     _try_take = cast("Callable[[Receiver, Attachment], Frame | None]", ring_source.receive)
     _sleep_take = cast("Callable[[Receiver, Attachment, float, int, int], Frame | None]", ring_source.sleep_receive)
+
+    def __new__(cls, name: str = _NO_NAME, *args: object, **kwargs: object) -> Receiver:
+        _NoName.check(name, "Receiver", args, "timeout=5.0")
+        return super().__new__(cls)
 
     def __init__(
         self,

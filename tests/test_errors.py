@@ -174,6 +174,19 @@ def test_a_link_made_without_a_name_is_a_cudalink_argument_error() -> None:
             make()
 
 
+def test_arguments_given_by_position_after_the_name_are_a_cudalink_argument_error() -> None:
+    """``Sender("cam0", (480, 640, 3))`` raised Python's bare "takes from 1 to 2 positional arguments but 3 were
+    given", which an ``except cudalink.LinkError`` lets through; it now says to pass them by keyword."""
+    cases = [
+        (lambda: cudalink.Sender("x", (4, 4)), r"Sender takes only the link name by position, and got 1 more"),  # type: ignore[misc]
+        (lambda: cudalink.Sender("x", (4, 4), "uint8", protocol="cuda-link"), r"Sender takes only .*2 more"),  # type: ignore[misc]
+        (lambda: cudalink.Receiver("x", 1.0), r"Receiver takes only the link name .*Receiver\('cam0', timeout="),  # type: ignore[misc]
+    ]
+    for make, words in cases:
+        with pytest.raises(cudalink.ArgumentTypeError, match=rf"^cudalink: {words}"):
+            make()
+
+
 def test_a_timeout_past_floats_range_is_no_limit() -> None:
     """``10**400`` seconds raised a raw OverflowError from every timeout argument; it is as long as inf."""
     from cudalink.errors import seconds_arg

@@ -536,6 +536,18 @@ def test_cook_before_setup_parameters_waits_on_the_default_link(receiver_dat: An
     assert op.warnings == ["cudalink: waiting for a producer on 'td_in'"] and op.errors == []
 
 
+def test_a_producer_that_leaves_before_any_frame_is_not_said_to_leave_one_shown(receiver_dat: Any) -> None:
+    name = link_name()
+    op = script_top(receiver_dat, name)
+    tx = cudalink.Sender(name, shape=(6, 4, 4), dtype="uint8", pixel_format="RGBA", origin="bottom")
+    op.cook(receiver_dat)
+    assert op.warnings == [f"cudalink: connected to {name!r}; no frame yet"]
+    tx.close(timeout=0.2)
+    op.cook(receiver_dat)
+    assert op.warnings == [f"cudalink: the producer of {name!r} left before a frame; waiting till a new one starts"]
+    assert op.texture is None
+
+
 def test_script_top_shows_new_frames_and_keeps_the_last_one(receiver_dat: Any) -> None:
     name = link_name()
     op = script_top(receiver_dat, name)

@@ -500,8 +500,8 @@ class ScriptTopReceiver:
         except ProducerGone:
             self.sink.detach()
             self._again(script_op)
-            gone = f"cudalink: the producer of {self.link!r} left; showing its last frame until a new one starts"
-            return gone, "warning"
+            shown = "; showing its last frame until" if self.sink.last is not None else " before a frame; waiting till"
+            return f"cudalink: the producer of {self.link!r} left{shown} a new one starts", "warning"
         except LinkError as exc:
             if rx.connected:
                 raise
@@ -516,10 +516,8 @@ class ScriptTopReceiver:
             if self._bad is not None:  # the newest frame is one TD cannot take: said until one it can comes
                 return self._bad, "error"
             if closing:
-                return (
-                    f"cudalink: the producer of {self.link!r} is closing; showing its last frame",
-                    "warning",
-                )
+                shown = "showing its last frame" if self.sink.last is not None else "it sent no frame"
+                return f"cudalink: the producer of {self.link!r} is closing; {shown}", "warning"
             if self.sink.last is None:
                 return f"cudalink: connected to {self.link!r}; no frame yet", "warning"
             return f"showing frame {self.sink.last.seq} (no new frame)", None

@@ -240,7 +240,7 @@ class CudaLinkSender:
         cw.write_metadata(buf, n, self._meta, self.magic)
         cw.write_timestamp(buf, n, 0.0)
         self._idx = 0
-        self._version += 1
+        self._version = self._version % cw.MAX_VERSION + 1  # past u64's last it goes to 1: 0 means "initialising"
         cw.write_version(buf, self._version)
 
     def _publish(self, timestamp_ns: int | None) -> int:

@@ -283,11 +283,14 @@ def test_a_reserve_with_a_stamp_that_is_no_u64_is_refused_before_a_slot_is_writt
         assert fake_slots.instances[0].calls == []  # no slot written
 
 
-def test_a_previous_segment_is_taken_over_with_the_next_version(name: str, fake_slots: type[FakeCudaSlots]) -> None:
+@pytest.mark.parametrize(("before", "after"), [(41, 42), (cw.MAX_VERSION, 1)])  # never 0: "initialising"
+def test_a_previous_segment_is_taken_over_with_the_next_version(
+    name: str, fake_slots: type[FakeCudaSlots], before: int, after: int
+) -> None:
     keep = _open_segment(name, create=True, size=cw.segment_size(3))
     assert keep.buf is not None
     seg = cw.Segment(
-        cw.Header(cw.MAGIC, 41, 3, 17),
+        cw.Header(cw.MAGIC, before, 3, 17),
         (b"\7" * 64,) * 3,
         (bytes(64),) * 3,
         False,
@@ -296,9 +299,9 @@ def test_a_previous_segment_is_taken_over_with_the_next_version(name: str, fake_
     )
     cw.pack_segment(keep.buf, seg)
     with cudalink.Sender(name, shape=(4, 6, 4), slots=3, protocol="cuda-link") as tx:
-        assert tx.version == 42
+        assert tx.version == after
         got = cw.read_segment(keep.buf)
-        assert got.header.version == 42 and got.header.write_idx == 0 and got.memory_handles[0] != b"\7" * 64
+        assert got.header.version == after and got.header.write_idx == 0 and got.memory_handles[0] != b"\7" * 64
     keep.close()
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "MAGIC",
     "MAGIC_V09",
     "MAX_SLOTS",
+    "MAX_VERSION",
     "FormatNotPublished",
     "Header",
     "Metadata",
@@ -376,6 +377,10 @@ def read_segment(buf: bytes | bytearray | memoryview, name: str = "") -> Segment
 
 def write_write_idx(buf: bytearray | memoryview, value: int) -> None:
     _U32.pack_into(buf, OFF_WRITE_IDX, value & 0xFFFFFFFF)
+
+
+#: the last version a u64 holds
+MAX_VERSION = 0xFFFFFFFFFFFFFFFF
 
 
 def write_version(buf: bytearray | memoryview, value: int) -> None:

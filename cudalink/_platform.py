@@ -212,10 +212,16 @@ def read_regular(path: str, size: int, follow: bool = True) -> bytes | None:
     """Up to ``size`` bytes of the regular file ``path``; None where something else carries the name: a FIFO
     (an open() of one blocks until a writer comes, which none may) or a directory. Raises as ``open`` does
     (``follow=False``: also on a symlink, where the OS can say)."""
+    return read_regular_mode(path, size, follow)[0]
+
+
+def read_regular_mode(path: str, size: int, follow: bool = True) -> tuple[bytes | None, int]:
+    """:func:`read_regular`, and the mode of what carries the name (read from the same open file)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     fd = os.open(path, flags if follow else flags | getattr(os, "O_NOFOLLOW", 0))
     try:
-        return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        mode = os.fstat(fd).st_mode
+        return (os.read(fd, size) if stat.S_ISREG(mode) else None), mode
     finally:
         os.close(fd)
 

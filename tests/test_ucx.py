@@ -830,8 +830,23 @@ def test_a_key_file_open_to_other_users_or_unreadable_is_refused_saying_why(
     assert ucx_engine.load_key() == (key, None)
     path.unlink()
     path.mkdir()  # a path that is no file: said as a LinkError, not a raw IsADirectoryError
-    with pytest.raises(cudalink.LinkError, match="cannot read the ucx key file"):
+    with pytest.raises(cudalink.LinkError, match=f"key path {path} is no regular file"):
         ucx_engine.load_key()
+    path.rmdir()
+    os.mkfifo(path)  # a FIFO: open() of it waited for a writer for ever
+    said: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            ucx_engine.load_key(create=True)
+        except BaseException as exc:
+            said.append(exc)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "load_key waited on a FIFO"
+    assert len(said) == 1 and isinstance(said[0], cudalink.LinkError) and "no regular file" in str(said[0])
 
 
 def test_a_wrong_key_from_the_environment_is_not_told_to_copy_the_key_file(

@@ -422,15 +422,20 @@ def load_key(create: bool = False) -> tuple[bytes, str | None]:
         return _decode(env, "CUDALINK_KEY"), None
     path = key_path()
     try:
-        with open(path) as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if _platform.open_to_others(mode):  # others may read it, or put a key of their own in its place
-                raise LinkError(
-                    f"cudalink: the ucx key file {path} is open to other users (mode {mode & 0o777:o}); "
-                    f"it must be private: chmod 600 {path} (on a filesystem that keeps no modes, set CUDALINK_KEY to "
-                    "its contents instead)"
-                )
-            return _decode(f.read(), path), None
+        # never a plain open(): one of a FIFO left at the path blocks until a writer comes, which none may
+        data, mode = _platform.read_regular_mode(path, 4096)
+        if data is None:
+            raise LinkError(
+                f"cudalink: the ucx key path {path} is no regular file (a directory, FIFO or device); remove it "
+                "and copy the server's key file there again"
+            )
+        if _platform.open_to_others(mode):  # others may read it, or put a key of their own in its place
+            raise LinkError(
+                f"cudalink: the ucx key file {path} is open to other users (mode {mode & 0o777:o}); "
+                f"it must be private: chmod 600 {path} (on a filesystem that keeps no modes, set CUDALINK_KEY to "
+                "its contents instead)"
+            )
+        return _decode(data.decode(), path), None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise LinkError(
             f"cudalink: cannot read the ucx key file {path} ({exc}); copy the server's key there again"

@@ -100,6 +100,15 @@ def test_demo_frames_limit() -> None:
     assert "mismatches: 0" in proc.stdout
 
 
+def test_demo_streams_bfloat16_whose_children_never_imported_ml_dtypes() -> None:
+    """The demo's spawned producer and consumers made their pattern with np.dtype("bfloat16"), which numpy knows
+    only once ml_dtypes is imported: both failed ("data type 'bfloat16' not understood") and nothing streamed."""
+    args = ["--frames", "20", "--consumers", "1", "--fps", "200", "--shape", "16,24,4", "--dtype", "bfloat16"]
+    proc = run_cli("demo", "--device", "cpu", *args, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "summary: 20 frames published" in proc.stdout and "mismatches: 0" in proc.stdout, proc.stdout
+
+
 def test_demo_bad_shape_is_one_line() -> None:
     assert_one_line_error(run_cli("demo", "--device", "cpu", "--shape", "0,12"))
 
@@ -112,7 +121,7 @@ def test_explicit_gpu_without_gpu_is_one_line() -> None:
 
 
 def test_demo_pattern_checksums_are_exact() -> None:
-    for dtype in ("uint8", "int8", "float16", "float32", "uint16"):
+    for dtype in ("uint8", "int8", "float16", "float32", "uint16", "bfloat16"):
         pat = demo.Pattern((5, 7, 3), dtype)
         src = pat.source()
         for k in (0, 1, 112, 113, 999):

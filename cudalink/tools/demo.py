@@ -28,7 +28,7 @@ from rich.text import Text
 
 from .. import _platform
 from ..errors import ArgumentError, LinkError, LinkTimeout, ProducerGone, int_arg
-from ..frames.spec import FrameSpec
+from ..frames.spec import FrameSpec, as_dtype
 from ..transport import wire
 from .measure import GpuLib, _child_init, _one_line, resolve_backend
 from .monitor import Snapshot, read_snapshot
@@ -130,7 +130,7 @@ class Pattern:
 
     def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
         self.shape = shape
-        self.dtype = np.dtype(dtype)
+        self.dtype = as_dtype(dtype)  # bfloat16 too: a spawned child has not imported ml_dtypes (np.dtype refuses it)
         self.n = int(math.prod(shape))
         m = PATTERN_PERIOD
         per = np.arange(m).astype(self.dtype)

@@ -163,6 +163,48 @@ def test_bfloat16_frames_from_another_process_arrive_bit_for_bit(name: str) -> N
     assert seqs == sorted(seqs) and seqs[-1] == 40 and len(seqs) + skipped == 40, (seqs, skipped)
 
 
+class _TorchCpuBfloat16:
+    """A CPU torch bfloat16 tensor as cudalink meets it: DLPack only (no array interface), exporting DLPack's
+    kDLBfloat, which numpy's from_dlpack refuses with a RuntimeError ("Unsupported dtype in DLTensor"), not the
+    BufferError the int16 fallback waited for; ``view(torch.int16)`` gives its bits."""
+
+    __module__ = "torch"
+
+    def __init__(self, bits: np.ndarray[Any, Any]) -> None:
+        self.bits = bits
+        self.dtype = _TorchDtype("bfloat16")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+    def __dlpack__(self, *, max_version: tuple[int, int] | None = None, **kw: object) -> object:
+        dlpack = pytest.importorskip("cudalink._native.dlpack")  # a kDLBfloat capsule, as torch makes
+        b = self.bits
+        ex = dlpack.Exporter(b.ctypes.data, 1, 0, b.shape, tuple(s // 2 for s in b.strides), _DL_BFLOAT, 16)
+        return ex.capsule(b, False, max_version is not None and max_version[0] >= 1)
+
+    def view(self, dtype: object) -> np.ndarray[Any, Any]:
+        assert dtype == "int16"
+        return self.bits.view(np.int16)
+
+
+def test_a_cpu_torch_bfloat16_tensor_is_read_as_its_bits_whatever_numpy_raises(
+    pair: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", type(sys)("torch"))
+    monkeypatch.setattr(sys.modules["torch"], "int16", "int16", raising=False)
+    bits = bits_of(3, (6, 5, 4))
+    src = _TorchCpuBfloat16(bits)
+    frame = cudalink.Frame.from_array(src)
+    assert frame.dtype == BF16 and frame.ptr == bits.ctypes.data  # no copy
+    assert np.array_equal(frame.numpy().view(np.uint16), bits)
+    tx, rx = pair(DEFAULT, shape=(6, 5, 4), dtype="bfloat16", device="cpu")
+    with tx, rx:
+        tx.send(src)
+        with rx.recv(2) as got:
+            assert np.array_equal(got.numpy().view(np.uint16), bits)
+
+
 # -- torch, jax and the GPU (where they are installed: the GPU machine) ----------------------------------------
 
 

@@ -95,16 +95,15 @@ def bfloat16() -> np.dtype[np.generic] | None:
 
 
 def _host_dlpack(obj: object) -> npt.NDArray[np.generic]:
-    """A host array's numpy view through DLPack; numpy takes no bfloat16 there (DLPack's code 4), so a torch
-    bfloat16 tensor is read as its int16 bits and viewed back as ml_dtypes' bfloat16, still with no copy."""
-    try:
-        return np.from_dlpack(obj)  # type: ignore[arg-type]
-    except BufferError:
+    """A host array's numpy view through DLPack; numpy takes no bfloat16 there (DLPack's code 4: a RuntimeError,
+    "Unsupported dtype in DLTensor"), so a torch bfloat16 tensor is read as its int16 bits and viewed back as
+    ml_dtypes' bfloat16, still with no copy."""
+    if type(obj).__module__ == "torch" and str(getattr(obj, "dtype", "")) == "torch.bfloat16":
         bf16 = bfloat16()
-        if bf16 is None or type(obj).__module__ != "torch" or str(getattr(obj, "dtype", "")) != "torch.bfloat16":
-            raise
-    bits = getattr(obj, "view")(sys.modules["torch"].int16)  # noqa: B009
-    return np.from_dlpack(bits).view(bf16)
+        if bf16 is not None:
+            bits = getattr(obj, "view")(sys.modules["torch"].int16)  # noqa: B009
+            return np.from_dlpack(bits).view(bf16)
+    return np.from_dlpack(obj)  # type: ignore[arg-type]
 
 
 def _host_read(read: Callable[[], T], name: str, how: str) -> T:

@@ -58,6 +58,23 @@ def test_bfloat16_is_named_every_way_a_user_writes_it() -> None:
         cudalink.FrameSpec((2,), _TorchDtype("quint8"))  # type: ignore[arg-type]
 
 
+def test_big_endian_bfloat16_is_refused_for_its_byte_order_by_name(pair: PairFactory) -> None:
+    """It was "dtype bfloat16 is not supported; use a native-endian one of ..., bfloat16" (refusing the type it
+    lists) and "array is >V2 (big-endian) but the link carries <V2" (raw bytes, no type)."""
+    big = np.zeros((2, 3), BF16.newbyteorder(">"))
+    with pytest.raises(cudalink.FormatError, match=r"^cudalink: dtype bfloat16 \(big-endian\) is not supported"):
+        cudalink.FrameSpec((2, 3), big.dtype)
+    with pytest.raises(cudalink.FormatError, match=r"^cudalink: dtype bfloat16 \(big-endian\) is not supported"):
+        cudalink.Frame.from_array(big)
+    tx, _ = pair(shape=(2, 3), dtype="bfloat16", device="cpu")
+    with pytest.raises(cudalink.FormatError) as info:
+        tx.send(big)
+    assert str(info.value).startswith("cudalink: array is bfloat16 (big-endian) but the link carries bfloat16 in")
+    assert "V2" not in str(info.value) and "newbyteorder('=')" in str(info.value)
+    fixed = big.astype(big.dtype.newbyteorder("="))  # the fix it names works
+    assert tx.send(fixed) == 1
+
+
 def test_without_ml_dtypes_a_bfloat16_link_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes raises ImportError
     monkeypatch.setattr(spec_mod, "_packaged", {})

@@ -135,13 +135,19 @@ def as_dtype(dtype: DTypeLike) -> np.dtype[np.generic]:
     except TypeError as exc:
         raise FormatError(f"cudalink: {dtype!r} is not a dtype; use one of {', '.join(SUPPORTED_DTYPES)}") from exc
     if dt.byteorder == ">" or dt.name not in SUPPORTED_DTYPES:
-        # a dtype a package adds (ml_dtypes' bfloat16, float8_*) reads as raw bytes ("<V2") in dt.str: say its name
-        shown = dt.name if dt.isbuiltin == 2 else dt.str
         raise FormatError(
-            f"cudalink: dtype {shown} is not supported; use a native-endian one of {', '.join(SUPPORTED_DTYPES)}"
+            f"cudalink: dtype {_shown(dt)} is not supported; use a native-endian one of {', '.join(SUPPORTED_DTYPES)}"
         )
     out: np.dtype[np.generic] = dt.newbyteorder("=")
     return out
+
+
+def _shown(dt: np.dtype[np.generic]) -> str:
+    """``dt`` as messages name it: ``dt.str`` (``>u2``), but a dtype a package adds (ml_dtypes' bfloat16, float8_*)
+    reads as raw bytes there (``<V2``), so by its name, and its byte order where that is not this machine's."""
+    if dt.isbuiltin != 2:
+        return str(dt.str)
+    return dt.name if dt.isnative else f"{dt.name} ({'big' if dt.byteorder == '>' else 'little'}-endian)"
 
 
 def _is_torch(obj: object) -> bool:
@@ -327,9 +333,10 @@ class FrameSpec:
         got = tuple(int(d) for d in shape)
         dt = np.dtype(dtype)
         if got == self.shape and dt != self.dtype and dt.newbyteorder("=") == self.dtype:
+            order = "" if dt.isbuiltin == 2 else f" ({'big' if dt.byteorder == '>' else 'little'}-endian)"
             raise FormatError(
-                f"cudalink: {what} is {dt.str} ({'big' if dt.byteorder == '>' else 'little'}-endian) but the link "
-                f"carries {self.dtype.str} in this machine's byte order; send x.astype(x.dtype.newbyteorder('='))"
+                f"cudalink: {what} is {_shown(dt)}{order} but the link carries {_shown(self.dtype)} in this "
+                "machine's byte order; send x.astype(x.dtype.newbyteorder('='))"
             )
         if got != self.shape or dt != self.dtype:
             # same shape, another dtype: most often a Python list or an int64/float64 array made by accident

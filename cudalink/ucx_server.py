@@ -85,11 +85,12 @@ async def _gpu_ready(frame: Frame, stage: Any) -> Any:
     from .cuda import ucx as cuda_ucx
 
     cuda_ucx.use_device(int(frame.device.split(":")[1]))
-    cai = frame.__cuda_array_interface__  # makes one of our streams wait on the frame's ready event
-    ptr = int(cai["data"][0])  # type: ignore[index]
+    # what reading its CUDA array interface does (one of our streams waits on the frame's ready event), which a
+    # bfloat16 frame has not: its bytes go as bytes
+    ptr, stream = frame._cai_ready()
     if stage is not None:
-        return await stage.to_host(ptr, frame.nbytes, cai.get("stream"))
-    await cuda_ucx.drained(cai.get("stream"))
+        return await stage.to_host(ptr, frame.nbytes, stream)
+    await cuda_ucx.drained(stream)
     return cuda_ucx.DeviceBytes(ptr, frame.nbytes)
 
 

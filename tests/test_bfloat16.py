@@ -240,6 +240,43 @@ def test_a_torch_cpu_bfloat16_tensor_is_sent_and_read_back_as_torch(pair: PairFa
                 assert torch.equal(torch.from_dlpack(got), src)
 
 
+def test_a_server_sends_a_bfloat16_gpu_frame_though_it_has_no_cuda_array_interface(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ucx server read each GPU frame's pointer and ready stream from its CUDA array interface, which a bfloat16
+    frame refuses: every frame of a served bfloat16 CUDA link failed ("sending frame N failed"). Here on the CPU,
+    with the GPU calls stood in for."""
+    import asyncio
+
+    from cudalink import ucx_server
+    from cudalink.cuda import ucx as cuda_ucx
+
+    drained: list[object] = []
+
+    async def drain(stream: object) -> None:
+        drained.append(stream)
+
+    class _Sync:
+        def wait(self, stream: int) -> None:
+            pass
+
+        def cai_stream(self) -> int:
+            return 77
+
+    class _Stage:
+        async def to_host(self, ptr: int, nbytes: int, stream: object) -> tuple[int, int, object]:
+            return ptr, nbytes, stream
+
+    monkeypatch.setattr(cuda_ucx, "use_device", lambda ordinal: None)
+    monkeypatch.setattr(cuda_ucx, "drained", drain)
+    spec = cudalink.FrameSpec((4, 6, 4), "bfloat16")
+    frame = cudalink.Frame(spec, 0x10000, object(), device=0, sync=_Sync())
+    data = asyncio.run(ucx_server._gpu_ready(frame, None))
+    assert data.__cuda_array_interface__["data"][0] == 0x10000 and data.__cuda_array_interface__["shape"] == (192,)
+    assert drained == [77] and frame._export_streams() == [77]
+    assert asyncio.run(ucx_server._gpu_ready(frame, _Stage())) == (0x10000, 192, 77)
+
+
 @pytest.mark.gpu
 def test_a_cuda_bfloat16_tensor_is_a_frame_torch_and_jax_read_and_the_cai_refuses(pair: PairFactory) -> None:
     torch = pytest.importorskip("torch")

@@ -566,20 +566,26 @@ class Frame:
                 f"cudalink: the CUDA array interface has no {self._spec.dtype.name} (it would read as raw bytes); "
                 "take the frame through DLPack (torch.from_dlpack(frame), jax.dlpack.from_dlpack(frame))"
             )
+        ptr, stream = self._cai_ready()
+        return {
+            "version": 3,
+            "shape": self._spec.shape,
+            "typestr": self._spec.dtype.str,
+            "strides": self._spec.strides,
+            "data": (ptr, not self._writable),
+            "stream": stream,
+        }
+
+    def _cai_ready(self) -> tuple[int, int | None]:
+        """What reading the CUDA array interface does, whatever the dtype (a server sends bfloat16 frames' bytes):
+        ``(ptr, stream)``, ``stream`` one of ours on which the data is ready (None: the producer's own)."""
         hold = self._live()
         # CAI consumers keep the *frame* alive, not our hold: so release() must not drop the hold now.
         self._cai_exported = True
         stream = self._sync.cai_stream() if self._sync is not None else None
         if stream is not None and stream not in hold.streams:
             hold.streams.append(stream)
-        return {
-            "version": 3,
-            "shape": self._spec.shape,
-            "typestr": self._spec.dtype.str,
-            "strides": self._spec.strides,
-            "data": (hold.ptr, not self._writable),
-            "stream": stream,
-        }
+        return hold.ptr, stream
 
     # -- host access ----------------------------------------------------------------------------------
 

@@ -289,6 +289,10 @@ def test_a_cuda_bfloat16_tensor_is_a_frame_torch_and_jax_read_and_the_cai_refuse
         frame.__cuda_array_interface__  # noqa: B018
     tx, rx = pair(DEFAULT, shape=(5, 6, 4), dtype="bfloat16", device=0, rx={"timeout": 5.0})
     with tx, rx:
+        # with stream= the tensor is read through cuda.core (DLPack, which orders that stream), without through torch
+        tx.send(src, stream=torch.cuda.current_stream().cuda_stream)
+        with rx.recv(timeout=5) as f:
+            assert f.dtype == BF16 and np.array_equal(f.to_numpy().view(np.int16), ref)
         tx.send(src)
         with rx.recv(timeout=5) as f:
             assert f.dtype == BF16 and np.array_equal(f.to_numpy().view(np.int16), ref)

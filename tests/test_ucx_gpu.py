@@ -245,3 +245,42 @@ def test_a_gpu_relay_makes_its_local_link_again_on_its_own_thread(
     from .test_ucx_edges import relay_remakes_its_link
 
     relay_remakes_its_link(0, monkeypatch, caplog)
+
+
+def test_bfloat16_gpu_frames_reach_a_remote_gpu_consumer_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 CUDA frame has no CUDA array interface: the server reads its pointer and ready stream as the
+    interface would, and stages its bytes through host memory (``CUDALINK_UCX_STAGE=host``, as across hosts
+    without RDMA); the consumer lands them on its GPU."""
+    import threading
+
+    import cudalink
+    from cudalink.tools import remote_bench
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("CUDALINK_UCX_STAGE", "host")
+    shape = (64, 48, 4)
+    n = int(np.prod(shape))
+
+    def bits(seq: int) -> object:
+        return ((torch.arange(n, device="cuda", dtype=torch.int64) * 7 + seq * 13) % 30011).to(torch.int16)
+
+    name, port = unique("bf"), free_port()
+    with cudalink.Sender(name, shape=shape, dtype="bfloat16", device=0, serve=f"ucx://127.0.0.1:{port}") as tx:
+
+        def feed() -> None:
+            while not tx.closed:
+                try:
+                    tx.send(bits(tx.seq + 1).view(torch.bfloat16).reshape(shape))
+                except cudalink.LinkError:
+                    return
+                time.sleep(0.01)
+
+        t = threading.Thread(target=feed, daemon=True)
+        t.start()
+        with remote_bench.connect(port, name, within=30, device=0) as rx:
+            for _ in range(10):
+                with rx.recv(timeout=10.0) as f:
+                    assert f.device == "cuda:0" and f.dtype.name == "bfloat16" and f.shape == shape
+                    got = torch.from_dlpack(f)
+                    assert torch.equal(got.view(torch.int16).reshape(-1), bits(f.seq)), f.seq
+    t.join(5)

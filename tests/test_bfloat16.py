@@ -323,3 +323,26 @@ def test_bfloat16_gpu_frames_from_another_process_verify_on_the_device(
     prod.join(60)
     assert mism == 0 and got > 0, (fw, got, mism, err)
     assert prod.exitcode == 0
+
+
+def test_a_gpu_bfloat16_demo_with_cupy_alone_is_refused_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cudalink.tools import cli, demo
+    from cudalink.tools.measure import Backend
+
+    monkeypatch.setattr(demo, "resolve_backend", lambda device: Backend(0, "cupy"))
+    assert cli.main(["demo", "--device", "0", "--dtype", "bfloat16", "--frames", "5"]) == 1
+    err = capsys.readouterr().err
+    assert "cupy has no bfloat16" in err and "--device cpu" in err, err
+
+
+@pytest.mark.gpu
+def test_the_demo_streams_bfloat16_on_the_gpu_and_verifies_every_frame() -> None:
+    pytest.importorskip("torch")
+    from .test_cli import run_cli
+
+    args = ["--frames", "40", "--consumers", "2", "--fps", "200", "--shape", "32,48,4", "--dtype", "bfloat16"]
+    proc = run_cli("demo", "--device", "0", *args, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "summary: 40 frames published" in proc.stdout and "mismatches: 0" in proc.stdout, proc.stdout

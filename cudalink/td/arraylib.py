@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LinkError
+from ..frames.spec import as_dtype
 
 #: The GPU array libraries an :class:`ArrayLib` wraps, in the tools' order of preference.
 NAMES = ("torch", "cupy")
@@ -209,9 +210,13 @@ class ArrayLib:
             self.mod.cuda.Device(self.ordinal).use()
 
     def from_numpy(self, a: npt.NDArray[np.generic]) -> GpuArray:
+        bf16 = a.dtype.name == "bfloat16"  # ml_dtypes': torch takes its bits, cupy has no such type
+        if bf16 and not self.is_torch:
+            raise LinkError("cudalink: cupy has no bfloat16; install torch for bfloat16 frames on the GPU")
         if self.is_torch:
-            t: TorchTensor = self.mod.from_numpy(np.ascontiguousarray(a)).to(self.dev)
-            return t
+            host = np.ascontiguousarray(a)
+            t: TorchTensor = self.mod.from_numpy(host.view(np.int16) if bf16 else host).to(self.dev)
+            return t.view(self.mod.bfloat16) if bf16 else t
         c: CupyArray = self.mod.asarray(a)
         return c
 
@@ -251,7 +256,10 @@ class ArrayLib:
     def take(self, x: object, idx: list[int]) -> npt.NDArray[np.generic]:
         if self.is_torch:
             flat = cast(TorchTensor, x).reshape(-1)
-            return np.asarray(flat[self.mod.tensor(idx, device=self.dev)].cpu().numpy())
+            got = flat[self.mod.tensor(idx, device=self.dev)].cpu()
+            if got.dtype == self.mod.bfloat16:  # torch's numpy() has no bfloat16: its bits, viewed as ml_dtypes'
+                return np.asarray(got.view(self.mod.int16).numpy()).view(as_dtype("bfloat16"))
+            return np.asarray(got.numpy())
         return np.asarray(self.mod.asnumpy(cast(CupyArray, x).reshape(-1)[self.mod.asarray(idx)]))
 
     def ptr(self, x: object) -> int:

@@ -193,6 +193,51 @@ def test_relay_follows_an_upstream_restart_with_larger_frames() -> None:
         prod.stop()
 
 
+def test_an_in_order_relay_loses_no_frame_while_it_makes_its_local_link_again() -> None:
+    """An upstream restart with larger frames: the relay's thread makes the local link again, and the frames that
+    came meanwhile (the lander lends no slot then) landed in its Receiver's buffers, where that thread dropped them:
+    published nowhere and counted nowhere, upstream frames 2 and 3 of the restarted producer never reached an
+    in-order local consumer. That thread now sends them, and no slot is lent until it has: the local link keeps
+    the upstream's order."""
+    name, local = unique("g"), unique("gl")
+    srv, url = server(name)
+    relay = Proc(["-m", "cudalink", "relay", url, "--as", local, "--in-order", "--slots", "16"])
+    try:
+        with cudalink.Sender(name, shape=(8, 8, 4), slots=16) as tx:
+            deadline = time.monotonic() + 30.0
+            while not any("cudalink: relaying" in ln for ln in relay.log):  # the relay starts at a first frame
+                assert time.monotonic() < deadline, "".join(relay.log)
+                tx.send(pattern((8, 8, 4), tx.seq + 1), meta=struct.pack("<Q", tx.seq + 1))
+                time.sleep(0.02)
+        with cudalink.Receiver(local, latest=False, timeout=10.0) as rx:
+            for big in [(32, 32, 4), (64, 64, 4), (128, 128, 4)]:  # each over the last: a new local link each time
+                with cudalink.Sender(name, shape=big, slots=16) as tx:
+
+                    def feed() -> None:  # the first 8 back to back: they come as the relay makes the local link
+                        for seq in range(1, 31):
+                            tx.send(pattern(big, seq), meta=struct.pack("<Q", seq))  # noqa: B023
+                            time.sleep(0 if seq < 8 else 0.01)
+
+                    feeder = threading.Thread(target=feed, daemon=True)
+                    feeder.start()
+                    got: list[int] = []
+                    deadline = time.monotonic() + 20.0
+                    while 30 not in got and time.monotonic() < deadline:
+                        try:
+                            f = rx.recv(timeout=1.0)
+                        except (cudalink.ProducerGone, cudalink.LinkTimeout):
+                            continue
+                        with f:
+                            if f.shape == big:
+                                check(f, relayed=True)
+                                got.append(struct.unpack("<Q", f.meta)[0])
+                    feeder.join(10)
+                assert got == list(range(1, 31)), (big, got, "".join(relay.log))
+    finally:
+        relay.stop()
+        srv.stop()
+
+
 def _take_relayed(rx: cudalink.Receiver, stamps: dict[int, int], timeout: float) -> tuple[int, int] | None:
     """One frame off a relay's local link, checked whole and stamped as its producer stamped it: (its local seq,
     its producer's seq from the meta), or None where none came within ``timeout``."""

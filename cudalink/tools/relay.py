@@ -152,16 +152,29 @@ class _Lander:
         self.busy = False  # a frame is landing in a slot now: the next one waits for it to be published
         #: why the local link could not be made or changed (its name taken, say): the relay's thread raises it
         self.failed: BaseException | None = None
+        #: the last frame (generation, seq) left to the relay's thread (set on the UCX thread only), and the last one
+        #: that thread has sent or passed over (set there only): no slot is lent while it is behind, or a frame
+        #: lent one would be published before the frames it still has to send
+        self.handed = (0, 0)
+        self.done = (0, 0)
+        #: frames that found every local slot held (dropped, counted by the local link): the relay's thread sends
+        #: none of them
+        self.dropped: set[tuple[int, int]] = set()
 
     def take(self, head: ucx_wire.FrameHeader, att: UcxAttachment) -> _Slot | None:
         # Never waits: the relay's thread holds the lock while it makes the local link again, which closes the
         # old one, and a GPU link's close waits up to 2 s for its consumers to unmap. On this thread that
         # silence got the relay dropped by its server (0.9 s) and reconnected. Such a frame (and any that comes
         # meanwhile) lands in the Receiver's own buffer instead, and the relay's thread sends it.
+        key = (head.generation, head.seq)
         if not self.lock.acquire(blocking=False):
+            self.handed = key
             return None
         try:
-            if self.closed or self.busy or self.local.needs_new_link(head.spec):
+            if self.closed or self.busy:
+                return None
+            if self.behind(key) or self.local.needs_new_link(head.spec):
+                self.handed = key  # the relay's thread sends it, after those it has yet to send
                 return None
             try:
                 tx = self.local.ready_for(head.spec, att.capacity)
@@ -169,6 +182,7 @@ class _Lander:
                 block = tx.reserve(stream=self.local.stream, meta=head.meta, timestamp_ns=head.timestamp_ns)
                 frame = block.__enter__()
             except LinkTimeout:  # every local slot is held by consumers: dropped (the local link counts it)
+                self.dropped.add(key)
                 return None
             except Exception as exc:  # on the UCX thread it would read as a lost connection: the relay's says it
                 self.fail(exc)
@@ -178,6 +192,23 @@ class _Lander:
         finally:
             self.lock.release()
 
+    def behind(self, key: tuple[int, int]) -> bool:
+        """The relay's thread has frames of this producer (``key``'s generation) it has not sent yet."""
+        handed, done = self.handed, self.done
+        return handed[0] == key[0] and (done[0] != handed[0] or done[1] < handed[1])
+
+    def passed(self, key: tuple[int, int]) -> bool:
+        """The relay's thread has taken the frame ``key``: whether it was dropped here (then it is not sent). The
+        frames dropped before it are forgotten (a relay that takes the newest frame never sees some)."""
+        dropped = self.dropped
+        if not dropped:
+            return False
+        was = key in dropped
+        for k in list(dropped):
+            if k[0] != key[0] or k[1] <= key[1]:
+                dropped.discard(k)
+        return was
+
     def fail(self, exc: BaseException) -> None:
         """The local link could not be made, changed or published to: lend nothing more, and end the relay
         with ``exc`` (its thread raises it)."""
@@ -186,6 +217,14 @@ class _Lander:
     def close(self) -> None:
         with self.lock:
             self.closed = True
+
+
+def _send(out: _Local, tx: Sender, frame: Frame) -> None:
+    """``frame`` published on the local link: ``send()`` copies once, from the landed frame (host or GPU) into the
+    slot, with its timestamp and meta."""
+    src = frame.numpy() if frame.device == "cpu" else frame
+    tx.send(src, timestamp_ns=frame.timestamp_ns, meta=frame.meta)
+    out.relayed += 1
 
 
 def relay(
@@ -237,16 +276,18 @@ def relay(
                         continue
                     with frame:
                         if lander is None:
-                            tx = out.ready_for(frame.spec, rx.capacity)
-                        elif out.needs_new_link(frame.spec):  # the lander leaves this to us (see _Lander.take)
-                            with lander.lock:  # no slot is lent while the old link closes
-                                tx = out.ready_for(frame.spec, rx.capacity)
-                        else:  # one the lander did not take: no local slot was free (dropped)
+                            _send(out, out.ready_for(frame.spec, rx.capacity), frame)
                             continue
-                        # send() copies once, from the landed frame (host or GPU) into the slot, with its timestamp
-                        src = frame.numpy() if frame.device == "cpu" else frame
-                        tx.send(src, timestamp_ns=frame.timestamp_ns, meta=frame.meta)
-                        out.relayed += 1
+                        key = (frame.generation, frame.seq)
+                        try:
+                            if lander.passed(key):  # it found no local slot free: dropped, and counted
+                                continue
+                            # one the lander left to us (a new local link to make, or it came meanwhile): sent
+                            # under the lock, so no slot is lent while the old link closes or before this frame
+                            with lander.lock:
+                                _send(out, out.ready_for(frame.spec, rx.capacity), frame)
+                        finally:
+                            lander.done = key
             finally:
                 if lander is not None:  # no slot is lent from now on; closing the Receiver ends the one landing
                     lander.close()

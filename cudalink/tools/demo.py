@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .. import _platform
+from .. import _native, _platform
 from ..errors import ArgumentError, LinkError, LinkTimeout, ProducerGone, int_arg
 from ..frames.spec import FrameSpec, as_dtype
 from ..transport import wire
@@ -427,6 +427,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise ArgumentError(
             "cudalink: cupy has no bfloat16, and torch (which has) is not installed: pip install torch for a "
             "bfloat16 demo on the GPU, or pass --device cpu"
+        )
+    if backend.is_cuda and spec.dtype.name == "bfloat16" and _native.dlpack is None:
+        raise ArgumentError(
+            "cudalink: bfloat16 CUDA frames reach torch through cudalink's compiled core, which this install "
+            f"lacks ({_native.missing.get('dlpack')}); reinstall cudalink where a C compiler exists, or pass "
+            "--device cpu"
         )
     if backend.note:
         console.print(Text(backend.note, style="yellow"))

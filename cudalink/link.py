@@ -1516,8 +1516,8 @@ class Receiver:
             if exc.args[:1] != (_WOKEN_BY_CLOSE,) or not self._closed:
                 raise
             uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python 3.11+: not the caller's cancel
-            if uncancel is not None:
-                uncancel()
+            if uncancel is not None and uncancel():  # the caller's own cancel came too (after ours): it ends the task
+                raise
             raise self._closed_meanwhile() from None
         finally:
             if self._busy_loop is loop:  # not when a later waiter took over from this one (see below)
@@ -1709,15 +1709,17 @@ class Receiver:
                 self._leave()
         else:  # nobody waits (or only a task on a loop that does not run now: it reads nothing meanwhile)
             self._leave()
-            if att is not None and self._busy and loop is not None:
-                self._wake_task_later(loop)
+            if self._busy and loop is not None:  # also a task still attaching (no attachment yet): its attempt
+                self._wake_task_later(loop)  # to connect may run for seconds (a server that never answers)
         self._source.close()
 
     def _wake_task_later(self, loop: Any) -> None:
         """A ``recv_async()`` task waits on a loop that does not run now (a host application runs its loop a
         moment per frame; or it was stopped): close() has left the link, so that task waits on a socket closed
         under it, forever once the loop runs again. Cancel it there instead, first thing, while it still waits
-        in this call: it raises the LinkClosed of a close() during a wait (and ``async for`` ends)."""
+        in this call: it raises the LinkClosed of a close() during a wait (and ``async for`` ends). So too for
+        a task that waits for its attach's thread: one attempt to connect (a ucx:// server that answers nothing)
+        ends only after seconds; the abandoned thread leaves what it attaches to at its end."""
         task = self._busy_task
 
         def wake() -> None:

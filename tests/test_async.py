@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import time
@@ -429,6 +430,34 @@ def test_a_close_while_a_task_awaits_says_so_as_recv_does(pair: PairFactory) -> 
             return str(got.value)
 
     assert "was closed while it waited" in asyncio.run(main())
+
+
+def test_a_cancel_right_after_a_close_that_woke_an_attaching_task_still_ends_that_task(name: str) -> None:
+    """close() wakes a task still attaching by cancelling it (the LinkClosed of a close during a wait); a cancel
+    of the caller's own a loop turn later (a shutdown that closes, then cancels) was taken for that wake-up:
+    ``async for`` ended quietly and the task went on, its cancel lost."""
+    steps: list[str] = []
+
+    async def main() -> None:
+        rx = cudalink.Receiver(name, timeout=None, connect=False)  # no producer: it attaches until closed
+
+        async def consume() -> None:
+            async for frame in rx:
+                frame.release()
+            steps.append("ended")
+            await asyncio.sleep(2.0)
+            steps.append("went on")
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.1)
+        rx.close()
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5.0)
+
+    asyncio.run(main())
+    assert steps == [], f"the cancelled task went on: {steps}"
 
 
 def test_a_recv_async_driven_without_a_running_loop_says_so_and_leaves_the_receiver_usable(

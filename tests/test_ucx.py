@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -284,6 +285,34 @@ def test_poll_never_waits_on_the_network() -> None:
             time.sleep(0.01)
         check(frame)
         frame.release()
+
+
+def test_a_close_ends_an_async_for_still_connecting_to_a_server_that_answers_nothing_at_once() -> None:
+    """``close()`` from another task while ``async for`` waits for its first connection (a server that accepts
+    and answers nothing: a stopped one, a host behind a firewall) ended the loop only when that attempt to
+    connect gave up, about 3 s later: close() woke a task only once it had an attachment."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"ucx://127.0.0.1:{silent.getsockname()[1]}/quiet"
+        ucx_engine.engine()  # started once per process, before the clock
+
+        async def main() -> float:
+            rx = cudalink.Receiver(url, connect=False, timeout=None)
+
+            async def close_soon() -> None:
+                await asyncio.sleep(0.3)
+                rx.close()
+
+            closer = asyncio.create_task(close_soon())
+            t0 = time.monotonic()
+            async for frame in rx:
+                frame.release()
+            await closer
+            return time.monotonic() - t0
+
+        took = asyncio.run(main())
+    assert took < 1.0, f"async for ended {took:.2f} s after it began; close() came at 0.3 s"
 
 
 def test_a_recv_after_a_poll_and_a_timeout_zero_receiver_both_connect(stream: tuple[Proc, Proc, str]) -> None:

@@ -1629,24 +1629,29 @@ class Receiver:
             # our own attach ends with its clearer error at our deadline: a second more for it to say so
             grace = 1.0 if mine else 0.0
             attached = asyncio.wrap_future(done)
-            # read its end even where nobody waits for it any more: a shield whose waiter was cancelled leaves
-            # it unread, and asyncio logged 'Future exception was never retrieved' for each cancelled wait
+            # read its end even where nobody waits for it any more: one whose waiter was cancelled is left
+            # unread, and asyncio logged 'Future exception was never retrieved' for each cancelled wait
             attached.add_done_callback(_read_end)
             try:
-                await asyncio.wait_for(asyncio.shield(attached), max(0.0, end - loop.time()) + grace)
+                # asyncio.wait, which never cancels the attach, not wait_for(shield()): before Python 3.12 a
+                # cancel (asyncio.timeout, wait_for, task.cancel) that came as the attach ended was lost, and
+                # the call went on to wait for a frame, with no limit under timeout=None
+                finished, _ = await asyncio.wait((attached,), timeout=max(0.0, end - loop.time()) + grace)
+                if finished:
+                    attached.result()
             except (LinkTimeout, ProducerGone):
                 if mine or self._closed or loop.time() >= end:
                     raise
                 continue  # an earlier call's attach gave up at its own deadline (or was abandoned); ours is later
-            except asyncio.TimeoutError:  # our time is up; an earlier call's attach, with a later end, still tries
+            except BaseException:
+                abandon.set()
+                raise
+            if not finished:  # our time is up; an earlier call's attach, with a later end, still tries
                 abandon.set()
                 timed_out = self._no_producer_within(limit, "no producer came")
                 if self._dead_generation:
                     raise self._no_restart_within(limit) from timed_out
                 raise timed_out from None
-            except BaseException:
-                abandon.set()
-                raise
             return
 
     def __aiter__(self) -> AsyncIterator[Frame]:

@@ -415,6 +415,34 @@ def test_a_wait_with_a_limit_after_a_cancelled_one_without_ends_on_time(name: st
         assert time.monotonic() - t0 < 1.0
 
 
+def test_a_cancel_that_comes_as_the_attach_ends_is_not_lost(name: str) -> None:
+    """``recv_async()`` waited for its attach with ``wait_for(shield(...))``: before Python 3.12 a cancel that
+    came in the loop turns between the attach's end and the task's wake-up was swallowed (wait_for returned the
+    attach's result), so ``asyncio.timeout`` or ``task.cancel()`` there left the call waiting for a frame:
+    forever under ``timeout=None`` with a producer that sends none (cancels 1 to 3 turns after ``connected``)."""
+    hung: list[int] = []
+
+    async def cancel_after(rx: cudalink.Receiver, turns: int) -> None:
+        task = asyncio.create_task(rx.recv_async(timeout=None))
+        while not rx.connected:  # set by the attach's thread just before it ends
+            await asyncio.sleep(0)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=1.0)
+        if not done:
+            hung.append(turns)
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    with cudalink.Sender(name, shape=(2,), dtype="uint8", device="cpu"):  # sends nothing
+        for turns in range(6):
+            with cudalink.Receiver(name, timeout=None, connect=False) as rx:
+                asyncio.run(cancel_after(rx, turns))
+    assert not hung, f"recv_async() went on waiting after a cancel {hung} loop turns after it attached"
+
+
 def test_a_close_while_a_task_awaits_says_so_as_recv_does(pair: PairFactory) -> None:
     """``close()`` from another task ends an awaiting ``recv_async`` with the LinkClosed ``recv()`` raises in
     that case ('was closed while it waited'), not the one for a call made after the close."""

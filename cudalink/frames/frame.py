@@ -493,7 +493,7 @@ class Frame:
             hold = self._hold
             if hold is None:
                 raise ExportError("cudalink: this frame was released; cannot export it")
-            export = self._export if self._export is not None or not _packaged(self._spec) else self._exporter()
+            export = self._export if self._export is not None else self._exporter()  # bfloat16: made once
             if export is not None and not copy:  # one C call; only a versioned capsule can say read-only
                 return export.capsule(hold, not legacy and not self._writable, not legacy)
             host = self._host
@@ -530,7 +530,7 @@ class Frame:
             _order(self._sync, s, self._device_id)
             if s not in hold.streams:
                 hold.streams.append(s)
-        export = self._export if self._export is not None or not _packaged(self._spec) else self._exporter()
+        export = self._export if self._export is not None else self._exporter()  # bfloat16: made once
         if export is not None:  # one C call, exported writable as the view below is
             return export.capsule(hold, False, not legacy)
         if _packaged(self._spec):
@@ -538,10 +538,10 @@ class Frame:
         return self._cuda_view().__dlpack__(stream=None, max_version=None if legacy else _DLPACK_V1)
 
     def _exporter(self) -> Exporter | None:
-        """The compiled capsule maker, made here for a frame that came with none (``Frame.from_array``): the only
-        exporter of bfloat16 on the host, where numpy's refuses it."""
-        hold = self._live()
-        self._export = arrays.dlpack_exporter(hold.ptr, self._spec, self._device_id)
+        """The frame's compiled capsule maker; for a bfloat16 frame that came with none (``Frame.from_array``) one
+        is made here: the only exporter of bfloat16, where numpy's and cuda.core's refuse it."""
+        if self._export is None and _packaged(self._spec):
+            self._export = arrays.dlpack_exporter(self._live().ptr, self._spec, self._device_id)
         return self._export
 
     def _cuda_view(self) -> StridedView:

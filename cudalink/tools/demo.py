@@ -423,17 +423,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.name is not None:
         _platform.check_name(args.name)
     backend = resolve_backend(args.device)
-    if backend.is_cuda and spec.dtype.name == "bfloat16" and backend.lib != "torch":
-        raise ArgumentError(
-            "cudalink: cupy has no bfloat16, and torch (which has) is not installed: pip install torch for a "
-            "bfloat16 demo on the GPU, or pass --device cpu"
-        )
-    if backend.is_cuda and spec.dtype.name == "bfloat16" and _native.dlpack is None:
-        raise ArgumentError(
-            "cudalink: bfloat16 CUDA frames reach torch through cudalink's compiled core, which this install "
-            f"lacks ({_native.missing.get('dlpack')}); reinstall cudalink where a C compiler exists, or pass "
-            "--device cpu"
-        )
+    if backend.is_cuda and spec.dtype.name == "bfloat16":
+        if backend.lib != "torch":
+            raise ArgumentError(
+                "cudalink: cupy has no bfloat16, and torch (which has) is not installed: pip install torch for a "
+                "bfloat16 demo on the GPU, or pass --device cpu"
+            )
+        if _native.dlpack is None:
+            raise ArgumentError(
+                "cudalink: bfloat16 CUDA frames reach torch through cudalink's compiled core, which this install "
+                f"lacks ({_native.missing.get('dlpack')}); reinstall cudalink where a C compiler exists, or pass "
+                "--device cpu"
+            )
     if backend.note:
         console.print(Text(backend.note, style="yellow"))
     seconds = args.seconds if args.seconds is not None else (None if args.frames else 5.0)

@@ -384,7 +384,7 @@ MAX_VERSION = 0xFFFFFFFFFFFFFFFF
 
 
 def write_version(buf: bytearray | memoryview, value: int) -> None:
-    _U64.pack_into(buf, OFF_VERSION, value & 0xFFFFFFFFFFFFFFFF)
+    _U64.pack_into(buf, OFF_VERSION, value & MAX_VERSION)
 
 
 def write_shutdown(buf: bytearray | memoryview, nslots: int, closing: bool) -> None:
